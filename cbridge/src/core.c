@@ -1,0 +1,141 @@
+/* core.c -- creation, options, destruction and the results of a solve. */
+#include "_mgrit.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BAD(core, ...)                                          \
+  do {                                                          \
+    snprintf((core)->msg, sizeof (core)->msg, __VA_ARGS__);     \
+    return MGRIT_ERR_ARG;                                       \
+  } while (0)
+
+int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
+                 const mgrit_callbacks *callbacks, void *app, mgrit_core **out) {
+  *out = NULL;
+  if (num_steps < 1 || !(tstop > tstart) || !callbacks) return MGRIT_ERR_ARG;
+  mgrit_core *core = calloc(1, sizeof *core);
+  if (!core) return MGRIT_ERR_NOMEM;
+  MPI_Comm_dup(*comm, &core->c.comm);
+  MPI_Comm_rank(core->c.comm, &core->c.rank);
+  MPI_Comm_size(core->c.comm, &core->c.size);
+  core->cb = *callbacks;
+  core->app = app;
+  core->nsteps = num_steps;
+  core->tstart = tstart;
+  core->tstop = tstop;
+  core->failed_rank = -1;
+  core->o.max_levels = 1;
+  core->o.ncf = core->o.nnr = 1;
+  core->o.cf[0] = 2;
+  core->o.nrelax[0] = 1;
+  core->o.max_iters = 100;
+  core->o.tol = 1e-9;
+  core->o.cycle = MGRIT_CYCLE_V;
+  core->o.min_coarse = 2;
+  *out = core;
+  return MGRIT_OK;
+}
+
+int mgrit_destroy(mgrit_core *core) {
+  if (!core) return MGRIT_OK;
+  _mgrit_wait_sends(core);
+  _mgrit_free_levels(core);
+  free(core->c.pending);
+  free(core->norms);
+  free(core->trace);
+  MPI_Comm_free(&core->c.comm);
+  free(core);
+  return MGRIT_OK;
+}
+
+int mgrit_set_max_levels(mgrit_core *core, int v) {
+  if (v < 1 || v > 64) BAD(core, "max_levels must be in 1..64, got %d", v);
+  core->o.max_levels = v;
+  return MGRIT_OK;
+}
+
+int mgrit_set_cfactors(mgrit_core *core, int n, const int *cf) {
+  if (n < 1 || n > 64) BAD(core, "between 1 and 64 cfactors are needed, got %d", n);
+  for (int k = 0; k < n; k++)
+    if (cf[k] < 2) BAD(core, "cfactor[%d] must be at least 2, got %d", k, cf[k]);
+  core->o.ncf = n;
+  memcpy(core->o.cf, cf, (size_t)n * sizeof(int));
+  return MGRIT_OK;
+}
+
+int mgrit_set_nrelax(mgrit_core *core, int n, const int *nr) {
+  if (n < 1 || n > 64) BAD(core, "between 1 and 64 nrelax values are needed, got %d", n);
+  for (int k = 0; k < n; k++)
+    if (nr[k] < 0) BAD(core, "nrelax[%d] must be at least 0, got %d", k, nr[k]);
+  core->o.nnr = n;
+  memcpy(core->o.nrelax, nr, (size_t)n * sizeof(int));
+  return MGRIT_OK;
+}
+
+int mgrit_set_max_iters(mgrit_core *core, int v) {
+  if (v < 1) BAD(core, "max_iters must be at least 1, got %d", v);
+  core->o.max_iters = v;
+  return MGRIT_OK;
+}
+
+int mgrit_set_tol(mgrit_core *core, double v) {
+  if (!(v >= 0.0)) BAD(core, "tol must be a number >= 0, got %g", v);
+  core->o.tol = v;
+  return MGRIT_OK;
+}
+
+int mgrit_set_skip(mgrit_core *core, int v) {
+  core->o.skip = v != 0;
+  return MGRIT_OK;
+}
+
+int mgrit_set_cycle(mgrit_core *core, int v) {
+  if (v != MGRIT_CYCLE_V && v != MGRIT_CYCLE_F) BAD(core, "cycle must be V (0) or F (1), got %d", v);
+  core->o.cycle = v;
+  return MGRIT_OK;
+}
+
+int mgrit_set_min_coarse(mgrit_core *core, int64_t v) {
+  if (v < 1) BAD(core, "min_coarse must be at least 1, got %lld", (long long)v);
+  core->o.min_coarse = v;
+  return MGRIT_OK;
+}
+
+int mgrit_set_final_fc(mgrit_core *core, int v) {
+  core->o.final_fc = v != 0;
+  return MGRIT_OK;
+}
+
+int mgrit_set_trace(mgrit_core *core, int v) {
+  core->o.trace = v != 0;
+  return MGRIT_OK;
+}
+
+int mgrit_num_levels(const mgrit_core *core) { return core->nlevels; }
+int mgrit_iterations(const mgrit_core *core) { return core->iterations; }
+int mgrit_num_norms(const mgrit_core *core) { return core->nnorms; }
+const double *mgrit_norms(const mgrit_core *core) { return core->norms; }
+int mgrit_failed_rank(const mgrit_core *core) { return core->failed_rank; }
+const char *mgrit_error_message(const mgrit_core *core) { return core->msg; }
+
+void mgrit_owned(const mgrit_core *core, int level, int64_t *lo, int64_t *hi) {
+  *lo = 0;
+  *hi = -1;
+  if (level < 0 || level >= core->nlevels) return;
+  *lo = core->levels[level].lo;
+  *hi = core->levels[level].hi;
+}
+
+int64_t mgrit_level_points(const mgrit_core *core, int level) {
+  if (level < 0 || level >= core->nlevels) return 0;
+  return core->levels[level].npoints;
+}
+
+mgrit_vec mgrit_state(const mgrit_core *core, int64_t i) {
+  if (core->nlevels == 0) return MGRIT_NONE;
+  const _mgrit_level *L = &core->levels[0];
+  if (i < L->lo || i > L->hi) return MGRIT_NONE;
+  return L->u[i - L->lo];
+}

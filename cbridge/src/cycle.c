@@ -1,0 +1,157 @@
+/* cycle.c -- the MGRIT driver: V- and F-cycles, convergence, the final relaxation. */
+#include "_mgrit.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static int push_norm(mgrit_core *core, double r) {
+  if (core->nnorms == core->cap_norms) {
+    int cap = core->cap_norms ? 2 * core->cap_norms : 32;
+    double *p = realloc(core->norms, (size_t)cap * sizeof(double));
+    if (!p) return MGRIT_ERR_NOMEM;
+    core->norms = p;
+    core->cap_norms = cap;
+  }
+  core->norms[core->nnorms++] = r;
+  return MGRIT_OK;
+}
+
+/* Down from level `top` to the coarsest, solve there, and correct back up to `top`. */
+static int vcycle(mgrit_core *core, int top, double *sumsq) {
+  int rc, last = core->nlevels - 1;
+  for (int l = top; l < last; l++) {
+    if ((rc = _mgrit_relax(core, l))) return rc;
+    if ((rc = _mgrit_restrict(core, l, sumsq))) return rc;
+  }
+  if ((rc = _mgrit_fsweep(core, last, 0))) return rc;
+  for (int l = last; l > top; l--)
+    if ((rc = _mgrit_correct(core, l))) return rc;
+  return MGRIT_OK;
+}
+
+/* One iteration: a V-cycle, or an F-cycle, which after each coarse level l has received its
+ * correction runs one more V-cycle from l before correcting level l-1. */
+static int iterate(mgrit_core *core, int skip, double *sumsq) {
+  int rc, last = core->nlevels - 1;
+  for (int l = 0; l < last; l++) {
+    if (skip) {
+      if ((rc = _mgrit_inject(core, l))) return rc;
+    } else {
+      if ((rc = _mgrit_relax(core, l))) return rc;
+      if ((rc = _mgrit_restrict(core, l, sumsq))) return rc;
+    }
+  }
+  if ((rc = _mgrit_fsweep(core, last, 0))) return rc;
+  for (int l = last; l >= 1; l--) {
+    if (core->o.cycle == MGRIT_CYCLE_F && l < last && (rc = vcycle(core, l, sumsq))) return rc;
+    if ((rc = _mgrit_correct(core, l))) return rc;
+  }
+  return MGRIT_OK;
+}
+
+static int finish(mgrit_core *core, int rc) {
+  double none = 0.0;
+  if (rc == MGRIT_OK || rc == MGRIT_ERR_NAN) {
+    int status = _mgrit_allreduce_status(core, &none);
+    if (rc == MGRIT_OK) rc = status;
+  } else {
+    _mgrit_wait_sends(core);
+  }
+  for (int l = 1; l < core->nlevels; l++) _mgrit_free_level_states(core, l);
+  if (rc == MGRIT_ERR_CALLBACK && !core->msg[0])
+    snprintf(core->msg, sizeof core->msg, "a callback failed on rank %d", core->c.rank);
+  if (rc == MGRIT_ERR_REMOTE)
+    snprintf(core->msg, sizeof core->msg, "a callback failed on rank %d; rank %d stopped",
+             core->failed_rank, core->c.rank);
+  return rc;
+}
+
+static int check_same_everywhere(mgrit_core *core) {
+  /* A cheap fingerprint of the problem and the options, compared across ranks. */
+  double f[12 + 2 * 64] = {(double)core->nsteps, core->tstart, core->tstop,
+                           (double)core->o.max_levels, (double)core->o.max_iters, core->o.tol,
+                           (double)core->o.skip, (double)core->o.cycle,
+                           (double)core->o.min_coarse, (double)core->o.final_fc,
+                           (double)core->o.ncf, (double)core->o.nnr};
+  for (int k = 0; k < core->o.ncf; k++) f[12 + k] = core->o.cf[k];
+  for (int k = 0; k < core->o.nnr; k++) f[12 + 64 + k] = core->o.nrelax[k];
+  int n = 12 + 2 * 64;
+  double lo[12 + 2 * 64], hi[12 + 2 * 64];
+  MPI_Allreduce(f, lo, n, MPI_DOUBLE, MPI_MIN, core->c.comm);
+  MPI_Allreduce(f, hi, n, MPI_DOUBLE, MPI_MAX, core->c.comm);
+  static const char *names[12] = {"num_steps", "t_start", "t_stop", "max_levels", "max_iters",
+                                  "tol", "skip", "cycle", "min_coarse", "final_fc",
+                                  "cfactor", "nrelax"};
+  for (int k = 0; k < n; k++) {
+    if (lo[k] != hi[k]) {
+      const char *name = k < 12 ? names[k] : k < 12 + 64 ? "cfactor" : "nrelax";
+      snprintf(core->msg, sizeof core->msg,
+               "the ranks were given different problems or options: %s ranges from %g to %g",
+               name, lo[k], hi[k]);
+      return MGRIT_ERR_MISMATCH;
+    }
+  }
+  return MGRIT_OK;
+}
+
+int mgrit_solve(mgrit_core *core) {
+  int rc;
+  core->err = MGRIT_OK;
+  core->failed_rank = -1;
+  core->nnorms = 0;
+  core->iterations = 0;
+  core->ntrace = 0;
+  core->msg[0] = 0;
+  if ((rc = check_same_everywhere(core))) return rc;
+  if (core->nsteps < core->c.size) {
+    snprintf(core->msg, sizeof core->msg,
+             "num_steps=%lld is smaller than the number of ranks (%d): every rank needs a step",
+             (long long)core->nsteps, core->c.size);
+    return MGRIT_ERR_ARG;
+  }
+  if ((rc = _mgrit_build_levels(core))) return rc;
+
+  _mgrit_level *F = &core->levels[0];
+  for (int64_t i = F->lo; i <= F->hi; i++) {
+    mgrit_vec x = MGRIT_NONE;
+    _mgrit_trace(core, 0, MGRIT_OP_INIT, i, -1, 0);
+    _MGRIT_CB(core, core->cb.init(core->app, _mgrit_time(core, 0, i), i, &x));
+    _mgrit_set(core, &F->u[i - F->lo], x);
+  }
+
+  if (core->nlevels == 1) { /* sequential stepping across the ranks */
+    rc = _mgrit_fsweep(core, 0, 1);
+    if (!rc && core->o.max_levels > 1) {
+      core->iterations = 1;
+      rc = push_norm(core, 0.0);
+    }
+    return finish(core, rc);
+  }
+
+  for (int iter = 0;; iter++) {
+    int skip = core->o.skip && iter == 0;
+    double sumsq = 0.0;
+    if ((rc = iterate(core, skip, &sumsq))) return finish(core, rc);
+    _mgrit_trace(core, 0, MGRIT_OP_NORM, iter, -1, 0);
+    if ((rc = _mgrit_allreduce_status(core, &sumsq))) return finish(core, rc);
+    core->iterations = iter + 1;
+    if (!skip) {
+      double r = sqrt(sumsq);
+      if ((rc = push_norm(core, r))) return finish(core, rc);
+      if (!isfinite(r)) {
+        snprintf(core->msg, sizeof core->msg,
+                 "the residual norm is %g at iteration %d: the solve diverged or a step "
+                 "produced NaN/Inf",
+                 r, iter);
+        core->err = MGRIT_ERR_NAN;
+        return finish(core, MGRIT_ERR_NAN);
+      }
+      if (r < core->o.tol) break;
+    }
+    if (iter + 1 >= core->o.max_iters) break;
+  }
+  rc = _mgrit_fsweep(core, 0, 1);
+  if (!rc && core->o.final_fc) rc = _mgrit_csweep(core, 0, 1);
+  return finish(core, rc);
+}

@@ -1,0 +1,111 @@
+/* grid.c -- the levels of the hierarchy and the block distribution of steps over ranks. */
+#include "_mgrit.h"
+
+#include <stdlib.h>
+
+/* Steps (not points) are distributed: step s moves fine point s to s+1 and belongs, with point
+ * s+1, to the rank whose block holds s.  Point 0 (the initial value) belongs to rank 0.  The first
+ * N % P ranks get one step more. */
+void _mgrit_fine_range(const mgrit_core *core, int rank, int64_t *lo, int64_t *hi) {
+  int64_t n = core->nsteps, p = core->c.size;
+  int64_t quo = n / p, rem = n % p;
+  int64_t first = rank * quo + (rank < rem ? rank : rem);
+  int64_t count = quo + (rank < rem ? 1 : 0);
+  *lo = rank == 0 ? 0 : first + 1;
+  *hi = first + count;
+}
+
+int64_t _mgrit_owner(const mgrit_core *core, int64_t point) {
+  int64_t n = core->nsteps, p = core->c.size;
+  int64_t quo = n / p, rem = n % p;
+  if (point <= 0) return 0;
+  int64_t s = point - 1;
+  int64_t big = rem * (quo + 1);
+  if (s < big) return s / (quo + 1);
+  return rem + (s - big) / quo;
+}
+
+double _mgrit_time(const mgrit_core *core, int l, int64_t i) {
+  int64_t fine = i * core->levels[l].stride;
+  if (fine == core->nsteps) return core->tstop;
+  return core->tstart + (core->tstop - core->tstart) * ((double)fine / (double)core->nsteps);
+}
+
+/* C-points of level l; the coarsest level is solved sequentially, so only point 0 is "C". */
+int _mgrit_is_c(const mgrit_core *core, int l, int64_t i) {
+  if (l == core->nlevels - 1) return i == 0;
+  return i % core->levels[l].cf == 0;
+}
+
+static int option_at(const int *values, int n, int l) { return values[l < n ? l : n - 1]; }
+
+int _mgrit_build_levels(mgrit_core *core) {
+  _mgrit_free_levels(core);
+  int cap = core->o.max_levels;
+  core->levels = calloc((size_t)cap, sizeof(_mgrit_level));
+  if (!core->levels) return MGRIT_ERR_NOMEM;
+  int64_t n = core->nsteps, stride = 1;
+  int64_t min_coarse = core->o.min_coarse > 1 ? core->o.min_coarse : 1;
+  int nl = 0;
+  for (;;) {
+    _mgrit_level *L = &core->levels[nl];
+    L->npoints = n + 1;
+    L->stride = stride;
+    L->nrelax = option_at(core->o.nrelax, core->o.nnr, nl);
+    L->ghost = MGRIT_NONE;
+    nl++;
+    int cf = option_at(core->o.cf, core->o.ncf, nl - 1);
+    if (nl == cap || n / cf < min_coarse) break;
+    L->cf = cf;
+    n /= cf;
+    stride *= cf;
+  }
+  core->nlevels = nl;
+  core->levels[nl - 1].cf = 0;
+
+  int64_t flo, fhi;
+  _mgrit_fine_range(core, core->c.rank, &flo, &fhi);
+  for (int l = 0; l < nl; l++) {
+    _mgrit_level *L = &core->levels[l];
+    int64_t m = L->stride;
+    L->lo = (flo + m - 1) / m;
+    L->hi = fhi / m;
+    if (L->hi > L->npoints - 1) L->hi = L->npoints - 1;
+    L->left = L->right = -1;
+    if (L->lo <= L->hi) {
+      if (L->lo > 0) L->left = (int)_mgrit_owner(core, (L->lo - 1) * m);
+      if (L->hi < L->npoints - 1) L->right = (int)_mgrit_owner(core, (L->hi + 1) * m);
+      size_t count = (size_t)(L->hi - L->lo + 1);
+      L->u = malloc(count * sizeof(mgrit_vec));
+      L->v = malloc(count * sizeof(mgrit_vec));
+      L->g = malloc(count * sizeof(mgrit_vec));
+      if (!L->u || !L->v || !L->g) return MGRIT_ERR_NOMEM;
+      for (size_t k = 0; k < count; k++) L->u[k] = L->v[k] = L->g[k] = MGRIT_NONE;
+    }
+  }
+  return MGRIT_OK;
+}
+
+void _mgrit_free_level_states(mgrit_core *core, int l) {
+  _mgrit_level *L = &core->levels[l];
+  if (L->lo > L->hi) return;
+  for (int64_t k = 0; k <= L->hi - L->lo; k++) {
+    _mgrit_set(core, &L->u[k], MGRIT_NONE);
+    _mgrit_set(core, &L->v[k], MGRIT_NONE);
+    _mgrit_set(core, &L->g[k], MGRIT_NONE);
+  }
+  _mgrit_set(core, &L->ghost, MGRIT_NONE);
+}
+
+void _mgrit_free_levels(mgrit_core *core) {
+  if (!core->levels) return;
+  for (int l = 0; l < core->nlevels; l++) {
+    _mgrit_free_level_states(core, l);
+    free(core->levels[l].u);
+    free(core->levels[l].v);
+    free(core->levels[l].g);
+  }
+  free(core->levels);
+  core->levels = NULL;
+  core->nlevels = 0;
+}

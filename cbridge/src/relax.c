@@ -1,0 +1,125 @@
+/* relax.c -- steps, F-sweeps (and the sequential coarsest solve), C-sweeps. */
+#include "_mgrit.h"
+
+/* Replace the state in *slot by x, freeing the old one.  Frees run even on a poisoned rank so
+ * that the application's table empties. */
+void _mgrit_set(mgrit_core *core, mgrit_vec *slot, mgrit_vec x) {
+  if (*slot != MGRIT_NONE && *slot != x) core->cb.free(core->app, *slot);
+  *slot = x;
+}
+
+mgrit_vec _mgrit_clone(mgrit_core *core, mgrit_vec x) {
+  mgrit_vec out = MGRIT_NONE;
+  if (x == MGRIT_NONE) return MGRIT_NONE;
+  _MGRIT_CB(core, core->cb.clone(core->app, x, &out));
+  return core->err ? MGRIT_NONE : out;
+}
+
+void _mgrit_sum(mgrit_core *core, double a, mgrit_vec x, double b, mgrit_vec y) {
+  if (x == MGRIT_NONE || y == MGRIT_NONE) return;
+  _MGRIT_CB(core, core->cb.sum(core->app, a, x, b, y));
+}
+
+/* The step of level l into point i from state u (the value at i-1), plus the FAS right-hand side
+ * g_i on coarse levels when add_g.  Returns a new state, or MGRIT_NONE on a poisoned rank. */
+mgrit_vec _mgrit_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done, int op,
+                      int add_g) {
+  _mgrit_level *L = &core->levels[l];
+  _mgrit_trace(core, l, op, i, -1, done);
+  if (core->err || u == MGRIT_NONE) return MGRIT_NONE;
+  mgrit_vec out = MGRIT_NONE;
+  double t0 = _mgrit_time(core, l, i - 1), t1 = _mgrit_time(core, l, i);
+  _MGRIT_CB(core, core->cb.step(core->app, u, t0, t1, l, (i - 1) * L->stride, done, &out));
+  if (core->err) return MGRIT_NONE;
+  if (add_g && l > 0 && i >= L->lo && i <= L->hi) _mgrit_sum(core, 1.0, L->g[i - L->lo], 1.0, out);
+  return out;
+}
+
+/* Steps a..b in order, starting from prev = u[a-1]. */
+static void run(mgrit_core *core, int l, int64_t a, int64_t b, mgrit_vec prev, int done, int op) {
+  _mgrit_level *L = &core->levels[l];
+  for (int64_t i = a; i <= b; i++) {
+    mgrit_vec out = _mgrit_step(core, l, i, prev, done, op, 1);
+    _mgrit_set(core, &L->u[i - L->lo], out);
+    prev = out;
+  }
+}
+
+static int recv_ghost(mgrit_core *core, int l) {
+  _mgrit_level *L = &core->levels[l];
+  mgrit_vec x = MGRIT_NONE;
+  int rc = _mgrit_recv(core, L->left, _mgrit_tag(l, 0), l, L->lo - 1, &x);
+  _mgrit_set(core, &L->ghost, x);
+  return rc;
+}
+
+/* F-sweep of level l: every F-point from the C-point (or the sequence of F-points) before it.
+ * C-points are not touched, so the C-values "as they were before the sweep" come for free.
+ * Order matters for parallelism: the interval that continues on the right rank is computed and
+ * sent first, then the interval that continues from the left rank (which waits for its message),
+ * then the intervals in between.  On the coarsest level every point but 0 is an F-point, which
+ * makes this the sequential solve, pipelined across ranks.  Afterwards L->ghost holds u[lo-1]. */
+int _mgrit_fsweep(mgrit_core *core, int l, int done) {
+  _mgrit_level *L = &core->levels[l];
+  if (L->lo > L->hi) return MGRIT_OK;
+  int coarsest = l == core->nlevels - 1;
+  int op = coarsest ? MGRIT_OP_SEQSTEP : MGRIT_OP_FSTEP;
+  int rc;
+  int64_t first_c = -1, last_c = -1;
+  if (coarsest) {
+    if (L->lo == 0) first_c = last_c = 0;
+  } else {
+    int64_t cf = L->cf;
+    first_c = (L->lo + cf - 1) / cf * cf;
+    last_c = L->hi / cf * cf;
+    if (first_c > L->hi) first_c = last_c = -1;
+  }
+  if (first_c < 0) { /* no C-point here: one piece of an interval that spans ranks */
+    if ((rc = recv_ghost(core, l))) return rc;
+    run(core, l, L->lo, L->hi, L->ghost, done, op);
+    return _mgrit_send(core, L->right, _mgrit_tag(l, 0), l, L->hi, L->u[L->hi - L->lo]);
+  }
+  run(core, l, last_c + 1, L->hi, L->u[last_c - L->lo], done, op);
+  if ((rc = _mgrit_send(core, L->right, _mgrit_tag(l, 0), l, L->hi, L->u[L->hi - L->lo])))
+    return rc;
+  if (L->lo < first_c) {
+    if ((rc = recv_ghost(core, l))) return rc;
+    run(core, l, L->lo, first_c - 1, L->ghost, done, op);
+  }
+  if (!coarsest) {
+    for (int64_t c = first_c; c < last_c; c += L->cf)
+      run(core, l, c + 1, c + L->cf - 1, L->u[c - L->lo], done, op);
+  }
+  if (L->lo == first_c && L->lo > 0) return recv_ghost(core, l);
+  return MGRIT_OK;
+}
+
+/* The value at point i-1 (owned, or the ghost). */
+mgrit_vec _mgrit_before(const _mgrit_level *L, int64_t i) {
+  return i - 1 >= L->lo ? L->u[i - 1 - L->lo] : L->ghost;
+}
+
+/* C-sweep of level l: each C-point c >= cf from the F-value just before it.  Needs the ghost of
+ * the preceding F-sweep, no messages. */
+int _mgrit_csweep(mgrit_core *core, int l, int done) {
+  _mgrit_level *L = &core->levels[l];
+  if (L->lo > L->hi) return MGRIT_OK;
+  int64_t cf = L->cf;
+  int64_t c = (L->lo + cf - 1) / cf * cf;
+  if (c == 0) c = cf;
+  for (; c <= L->hi; c += cf) {
+    mgrit_vec out = _mgrit_step(core, l, c, _mgrit_before(L, c), done, MGRIT_OP_CSTEP, 1);
+    _mgrit_set(core, &L->u[c - L->lo], out);
+  }
+  return MGRIT_OK;
+}
+
+/* nrelax (F, C) sweeps, the pre-smoothing before a restriction. */
+int _mgrit_relax(mgrit_core *core, int l) {
+  int rc;
+  for (int s = 0; s < core->levels[l].nrelax; s++) {
+    if ((rc = _mgrit_fsweep(core, l, 0))) return rc;
+    if ((rc = _mgrit_csweep(core, l, 0))) return rc;
+  }
+  return MGRIT_OK;
+}

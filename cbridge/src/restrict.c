@@ -1,0 +1,62 @@
+/* restrict.c -- FAS restriction with the residual at the C-points, and the skipped descent. */
+#include "_mgrit.h"
+
+#include <math.h>
+
+/* Restrict level l to level l+1: an F-sweep, then at each C-point c >= cf the residual
+ * r_c = Phi_l(u_{c-1}) (+ g_c) - u_c; coarse values v_k = u_{k cf}; coarse right-hand side
+ * g_k = r_{k cf} + v_k - Phi_{l+1}(v_{k-1}); the coarse unknowns start at v.  On level 0 the
+ * squared residual norms are added to *sumsq. */
+int _mgrit_restrict(mgrit_core *core, int l, double *sumsq) {
+  _mgrit_level *L = &core->levels[l], *C = &core->levels[l + 1];
+  int64_t cf = L->cf;
+  int rc;
+  /* C-values do not change in an F-sweep: v can be formed, and its ghost sent, up front. */
+  for (int64_t k = C->lo; k <= C->hi; k++)
+    _mgrit_set(core, &C->v[k - C->lo], _mgrit_clone(core, L->u[k * cf - L->lo]));
+  if (C->lo <= C->hi &&
+      (rc = _mgrit_send(core, C->right, _mgrit_tag(l + 1, 1), l + 1, C->hi, C->v[C->hi - C->lo])))
+    return rc;
+  if ((rc = _mgrit_fsweep(core, l, 0))) return rc;
+
+  for (int64_t k = C->lo < 1 ? 1 : C->lo; k <= C->hi; k++) {
+    int64_t c = k * cf;
+    mgrit_vec r = _mgrit_step(core, l, c, _mgrit_before(L, c), 0, MGRIT_OP_RSTEP, 1);
+    _mgrit_sum(core, -1.0, L->u[c - L->lo], 1.0, r);
+    if (l == 0 && !core->err) {
+      double nrm = 0.0;
+      _MGRIT_CB(core, core->cb.norm(core->app, r, &nrm));
+      *sumsq += nrm * nrm;
+    }
+    _mgrit_set(core, &C->g[k - C->lo], r);
+  }
+  if (C->lo > C->hi) return MGRIT_OK;
+
+  mgrit_vec vghost = MGRIT_NONE;
+  if (C->lo > 0 &&
+      (rc = _mgrit_recv(core, C->left, _mgrit_tag(l + 1, 1), l + 1, C->lo - 1, &vghost)))
+    return rc;
+  for (int64_t k = C->lo < 1 ? 1 : C->lo; k <= C->hi; k++) {
+    mgrit_vec vprev = k - 1 >= C->lo ? C->v[k - 1 - C->lo] : vghost;
+    mgrit_vec p = _mgrit_step(core, l + 1, k, vprev, 0, MGRIT_OP_GSTEP, 0);
+    mgrit_vec g = C->g[k - C->lo];
+    _mgrit_sum(core, 1.0, C->v[k - C->lo], 1.0, g);
+    _mgrit_sum(core, -1.0, p, 1.0, g);
+    _mgrit_set(core, &p, MGRIT_NONE);
+  }
+  _mgrit_set(core, &vghost, MGRIT_NONE);
+  for (int64_t k = C->lo; k <= C->hi; k++)
+    _mgrit_set(core, &C->u[k - C->lo], _mgrit_clone(core, C->v[k - C->lo]));
+  return MGRIT_OK;
+}
+
+/* The skipped first descent: level l+1 takes the injected values of level l as u and v, g = 0. */
+int _mgrit_inject(mgrit_core *core, int l) {
+  _mgrit_level *L = &core->levels[l], *C = &core->levels[l + 1];
+  for (int64_t k = C->lo; k <= C->hi; k++) {
+    _mgrit_set(core, &C->v[k - C->lo], _mgrit_clone(core, L->u[k * L->cf - L->lo]));
+    _mgrit_set(core, &C->u[k - C->lo], _mgrit_clone(core, C->v[k - C->lo]));
+    _mgrit_set(core, &C->g[k - C->lo], MGRIT_NONE);
+  }
+  return MGRIT_OK;
+}

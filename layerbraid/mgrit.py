@@ -1,0 +1,85 @@
+"""MGRIT: a parallel-in-time solver for any one-step propagator."""
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List
+
+from .options import MGRITOptions
+
+__all__ = ["MGRIT", "MGRITResult"]
+
+
+@dataclass
+class MGRITResult:
+    """The outcome of :meth:`MGRIT.solve`.
+
+    Attributes:
+        iterations: MGRIT cycles done, counted as XBraid counts them (0 for one level).
+        residual_norms: every residual norm computed, in order; the same on all ranks.
+        states: ``{global fine index: state}`` for the points this rank owns.
+        num_levels: levels in the hierarchy.
+        trace: the schedule this rank ran (``TraceEntry`` list), when asked for.
+    """
+
+    iterations: int
+    residual_norms: List[float]
+    states: Dict[int, Any]
+    num_levels: int
+    trace: list = field(default_factory=list)
+
+
+class MGRIT:
+    """Solves ``u_i = step(u_{i-1}, t_{i-1}, t_i, level)``, i = 1..num_steps, all at once.
+
+    The steps are split into contiguous blocks over the ranks of ``comm``; every rank runs
+    ``solve()`` together.
+
+    Args:
+        step: ``step(u, t_start, t_stop, level) -> state`` one step later; must not modify ``u``.
+            On coarse levels (``level >= 1``) it takes the longer coarse step; the FAS right-hand
+            side is added by the core afterwards.
+        init: ``init(t) -> state``: the initial value at ``t_start``, the initial guess elsewhere.
+        num_steps: fine steps (at least the number of ranks).
+        t_start, t_stop: the time interval, split into equal steps.
+        options: an :class:`MGRITOptions`.
+        comm: an mpi4py communicator (default ``MPI.COMM_WORLD``).
+        trace: record the schedule (``result.trace``).
+
+    States are numpy arrays or torch tensors of any shape and dtype; they cross ranks as raw
+    bytes, so float64 stays float64.
+    """
+
+    def __init__(self, step: Callable, init: Callable, num_steps: int, t_start: float = 0.0,
+                 t_stop: float = 1.0, *, options: MGRITOptions = None, comm=None,
+                 trace: bool = False):
+        from mpi4py import MPI
+
+        from ._bridge import _Core
+
+        if not callable(step) or not callable(init):
+            raise TypeError("MGRIT needs callable step and init")
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+            raise ValueError(f"MGRIT num_steps must be an int >= 1, got {num_steps!r}")
+        if not float(t_stop) > float(t_start):
+            raise ValueError(f"MGRIT needs t_stop > t_start, got t_start={t_start!r}, "
+                             f"t_stop={t_stop!r}")
+        options = MGRITOptions() if options is None else options
+        if not isinstance(options, MGRITOptions):
+            raise TypeError(f"options must be an MGRITOptions, got {type(options).__name__}")
+        self.options = options
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.num_steps = num_steps
+        self._core = _Core(self.comm, num_steps, t_start, t_stop, options,
+                           init=lambda t, index: init(t),
+                           step=lambda u, t0, t1, level, index, done: step(u, t0, t1, level),
+                           trace=trace)
+        self._trace = trace
+
+    def solve(self) -> MGRITResult:
+        """Runs MGRIT on every rank.  Raises the same kind of error on every rank on failure."""
+        iterations, norms = self._core.solve()
+        return MGRITResult(iterations=iterations, residual_norms=norms,
+                           states=self._core.states(), num_levels=self._core.num_levels(),
+                           trace=self._core.trace() if self._trace else [])
+
+    def owned_range(self):
+        """The (first, last) global fine point indices this rank owns."""
+        return self._core.owned(0)
