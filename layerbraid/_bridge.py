@@ -7,17 +7,13 @@ returns, and `_Core.solve` re-raises the original exception on this rank (Note [
 in cbridge/src/comm.c).
 """
 import struct
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 from ._mgrit_core import ffi, lib
 from .errors import DivergenceError, MGRITError, RemoteRankError
-
-try:  # torch is optional for the general solver
-    import torch
-except ImportError:  # pragma: no cover
-    torch = None
 
 __all__ = []
 
@@ -38,12 +34,18 @@ class TraceEntry:
 # ---------------------------------------------------------------- vector operations
 _NP_DTYPES = [np.dtype(t) for t in ("float64", "float32", "float16", "complex128", "complex64",
                                     "int64", "int32", "int16", "int8", "uint8", "bool")]
-_TORCH_DTYPES = [] if torch is None else [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128,
-    torch.complex64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+_TORCH_DTYPE_NAMES = ["float64", "float32", "float16", "bfloat16", "complex128", "complex64",
+                      "int64", "int32", "int16", "int8", "uint8", "bool"]
+
+
+def _torch():
+    """torch if the program imported it (a state can only be a tensor then), else None.  Keeps
+    numpy-only users from paying for torch's import."""
+    return sys.modules.get("torch")
 
 
 def _is_torch(x):
+    torch = _torch()
     return torch is not None and isinstance(x, torch.Tensor)
 
 
@@ -62,6 +64,7 @@ def _clone(x):
 
 def _norm(x):
     if _is_torch(x):
+        torch = _torch()
         return float(torch.linalg.vector_norm(x.detach().reshape(-1), dtype=torch.float64)
                      if x.is_floating_point() else torch.linalg.vector_norm(x.double()))
     return float(np.linalg.norm(np.asarray(x, dtype=np.complex128 if np.iscomplexobj(x)
@@ -71,7 +74,7 @@ def _norm(x):
 def _header(x):
     """kind, dtype code and shape, padded to a multiple of 8 bytes."""
     if _is_torch(x):
-        kind, code = 1, _TORCH_DTYPES.index(x.dtype)
+        kind, code = 1, _TORCH_DTYPE_NAMES.index(str(x.dtype).replace("torch.", ""))
     else:
         kind, code = 0, _NP_DTYPES.index(x.dtype)
     head = struct.pack(f"<BBH{x.ndim}q", kind, code, x.ndim, *x.shape)
@@ -81,6 +84,7 @@ def _header(x):
 def _raw_bytes(x):
     """The state's bytes as a uint8 numpy array (CUDA tensors are staged through host memory)."""
     if _is_torch(x):
+        torch = _torch()
         flat = x.detach().reshape(-1)
         if flat.device.type != "cpu":
             flat = flat.cpu()
@@ -98,7 +102,9 @@ def _from_bytes(buf, device):
     payload = np.frombuffer(buf, dtype=np.uint8, offset=off).copy()
     if kind == 0:
         return payload.view(_NP_DTYPES[code]).reshape(shape)
-    dtype = _TORCH_DTYPES[code]
+    import torch
+
+    dtype = getattr(torch, _TORCH_DTYPE_NAMES[code])
     t = torch.from_numpy(payload)
     t = t.to(torch.bool) if dtype == torch.bool else t.view(dtype)
     t = t.reshape(shape)

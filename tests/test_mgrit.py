@@ -1,0 +1,301 @@
+"""MGRIT against sequential stepping and against XBraid, on 1 to 4 ranks."""
+import math
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import layerbraid
+from layerbraid import MGRIT, MGRITOptions
+from problems import (dahlquist_init, dahlquist_step, heat_init_factory, heat_step_factory,
+                      nonlinear_init, nonlinear_step, oscillator_init, oscillator_step,
+                      sequential)
+from tolerances import CONVERGED, ROUNDOFF, XBRAID_RTOL
+
+RANKS = [1, 2, 3, 4]
+WORLD = MPI.COMM_WORLD
+
+# XBraid's printed residual histories for u' = -u, backward Euler, dt = 0.5, u(0) = 1, guess 0.456,
+# 64 steps, 2 levels, cfactor 2, FCF, tol 1e-10.
+XBRAID_NO_SKIP = [6.167164e-01, 2.854921e-02, 1.316826e-03, 6.022961e-05, 2.720571e-06,
+                  1.206605e-07, 5.203614e-09, 2.144607e-10, 8.192404e-12]
+XBRAID_SKIP = [2.851112e-02, 1.049429e-03, 4.437913e-05, 1.990483e-06, 9.174721e-08,
+               4.293365e-09, 2.028374e-10, 9.635472e-12]
+
+
+def solve(step, init, n, t0, t1, comm=WORLD, trace=False, **opts):
+    return MGRIT(step=step, init=init, num_steps=n, t_start=t0, t_stop=t1,
+                 options=MGRITOptions(**opts), comm=comm, trace=trace).solve()
+
+
+def max_error(states, reference):
+    err = max((float(np.max(np.abs(u - reference[i]))) for i, u in states.items()), default=0.0)
+    return WORLD.allreduce(err, op=MPI.MAX)
+
+
+def owned_everything(states, n):
+    """Every fine point is owned by exactly one rank."""
+    owned = WORLD.allgather(sorted(states))
+    flat = sorted(i for block in owned for i in block)
+    assert flat == list(range(n + 1))
+    # contiguous blocks in rank order
+    assert all(b == sorted(b) and (not b or b[-1] - b[0] + 1 == len(b)) for b in owned)
+
+
+# Note: each parallel test is one mpiexec launch per rank count, so cases loop inside a test.
+
+
+@pytest.mark.parallel(RANKS)
+def test_xbraid_residual_history():
+    for skip, expected in [(False, XBRAID_NO_SKIP), (True, XBRAID_SKIP)]:
+        _check_xbraid(skip, expected)
+
+
+def _check_xbraid(skip, expected):
+    r = solve(dahlquist_step, dahlquist_init, 64, 0.0, 32.0, max_levels=2, cfactor=2, nrelax=1,
+              tol=1e-10, max_iters=100, skip_first_downcycle=skip)
+    assert r.iterations == 9
+    np.testing.assert_allclose(r.residual_norms, expected, rtol=XBRAID_RTOL)
+    # identical on all ranks
+    assert WORLD.allgather(r.residual_norms) == [r.residual_norms] * WORLD.size
+
+
+@pytest.mark.parallel(RANKS)
+def test_one_level_is_sequential_stepping_exactly():
+    for n in (17, 64):
+        _check_one_level(n)
+
+
+def _check_one_level(n):
+    ref = sequential(nonlinear_step, nonlinear_init, n, 0.0, 2.0)
+    r = solve(nonlinear_step, nonlinear_init, n, 0.0, 2.0, max_levels=1)
+    assert r.iterations == 0 and r.residual_norms == [] and r.num_levels == 1
+    owned_everything(r.states, n)
+    for i, u in r.states.items():
+        assert np.array_equal(u, ref[i])  # bit for bit: the same operations in the same order
+
+
+@pytest.mark.parallel(RANKS)
+def test_multilevel_converges_to_sequential():
+    for opts in [
+        dict(max_levels=2, cfactor=2, nrelax=1),
+        dict(max_levels=3, cfactor=4, nrelax=0),
+        dict(max_levels=4, cfactor=(2, 3, 2), nrelax=(0, 1, 1), cycle="F"),
+        dict(max_levels=3, cfactor=2, nrelax=1, skip_first_downcycle=True, final_fc_relax=True),
+    ]:
+        for n in (48, 61):  # 61: levels that do not divide evenly
+            _check_converges(opts, n)
+
+
+def _check_converges(opts, n):
+    ref = sequential(nonlinear_step, nonlinear_init, n, 0.0, 3.0)
+    r = solve(nonlinear_step, nonlinear_init, n, 0.0, 3.0, tol=1e-13, max_iters=60, **opts)
+    assert r.num_levels > 1
+    assert r.residual_norms[-1] < 1e-13 < r.residual_norms[0]
+    assert max_error(r.states, ref) < ROUNDOFF
+    owned_everything(r.states, n)
+
+
+@pytest.mark.parallel(RANKS)
+def test_two_level_mgrit_is_exact_after_theoretical_iterations():
+    for n, cf, nrelax in [(32, 4, 1), (64, 8, 1), (32, 8, 0)]:
+        _check_exact_after(n, cf, nrelax)
+
+
+def _check_exact_after(n, cf, nrelax):
+    """Two-level MGRIT is exact (to round-off) after N / cf iterations with F-relaxation and
+    N / (2 cf) with FCF, while one iteration fewer is visibly inexact (a problem that the coarse
+    steps capture badly, so that convergence alone cannot explain it)."""
+    t1 = n * 0.25
+    ref = sequential(oscillator_step, oscillator_init, n, 0.0, t1)
+    k = n // (cf * (2 if nrelax else 1))
+    opts = dict(max_levels=2, cfactor=cf, nrelax=nrelax, tol=0.0, min_coarse=1)
+    exact = solve(oscillator_step, oscillator_init, n, 0.0, t1, max_iters=k, **opts)
+    assert exact.iterations == k
+    assert max_error(exact.states, ref) < ROUNDOFF
+    early = solve(oscillator_step, oscillator_init, n, 0.0, t1, max_iters=k - 1, **opts)
+    assert max_error(early.states, ref) > 1e-3
+
+
+@pytest.mark.parallel([2, 3, 4])
+def test_same_answer_on_any_number_of_ranks():
+    for opts in [
+        dict(max_levels=3, cfactor=2, nrelax=1, max_iters=4),
+        dict(max_levels=3, cfactor=(4, 2), nrelax=(0, 1), cycle="F", max_iters=3,
+             skip_first_downcycle=True, final_fc_relax=True),
+    ]:
+        _check_same_answer(opts)
+
+
+def _check_same_answer(opts):
+    """A few iterations (not converged) give the same states on P ranks as on one."""
+    n = 45
+    par = solve(nonlinear_step, nonlinear_init, n, 0.0, 3.0, tol=0.0, trace=True, **opts)
+    ser = solve(nonlinear_step, nonlinear_init, n, 0.0, 3.0, tol=0.0, comm=MPI.COMM_SELF,
+                trace=True, **opts)
+    assert par.iterations == ser.iterations
+    np.testing.assert_allclose(par.residual_norms, ser.residual_norms, rtol=ROUNDOFF)
+    for i, u in par.states.items():
+        np.testing.assert_allclose(u, ser.states[i], rtol=0, atol=ROUNDOFF)
+    # The same work, split over ranks: the multiset of steps over all ranks equals the serial one.
+    steps = ("fstep", "cstep", "rstep", "gstep", "seqstep")
+    mine = [(e.level, e.op, e.index, e.done) for e in par.trace if e.op in steps]
+    everyone = sorted(x for block in WORLD.allgather(mine) for x in block)
+    assert everyone == sorted((e.level, e.op, e.index, e.done) for e in ser.trace if e.op in steps)
+    # Messages pair up: every send has its receive.
+    sends = [(WORLD.rank, e.peer, e.level, e.index) for e in par.trace if e.op == "send"]
+    recvs = [(e.peer, WORLD.rank, e.level, e.index) for e in par.trace if e.op == "recv"]
+    all_sends = sorted(x for b in WORLD.allgather(sends) for x in b)
+    all_recvs = sorted(x for b in WORLD.allgather(recvs) for x in b)
+    assert all_sends == all_recvs and all_sends
+
+
+def test_final_fc_runs_every_fine_step_exactly_once_with_done():
+    r = solve(nonlinear_step, nonlinear_init, 30, 0.0, 1.0, max_levels=3, cfactor=2, nrelax=1,
+              max_iters=2, tol=0.0, final_fc_relax=True, trace=True)
+    done = sorted(e.index for e in r.trace if e.done)
+    assert done == list(range(1, 31))
+    assert all(e.level == 0 for e in r.trace if e.done)
+
+
+def test_schedule_of_one_two_level_iteration():
+    """The schedule is data: 8 steps, cfactor 2, F-relaxation, one iteration."""
+    r = solve(nonlinear_step, nonlinear_init, 8, 0.0, 1.0, max_levels=2, cfactor=2, nrelax=0,
+              min_coarse=1, max_iters=1, tol=0.0, trace=True)
+    ops = [(e.level, e.op, e.index) for e in r.trace if e.op not in ("init",)]
+    expected = ([(0, "fstep", i) for i in (1, 3, 5, 7)]       # F-sweep inside the restriction
+                + [(0, "rstep", c) for c in (2, 4, 6, 8)]     # residuals at C-points >= cf
+                + [(1, "gstep", k) for k in (1, 2, 3, 4)]     # coarse steps for the FAS rhs
+                + [(1, "seqstep", k) for k in (1, 2, 3, 4)]   # coarsest solve
+                + [(1, "correct", k) for k in (1, 2, 3, 4)]
+                + [(0, "norm", 0)]
+                + [(0, "fstep", i) for i in (1, 3, 5, 7)])    # final F-sweep
+    assert ops == expected
+
+
+def test_only_one_level_forms():
+    r = solve(nonlinear_step, nonlinear_init, 3, 0.0, 1.0, max_levels=4, cfactor=4)
+    assert r.num_levels == 1 and r.iterations == 1 and r.residual_norms == [0.0]
+
+
+def test_level_count_follows_min_coarse():
+    r = solve(nonlinear_step, nonlinear_init, 64, 0.0, 1.0, max_levels=4, cfactor=4, max_iters=1)
+    assert r.num_levels == 3  # 64 -> 16 -> 4; 4 / 4 = 1 < min_coarse = 2
+
+
+@pytest.mark.parallel([1, 2])
+def test_heat_equation_converges_with_bounded_factor():
+    nx, n = 31, 64
+    step, init = heat_step_factory(nx), heat_init_factory(nx)
+    ref = sequential(step, init, n, 0.0, 0.5)
+    r = solve(step, init, n, 0.0, 0.5, max_levels=3, cfactor=4, nrelax=1, tol=1e-10,
+              max_iters=30)
+    norms = r.residual_norms
+    factors = [b / a for a, b in zip(norms, norms[1:])]
+    assert norms[-1] < 1e-10 and len(norms) <= 10
+    assert max(factors) < 0.2, factors
+    assert max_error(r.states, ref) < CONVERGED
+
+
+@pytest.mark.parallel([1, 2])
+def test_float64_torch_and_float32_states_keep_their_dtype():
+    torch = pytest.importorskip("torch")
+    for dtype in (torch.float64, torch.float32):
+        x0 = torch.linspace(-1, 1, 7, dtype=dtype)
+
+        def step(u, t0, t1, level):
+            return u + (t1 - t0) * torch.tanh(u)
+
+        def init(t):
+            return x0.clone() if t == 0.0 else torch.zeros_like(x0)
+        ref = sequential(step, init, 20, 0.0, 1.0)
+        r = solve(step, init, 20, 0.0, 1.0, max_levels=2, cfactor=2, tol=0.0, max_iters=20)
+        for i, u in r.states.items():
+            assert u.dtype == dtype
+            tol = ROUNDOFF if dtype == torch.float64 else 1e-6
+            torch.testing.assert_close(u, ref[i], rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_steps"):
+        MGRIT(step=dahlquist_step, init=dahlquist_init, num_steps=0)
+    with pytest.raises(ValueError, match="t_stop"):
+        MGRIT(step=dahlquist_step, init=dahlquist_init, num_steps=4, t_start=1.0, t_stop=1.0)
+    with pytest.raises(TypeError, match="MGRITOptions"):
+        MGRIT(step=dahlquist_step, init=dahlquist_init, num_steps=4, options={"max_levels": 2})
+
+
+@pytest.mark.parallel([2, 3])
+def test_fewer_steps_than_ranks():
+    with pytest.raises(ValueError, match=f"num_steps=1 is smaller than the number of ranks"):
+        solve(dahlquist_step, dahlquist_init, 1, 0.0, 1.0)
+
+
+@pytest.mark.parallel([2, 3])
+def test_options_that_differ_between_ranks():
+    with pytest.raises(ValueError, match="max_iters ranges from 3 to"):
+        solve(dahlquist_step, dahlquist_init, 16, 0.0, 1.0, max_iters=3 + WORLD.rank)
+
+
+class Boom(KeyError):
+    pass
+
+
+@pytest.mark.parallel([1, 2, 3, 4])
+def test_exception_on_one_rank_reaches_every_rank():
+    for where in ("fine", "coarse", "final"):
+        _check_exception(where)
+
+
+def _check_exception(where):
+    """The rank that raised gets its own exception back; the others a RemoteRankError; no hang."""
+    bad = WORLD.size - 1
+    opts = dict(max_levels=2, cfactor=2, max_iters=3, tol=0.0, trace=True)
+
+    def init(t):
+        return np.array([1.0, 2.0])
+    # How many steps this rank runs before the final relaxation, from a healthy solve.
+    healthy = solve(lambda u, *a: u * 0.9, init, 40, 0.0, 1.0, **opts)
+    before_final = sum(1 for e in healthy.trace if e.op.endswith("step") and not e.done)
+    calls = {"n": 0}
+
+    def step(u, t0, t1, level):
+        calls["n"] += 1
+        if WORLD.rank == bad and (
+                (where == "fine" and level == 0)
+                or (where == "coarse" and level == 1)
+                or (where == "final" and calls["n"] > before_final)):
+            raise Boom("step failed here")
+        return u * 0.9
+    try:
+        solve(step, init, 40, 0.0, 1.0, **opts)
+    except Boom as e:
+        assert WORLD.rank == bad and "step failed here" in str(e)
+    except layerbraid.RemoteRankError as e:
+        assert WORLD.rank != bad and e.rank == bad and f"rank {bad}" in str(e)
+    else:
+        pytest.fail("no exception")
+
+
+@pytest.mark.parallel([1, 2])
+def test_nan_residual_stops_with_a_clear_error():
+    def step(u, t0, t1, level):
+        return u * np.nan if level == 1 else u * 0.5
+    with pytest.raises(layerbraid.DivergenceError, match="residual norm is nan"):
+        solve(step, lambda t: np.array([1.0]), 16, 0.0, 1.0, max_levels=2, max_iters=5, tol=0.0)
+
+
+@pytest.mark.parallel([1, 2])
+def test_step_that_changes_shape_or_dtype():
+    with pytest.raises((ValueError, layerbraid.RemoteRankError)) as info:
+        solve(lambda u, *a: np.concatenate([u, u]), lambda t: np.ones(3), 8, 0.0, 1.0,
+              max_levels=1)
+    if isinstance(info.value, ValueError):
+        assert "shape (6,)" in str(info.value) and "shape (3,)" in str(info.value)
+    with pytest.raises((TypeError, layerbraid.RemoteRankError)) as info:
+        solve(lambda u, *a: u.astype(np.float32), lambda t: np.ones(3), 8, 0.0, 1.0)
+    if isinstance(info.value, TypeError):
+        assert "float32" in str(info.value)

@@ -1,0 +1,38 @@
+import pytest
+
+from layerbraid import MGRITOptions
+
+
+def test_defaults_are_valid_and_frozen():
+    o = MGRITOptions()
+    with pytest.raises(Exception):
+        o.max_levels = 3
+    assert o.cfactors() == (2,) and o.nrelaxes() == (1,)
+
+
+def test_per_level_values():
+    o = MGRITOptions(max_levels=3, cfactor=[4, 2], nrelax=(0, 1))
+    assert o.cfactor == (4, 2) and o.nrelax == (0, 1)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(max_levels=0), ["max_levels", "0"]),
+    (dict(max_levels=2.0), ["max_levels", "2.0"]),
+    (dict(cfactor=1), ["cfactor", "1"]),
+    (dict(cfactor=True), ["cfactor", "True"]),
+    (dict(max_levels=3, cfactor=(4,)), ["cfactor", "(4,)"]),
+    (dict(max_levels=3, cfactor=(4, 1)), ["cfactor[1]", "1"]),
+    (dict(max_iters=0), ["max_iters", "0"]),
+    (dict(tol=-1.0), ["tol", "-1.0"]),
+    (dict(tol=float("nan")), ["tol", "nan"]),
+    (dict(nrelax=-1), ["nrelax", "-1"]),
+    (dict(cycle="W"), ["cycle", "'W'"]),
+    (dict(min_coarse=0), ["min_coarse", "0"]),
+    (dict(skip_first_downcycle=1), ["skip_first_downcycle", "1"]),
+    (dict(final_fc_relax="yes"), ["final_fc_relax", "'yes'"]),
+])
+def test_bad_values_name_field_and_value(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        MGRITOptions(**kwargs)
+    for w in words:
+        assert w in str(info.value)
