@@ -7,7 +7,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # Oversubscribed MPICH (more ranks than cores) spins less with this.
 export MPIR_CVAR_ENABLE_HEAVY_YIELD := 1
 
-SOURCES := setup.py pyproject.toml $(wildcard cbridge/*.py cbridge/include/*.h cbridge/src/*)
+SOURCES := setup.py pyproject.toml $(wildcard cbridge/*.py cbridge/include/*.h cbridge/src/*.c cbridge/src/*.h)
 
 .PHONY: demo test install bench clean
 

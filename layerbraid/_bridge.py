@@ -122,9 +122,12 @@ class _Core:
         init: ``init(t, index) -> state``: the initial value at index 0, the guess elsewhere.
         step: ``step(u, t_start, t_stop, level, index, done) -> state`` (must not modify u).
         trace: record the schedule.
+        mirror: give the extra steps (N % P) to the last ranks instead of the first, for a solve
+            backward in time on the reversed communicator.
     """
 
-    def __init__(self, comm, num_steps, t_start, t_stop, options, init, step, trace=False):
+    def __init__(self, comm, num_steps, t_start, t_stop, options, init, step, trace=False,
+                 mirror=False):
         from mpi4py import MPI
 
         self._init_fn, self._step_fn = init, step
@@ -132,6 +135,7 @@ class _Core:
         self._next = 0
         self._error = None
         self._device = None
+        self.comm = comm
         self.rank = comm.Get_rank()
         self._handle = ffi.new_handle(self)
         cbs = ffi.new("mgrit_callbacks *")
@@ -148,6 +152,7 @@ class _Core:
                              f"t_start={t_start!r}, t_stop={t_stop!r}")
         self._core = out[0]
         self._set_options(options, trace)
+        self._check(lib.mgrit_set_mirror(self._core, int(bool(mirror))))
 
     def _check(self, rc):
         if rc != lib.MGRIT_OK:
@@ -196,21 +201,21 @@ class _Core:
             self._error = exc
         return 1
 
-    # solve
-    def solve(self):
-        """Runs the solve; returns (iterations, residual norms).  Raises on every rank on error."""
-        self._error = None
-        rc = lib.mgrit_solve(self._core)
-        if rc == lib.MGRIT_OK:
-            n = lib.mgrit_num_norms(self._core)
-            norms = lib.mgrit_norms(self._core)
-            return lib.mgrit_iterations(self._core), [norms[k] for k in range(n)]
+    def _raise(self, rc):
+        """Raise the error of status rc on this rank; with the failing rank's message on all."""
         msg = ffi.string(lib.mgrit_error_message(self._core)).decode()
-        if rc == lib.MGRIT_ERR_CALLBACK and self._error is not None:
+        if rc in (lib.MGRIT_ERR_CALLBACK, lib.MGRIT_ERR_REMOTE):
+            # Every rank knows the failing rank now: it tells the others what went wrong.
+            failed = lib.mgrit_failed_rank(self._core)
             err, self._error = self._error, None
-            raise err
-        if rc == lib.MGRIT_ERR_REMOTE:
-            raise RemoteRankError(msg, lib.mgrit_failed_rank(self._core))
+            text = None
+            if err is not None:
+                text = f"{type(err).__name__}: {err}"
+            if 0 <= failed < self.comm.Get_size():
+                text = self.comm.bcast(text, root=failed)
+            if rc == lib.MGRIT_ERR_CALLBACK and err is not None:
+                raise err
+            raise RemoteRankError(f"{msg}: {text}" if text else msg, failed)
         if rc == lib.MGRIT_ERR_NAN:
             raise DivergenceError(msg)
         if rc in (lib.MGRIT_ERR_ARG, lib.MGRIT_ERR_MISMATCH):
@@ -218,6 +223,31 @@ class _Core:
         if rc == lib.MGRIT_ERR_NOMEM:
             raise MemoryError(msg or "the MGRIT core ran out of memory")
         raise MGRITError(msg or f"the MGRIT core failed with status {rc}")
+
+    def setup(self):
+        """Checks the options across ranks and builds the levels (collective)."""
+        rc = lib.mgrit_setup(self._core)
+        if rc != lib.MGRIT_OK:
+            self._raise(rc)
+
+    def level_info(self):
+        """[(first owned point, last owned point, stride)] per level, after setup or a solve."""
+        out = []
+        for level in range(lib.mgrit_num_levels(self._core)):
+            lo, hi = self.owned(level)
+            out.append((lo, hi, lib.mgrit_level_stride(self._core, level)))
+        return out
+
+    # solve
+    def solve(self):
+        """Runs the solve; returns (iterations, residual norms).  Raises on every rank on error."""
+        self._error = None
+        rc = lib.mgrit_solve(self._core)
+        if rc != lib.MGRIT_OK:
+            self._raise(rc)
+        n = lib.mgrit_num_norms(self._core)
+        norms = lib.mgrit_norms(self._core)
+        return lib.mgrit_iterations(self._core), [norms[k] for k in range(n)]
 
     def owned(self, level=0):
         lo, hi = ffi.new("int64_t *"), ffi.new("int64_t *")

@@ -276,6 +276,7 @@ def _check_exception(where):
         assert WORLD.rank == bad and "step failed here" in str(e)
     except layerbraid.RemoteRankError as e:
         assert WORLD.rank != bad and e.rank == bad and f"rank {bad}" in str(e)
+        assert "Boom: 'step failed here'" in str(e)  # the failing rank's own message
     else:
         pytest.fail("no exception")
 

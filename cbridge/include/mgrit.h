@@ -97,6 +97,15 @@ int mgrit_set_cycle(mgrit_core *core, int cycle);
 int mgrit_set_min_coarse(mgrit_core *core, int64_t min_coarse);
 int mgrit_set_final_fc(mgrit_core *core, int final_fc);
 int mgrit_set_trace(mgrit_core *core, int on);
+/* With mirror set, the N % P ranks that get one step more are the last ones instead of the
+ * first: a solve backward in time on the reversed communicator then gives each rank exactly the
+ * steps it owns forward (the adjoint of training). */
+int mgrit_set_mirror(mgrit_core *core, int mirror);
+
+/* Check that all ranks were given the same problem and options, and build the levels, so that
+ * mgrit_owned and mgrit_level_stride can be asked before a solve.  Collective.  mgrit_solve does
+ * it itself when needed. */
+int mgrit_setup(mgrit_core *core);
 
 /* Solve.  Collective.  All ranks return the same status except CALLBACK (this rank) vs REMOTE. */
 int mgrit_solve(mgrit_core *core);
@@ -109,8 +118,9 @@ const double *mgrit_norms(const mgrit_core *core);
 /* The level-0 points this rank owns, [*lo, *hi], and the id of the state at fine point i. */
 void mgrit_owned(const mgrit_core *core, int level, int64_t *lo, int64_t *hi);
 mgrit_vec mgrit_state(const mgrit_core *core, int64_t index);
-/* The number of points of `level` (intervals + 1). */
+/* The number of points of `level` (intervals + 1), and the fine steps in one of its steps. */
 int64_t mgrit_level_points(const mgrit_core *core, int level);
+int64_t mgrit_level_stride(const mgrit_core *core, int level);
 int mgrit_failed_rank(const mgrit_core *core);
 const char *mgrit_error_message(const mgrit_core *core);
 int64_t mgrit_trace_length(const mgrit_core *core);

@@ -55,6 +55,8 @@ struct mgrit_core {
   _mgrit_opts o;
   int64_t nsteps;
   double tstart, tstop;
+  int mirror; /* extra steps go to the last ranks (see grid.c) */
+  int built;  /* levels built for the current options */
   int nlevels;
   _mgrit_level *levels;
   int err;         /* MGRIT_OK, or CALLBACK/REMOTE once this rank is poisoned */

@@ -51,12 +51,14 @@ int mgrit_destroy(mgrit_core *core) {
 }
 
 int mgrit_set_max_levels(mgrit_core *core, int v) {
+  core->built = 0;
   if (v < 1 || v > 64) BAD(core, "max_levels must be in 1..64, got %d", v);
   core->o.max_levels = v;
   return MGRIT_OK;
 }
 
 int mgrit_set_cfactors(mgrit_core *core, int n, const int *cf) {
+  core->built = 0;
   if (n < 1 || n > 64) BAD(core, "between 1 and 64 cfactors are needed, got %d", n);
   for (int k = 0; k < n; k++)
     if (cf[k] < 2) BAD(core, "cfactor[%d] must be at least 2, got %d", k, cf[k]);
@@ -66,6 +68,7 @@ int mgrit_set_cfactors(mgrit_core *core, int n, const int *cf) {
 }
 
 int mgrit_set_nrelax(mgrit_core *core, int n, const int *nr) {
+  core->built = 0;
   if (n < 1 || n > 64) BAD(core, "between 1 and 64 nrelax values are needed, got %d", n);
   for (int k = 0; k < n; k++)
     if (nr[k] < 0) BAD(core, "nrelax[%d] must be at least 0, got %d", k, nr[k]);
@@ -75,41 +78,53 @@ int mgrit_set_nrelax(mgrit_core *core, int n, const int *nr) {
 }
 
 int mgrit_set_max_iters(mgrit_core *core, int v) {
+  core->built = 0;
   if (v < 1) BAD(core, "max_iters must be at least 1, got %d", v);
   core->o.max_iters = v;
   return MGRIT_OK;
 }
 
 int mgrit_set_tol(mgrit_core *core, double v) {
+  core->built = 0;
   if (!(v >= 0.0)) BAD(core, "tol must be a number >= 0, got %g", v);
   core->o.tol = v;
   return MGRIT_OK;
 }
 
 int mgrit_set_skip(mgrit_core *core, int v) {
+  core->built = 0;
   core->o.skip = v != 0;
   return MGRIT_OK;
 }
 
 int mgrit_set_cycle(mgrit_core *core, int v) {
+  core->built = 0;
   if (v != MGRIT_CYCLE_V && v != MGRIT_CYCLE_F) BAD(core, "cycle must be V (0) or F (1), got %d", v);
   core->o.cycle = v;
   return MGRIT_OK;
 }
 
 int mgrit_set_min_coarse(mgrit_core *core, int64_t v) {
+  core->built = 0;
   if (v < 1) BAD(core, "min_coarse must be at least 1, got %lld", (long long)v);
   core->o.min_coarse = v;
   return MGRIT_OK;
 }
 
 int mgrit_set_final_fc(mgrit_core *core, int v) {
+  core->built = 0;
   core->o.final_fc = v != 0;
   return MGRIT_OK;
 }
 
 int mgrit_set_trace(mgrit_core *core, int v) {
   core->o.trace = v != 0;
+  return MGRIT_OK;
+}
+
+int mgrit_set_mirror(mgrit_core *core, int v) {
+  core->built = 0;
+  core->mirror = v != 0;
   return MGRIT_OK;
 }
 
@@ -131,6 +146,11 @@ void mgrit_owned(const mgrit_core *core, int level, int64_t *lo, int64_t *hi) {
 int64_t mgrit_level_points(const mgrit_core *core, int level) {
   if (level < 0 || level >= core->nlevels) return 0;
   return core->levels[level].npoints;
+}
+
+int64_t mgrit_level_stride(const mgrit_core *core, int level) {
+  if (level < 0 || level >= core->nlevels) return 0;
+  return core->levels[level].stride;
 }
 
 mgrit_vec mgrit_state(const mgrit_core *core, int64_t i) {

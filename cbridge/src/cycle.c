@@ -95,14 +95,10 @@ static int check_same_everywhere(mgrit_core *core) {
   return MGRIT_OK;
 }
 
-int mgrit_solve(mgrit_core *core) {
+int mgrit_setup(mgrit_core *core) {
   int rc;
-  core->err = MGRIT_OK;
-  core->failed_rank = -1;
-  core->nnorms = 0;
-  core->iterations = 0;
-  core->ntrace = 0;
   core->msg[0] = 0;
+  if (core->built) return MGRIT_OK;
   if ((rc = check_same_everywhere(core))) return rc;
   if (core->nsteps < core->c.size) {
     snprintf(core->msg, sizeof core->msg,
@@ -111,6 +107,19 @@ int mgrit_solve(mgrit_core *core) {
     return MGRIT_ERR_ARG;
   }
   if ((rc = _mgrit_build_levels(core))) return rc;
+  core->built = 1;
+  return MGRIT_OK;
+}
+
+int mgrit_solve(mgrit_core *core) {
+  int rc;
+  core->err = MGRIT_OK;
+  core->failed_rank = -1;
+  core->nnorms = 0;
+  core->iterations = 0;
+  core->ntrace = 0;
+  if ((rc = mgrit_setup(core))) return rc;
+  for (int l = 0; l < core->nlevels; l++) _mgrit_free_level_states(core, l);
 
   _mgrit_level *F = &core->levels[0];
   for (int64_t i = F->lo; i <= F->hi; i++) {

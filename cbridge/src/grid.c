@@ -5,14 +5,20 @@
 
 /* Steps (not points) are distributed: step s moves fine point s to s+1 and belongs, with point
  * s+1, to the rank whose block holds s.  Point 0 (the initial value) belongs to rank 0.  The first
- * N % P ranks get one step more. */
-void _mgrit_fine_range(const mgrit_core *core, int rank, int64_t *lo, int64_t *hi) {
+ * N % P ranks get one step more; with `mirror` the last N % P ranks do, so that a solve backward in
+ * time on the reversed communicator gives every rank the mirror image of its forward steps. */
+static int64_t block_first(const mgrit_core *core, int64_t rank) {
   int64_t n = core->nsteps, p = core->c.size;
   int64_t quo = n / p, rem = n % p;
-  int64_t first = rank * quo + (rank < rem ? rank : rem);
-  int64_t count = quo + (rank < rem ? 1 : 0);
+  if (!core->mirror) return rank * quo + (rank < rem ? rank : rem);
+  int64_t extra_from = p - rem;
+  return rank * quo + (rank > extra_from ? rank - extra_from : 0);
+}
+
+void _mgrit_fine_range(const mgrit_core *core, int rank, int64_t *lo, int64_t *hi) {
+  int64_t first = block_first(core, rank), next = block_first(core, rank + 1);
   *lo = rank == 0 ? 0 : first + 1;
-  *hi = first + count;
+  *hi = next;
 }
 
 int64_t _mgrit_owner(const mgrit_core *core, int64_t point) {
@@ -20,9 +26,14 @@ int64_t _mgrit_owner(const mgrit_core *core, int64_t point) {
   int64_t quo = n / p, rem = n % p;
   if (point <= 0) return 0;
   int64_t s = point - 1;
-  int64_t big = rem * (quo + 1);
-  if (s < big) return s / (quo + 1);
-  return rem + (s - big) / quo;
+  if (!core->mirror) {
+    int64_t big = rem * (quo + 1);
+    if (s < big) return s / (quo + 1);
+    return rem + (s - big) / quo;
+  }
+  int64_t small = (p - rem) * quo;
+  if (s < small) return s / quo;
+  return (p - rem) + (s - small) / (quo + 1);
 }
 
 double _mgrit_time(const mgrit_core *core, int l, int64_t i) {
