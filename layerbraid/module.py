@@ -1,0 +1,507 @@
+"""LayerParallelModule: a ResNet-like chain of layers as MGRIT time steps, trained with autograd."""
+import dataclasses
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from ._autograd import _BroadcastFn, _ChainFn
+from .options import MGRITOptions
+
+__all__ = ["LayerParallelModule", "SolveStats"]
+
+logger = logging.getLogger(__name__)
+
+_WEIGHT_TAG = 7301
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclass
+class SolveStats:
+    """Iterations and residual norms of one MGRIT solve (forward or adjoint)."""
+
+    iterations: int = 0
+    residual_norms: List[float] = field(default_factory=list)
+
+
+class _Run:
+    """What one forward keeps for its backward."""
+
+    def __init__(self):
+        self.h0 = None
+        self.shape = self.dtype = self.device = None
+        self.record = False
+        self.graphs: Dict[int, tuple] = {}  # step index -> (input leaf, output) of the done pass
+        self.output = None
+        self.param_grads: Dict[int, torch.Tensor] = {}
+
+
+class _BuildStepsAfterInit(type(nn.Module)):
+    """Builds the step layers when the subclass's __init__ has returned, so that ``step_layer``
+    may use attributes the subclass sets after ``super().__init__()``."""
+
+    def __call__(cls, *args, **kwargs):
+        obj = super().__call__(*args, **kwargs)
+        obj._build_steps()
+        return obj
+
+
+class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
+    """A network ``open -> N residual steps -> close`` whose steps are solved by MGRIT.
+
+    Subclass it, call ``super().__init__(...)``, set ``self.open`` and ``self.close`` (optional
+    modules; the open layer runs on the first rank of the layer group, the close layer on the
+    last) and define ``step_layer(index)``, which returns the module ``f`` of global step
+    ``index``; the step is ``x <- x + dt * f(x)`` unless ``step_rule`` is overridden.  The step
+    layers are built for the steps this rank owns as soon as the constructor returns.
+
+    ``model(x)`` is collective over the layer group and returns the close layer's output on every
+    rank, connected to autograd: ``loss.backward()`` runs the adjoint MGRIT solve, and every
+    parameter gets its gradient on the rank that owns it (``.grad`` accumulates as in PyTorch).
+
+    Args:
+        num_steps: N, the number of residual steps (at least the number of ranks).
+        t_final: T; the step size is ``dt = T / N``.
+        comm: an mpi4py communicator (default ``MPI.COMM_WORLD``).
+        forward_options: MGRIT settings of the forward solve (default: one level, i.e. exact
+            sequential stepping across the ranks).
+        backward_options: MGRIT settings of the adjoint solve (default: one level).
+        warm_start: start each solve from the states of the previous one (same input shape),
+            which makes cheap settings (2 forward, 1 backward iteration) much more accurate.
+
+    Both solves always finish with an FC relaxation (``final_fc_relax`` is forced on): that is
+    when each layer runs once more to record the graph that backward differentiates.
+    """
+
+    def __init__(self, num_steps: int, t_final: float = 1.0, comm=None, *,
+                 forward_options: Optional[MGRITOptions] = None,
+                 backward_options: Optional[MGRITOptions] = None,
+                 warm_start: bool = False):
+        super().__init__()
+        from mpi4py import MPI
+
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+            raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+        if isinstance(t_final, bool) or not isinstance(t_final, (int, float)) or not t_final > 0:
+            raise ValueError(f"t_final must be a number > 0, got {t_final!r}")
+        comm = MPI.COMM_WORLD if comm is None else comm
+        comm = getattr(comm, "layer_comm", comm)  # a ProcessGrid gives its layer group
+        if num_steps < comm.Get_size():
+            raise ValueError(f"num_steps={num_steps} is smaller than the number of layer-parallel "
+                             f"ranks ({comm.Get_size()}): every rank needs at least one step")
+        for name, o in (("forward_options", forward_options), ("backward_options", backward_options)):
+            if o is not None and not isinstance(o, MGRITOptions):
+                raise TypeError(f"{name} must be an MGRITOptions, got {type(o).__name__}")
+        self.num_steps = num_steps
+        self.t_final = float(t_final)
+        self.dt = self.t_final / num_steps
+        self.forward_options = dataclasses.replace(
+            forward_options or MGRITOptions(max_levels=1), final_fc_relax=True)
+        self.backward_options = dataclasses.replace(
+            backward_options or MGRITOptions(max_levels=1), final_fc_relax=True)
+        self.warm_start = bool(warm_start)
+        self.open = None
+        self.close = None
+        self.layers = nn.ModuleDict()
+        self.forward_stats = SolveStats()
+        self.backward_stats = SolveStats()
+        object.__setattr__(self, "_comm", comm)
+        self._built = False
+
+    # ------------------------------------------------------------------ what subclasses define
+    def step_layer(self, index: int) -> nn.Module:
+        """The module f of global step ``index`` (0 <= index < num_steps)."""
+        raise NotImplementedError(f"{type(self).__name__} must define step_layer(index)")
+
+    def step_rule(self, layer: nn.Module, x: torch.Tensor, dt: float, index: int) -> torch.Tensor:
+        """One step of the chain; forward Euler by default.  Must return a new tensor of the same
+        shape and dtype as ``x``.  Coarse MGRIT levels call it with a longer ``dt``."""
+        return x + dt * layer(x)
+
+    # ------------------------------------------------------------------ construction
+    @property
+    def comm(self):
+        """The layer-parallel communicator."""
+        return self._comm
+
+    def _build_steps(self):
+        from ._bridge import _Core
+
+        comm = self._comm
+        self._rank, self._size = comm.Get_rank(), comm.Get_size()
+        self._fwd = _Core(comm, self.num_steps, 0.0, self.t_final, self.forward_options,
+                          init=self._fwd_init, step=self._fwd_step)
+        self._fwd.setup()  # collective: options must agree across ranks
+        levels = self._fwd.level_info()
+        lo, hi, _ = levels[0]
+        self._owned = list(range(max(lo, 1) - 1, hi))
+        # Each layer is built from its own seed, drawn once on every rank: the same global index
+        # gets the same initial weights whatever the number of ranks.
+        base = int(torch.randint(0, 2**62, ()).item())
+        for i in self._owned:
+            self.layers[str(i)] = self._make_layer(i, base)
+        self._layer_seed = base
+        # Coarse forward steps inject the fine layer at the coarse step's start, which can belong
+        # to a rank on the left: those weights are copied once per forward.
+        needed = sorted({(i - 1) * m for (lo_l, hi_l, m) in levels[1:]
+                         for i in range(max(lo_l, 1), hi_l + 1)} - set(self._owned))
+        everyone = comm.allgather(needed)
+        mine = set(self._owned)
+        self._weight_sends = {r: [i for i in idx if i in mine] for r, idx in enumerate(everyone)
+                              if r != self._rank and any(i in mine for i in idx)}
+        self._copies = {}
+        for i in needed:
+            layer = self._make_layer(i, base)
+            for p in layer.parameters():
+                p.requires_grad_(False)
+            self._copies[i] = layer
+        owners = {}
+        for i in needed:
+            owners.setdefault(self._owner_of_step(i), []).append(i)
+        self._weight_recvs = owners
+        # The adjoint runs backward in time on the reversed communicator, with the extra steps
+        # mirrored, so that each rank differentiates exactly its own layers.
+        self._rev_comm = comm.Split(0, self._size - 1 - self._rank)
+        self._bwd = _Core(self._rev_comm, self.num_steps, 0.0, self.t_final,
+                          self.backward_options, init=self._bwd_init, step=self._bwd_step,
+                          mirror=True)
+        self._bwd.setup()
+        self._bwd_strides = [m for (_, _, m) in self._bwd.level_info()]
+        alo, ahi, _ = self._bwd.level_info()[0]
+        starts = sorted(self.num_steps - j for j in range(max(alo, 1), ahi + 1))
+        assert starts == self._owned, "adjoint distribution does not mirror the forward one"
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._run = None
+        self._fwd_warm, self._bwd_warm = {}, {}
+        self._built = True
+
+    def _make_layer(self, index, base):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((base + 1000003 * index) % (2**63 - 1))
+            layer = self.step_layer(index)
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"step_layer({index}) must return an nn.Module, got "
+                            f"{type(layer).__name__}")
+        ref = next(self._ref_tensors(), None)
+        return layer.to(ref.device) if ref is not None else layer
+
+    def _ref_tensors(self):
+        for mod in (self.open, self.close):
+            if isinstance(mod, nn.Module):
+                yield from mod.parameters()
+
+    def _owner_of_step(self, step):
+        n, p = self.num_steps, self._size
+        quo, rem = divmod(n, p)
+        big = rem * (quo + 1)
+        return step // (quo + 1) if step < big else rem + (step - big) // quo
+
+    def owned_steps(self):
+        """``[(global step index, step module)]`` for the steps this rank owns, in order."""
+        return [(i, self.layers[str(i)]) for i in self._owned]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Collective over the layer group.  ``x`` is used on the first rank (the others may pass
+        the same batch, or anything); returns the close layer's output on every rank."""
+        comm, first, last = self._comm, self._rank == 0, self._rank == self._size - 1
+        h0, meta, error = None, None, None
+        if first:
+            try:
+                h0 = self.open(x) if self.open is not None else x
+                if not isinstance(h0, torch.Tensor):
+                    raise TypeError(f"the open layer must return a tensor, got {type(h0).__name__}")
+                meta = (tuple(h0.shape), h0.dtype, str(h0.device))
+            except Exception as exc:  # tell every rank, then raise here
+                error = exc
+                meta = ("error", f"{type(exc).__name__}: {exc}", tuple(getattr(x, "shape", ())))
+        if self._size > 1:
+            meta = comm.bcast(meta, root=0)
+        if meta[0] == "error":
+            if error is not None:
+                raise error
+            raise ValueError(f"the layer-parallel forward failed on rank 0, where the input of "
+                             f"shape {meta[2]} went through the open layer: {meta[1]}")
+        shape, dtype, device = meta
+        device = torch.device(device)
+        record = torch.is_grad_enabled()
+        if h0 is None:
+            h0 = torch.zeros((), dtype=dtype, device=device)
+        run = _Run()
+        run.shape, run.dtype, run.device, run.record = shape, dtype, device, record
+        self._pending_run = run
+        anchor = self._anchor.to(device) if self._anchor.device != device else self._anchor
+        params = self._owned_params()
+        out = _ChainFn.apply(self, record, h0, anchor, *params)
+        if last and self.close is not None:
+            out = self.close(out)
+        return _BroadcastFn.apply(comm, self._size - 1, out)
+
+    def _owned_params(self):
+        return [p for i in self._owned for p in self.layers[str(i)].parameters() if p.requires_grad]
+
+    def _exchange_weights(self):
+        """Copy the weights of the layers that coarse steps inject from the ranks that own them."""
+        if not self._weight_sends and not self._weight_recvs:
+            return
+        from mpi4py import MPI
+
+        reqs, keep = [], []
+        for dest, idx in self._weight_sends.items():
+            buf = np.concatenate([_bytes(t) for i in idx for t in self.layers[str(i)].state_dict().values()])
+            keep.append(buf)
+            reqs.append(self._comm.Isend([buf, MPI.BYTE], dest=dest, tag=_WEIGHT_TAG))
+        incoming = []
+        ref = next((p for i in self._owned for p in self.layers[str(i)].parameters()), None)
+        for src, idx in self._weight_recvs.items():
+            if ref is not None:  # follow model.to(...) / .double() on the owned layers
+                for i in idx:
+                    self._copies[i].to(device=ref.device, dtype=ref.dtype)
+            tensors = [t for i in idx for t in self._copies[i].state_dict().values()]
+            buf = np.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=np.uint8)
+            reqs.append(self._comm.Irecv([buf, MPI.BYTE], source=src, tag=_WEIGHT_TAG))
+            incoming.append((buf, tensors))
+        MPI.Request.Waitall(reqs)
+        for buf, tensors in incoming:
+            off = 0
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                src = torch.from_numpy(buf[off:off + n].copy()).view(t.dtype).reshape(t.shape)
+                with torch.no_grad():
+                    t.copy_(src)
+                off += n
+
+    def _forward_solve(self, h0, record):
+        run = self._pending_run
+        self._pending_run = None
+        run.h0 = h0 if self._rank == 0 else None
+        self._exchange_weights()
+        self._run = run
+        try:
+            with torch.no_grad():
+                iters, norms = self._fwd.solve()
+            states = self._fwd.states()
+        finally:
+            self._run = None
+        self.forward_stats = SolveStats(iters, norms)
+        logger.debug("forward MGRIT: %d iterations, residual norms %s", iters, norms)
+        if self.warm_start:
+            self._fwd_warm = {i: s for i, s in states.items() if i > 0}
+        if self._rank == self._size - 1:
+            run.output = states[self.num_steps]
+        else:
+            run.output = torch.zeros((), dtype=run.dtype, device=run.device)
+        if run.output is h0:
+            run.output = run.output.clone()
+        return run
+
+    def _guess(self, warm, index, run, like):
+        s = warm.get(index)
+        if s is not None and tuple(s.shape) == tuple(run.shape) and s.dtype == run.dtype:
+            return s
+        return torch.zeros(run.shape, dtype=run.dtype, device=run.device) if like is None \
+            else torch.zeros_like(like)
+
+    def _fwd_init(self, t, index):
+        run = self._run
+        if index == 0:
+            return run.h0.detach()
+        return self._guess(self._fwd_warm, index, run, None)
+
+    def _fwd_step(self, u, t0, t1, level, index, done):
+        layer = self.layers[str(index)] if level == 0 or str(index) in self.layers \
+            else self._copies[index]
+        run = self._run
+        if done and level == 0 and run.record:
+            xg = u.detach().requires_grad_(True)
+            with torch.enable_grad():
+                y = self.step_rule(layer, xg, t1 - t0, index)
+            run.graphs[index] = (xg, y)
+            return y.detach()
+        return self.step_rule(layer, u, t1 - t0, index)
+
+    # ------------------------------------------------------------------ backward
+    def _backward_solve(self, run, grad_out):
+        if not run.record:
+            raise RuntimeError("backward through a layer-parallel forward that ran without grad")
+        last = self._rank == self._size - 1
+        run.grad_out = grad_out.detach() if last else None
+        params = self._owned_params()
+        run.param_grads = {}
+        self._run = run
+        try:
+            with torch.no_grad():
+                iters, norms = self._bwd.solve()
+            states = self._bwd.states()
+        finally:
+            self._run = None
+            run.graphs.clear()
+        self.backward_stats = SolveStats(iters, norms)
+        logger.debug("adjoint MGRIT: %d iterations, residual norms %s", iters, norms)
+        if self.warm_start:
+            self._bwd_warm = {i: s for i, s in states.items() if i > 0}
+        grad_h0 = states[self.num_steps] if self._rank == 0 else None
+        return grad_h0, [run.param_grads.get(id(p)) for p in params]
+
+    def _bwd_init(self, t, index):
+        run = self._run
+        if index == 0:
+            return run.grad_out
+        return self._guess(self._bwd_warm, index, run, None)
+
+    def _bwd_step(self, w, t0, t1, level, index, done):
+        """Adjoint step: the vector-Jacobian product of forward step s = N - index - stride."""
+        run = self._run
+        s = self.num_steps - index - self._bwd_strides[level]
+        xg, y = run.graphs[s]
+        if level == 0:
+            if done:
+                layer = self.layers[str(s)]
+                params = [p for p in layer.parameters() if p.requires_grad]
+                grads = torch.autograd.grad(y, [xg] + params, w, allow_unused=True)
+                for p, g in zip(params, grads[1:]):
+                    if g is not None:
+                        run.param_grads[id(p)] = g
+                gx = grads[0]
+            else:
+                gx, = torch.autograd.grad(y, xg, w, retain_graph=True)
+            return gx if gx is not None else torch.zeros_like(w)
+        # A coarse adjoint step is the transpose of the forward coarse step over the same
+        # interval: the layer at its start in forward time, linearized at the fine state there.
+        with torch.enable_grad():
+            xr = xg.detach().requires_grad_(True)
+            yr = self.step_rule(self.layers[str(s)], xr, t1 - t0, s)
+            gx, = torch.autograd.grad(yr, xr, w, allow_unused=True)
+        return gx if gx is not None else torch.zeros_like(w)
+
+    # ------------------------------------------------------------------ serial view, state
+    def _gather_state(self, root=None):
+        """{serial state_dict key: CPU tensor} of the whole network, on every rank (or root)."""
+        mine = {}
+        first, last = self._rank == 0, self._rank == self._size - 1
+        for k, v in super().state_dict().items():
+            m = _LAYER_KEY.match(k)
+            if m or (k.startswith("open.") and first) or (k.startswith("close.") and last):
+                mine[k] = v.detach().cpu()
+        if self._size == 1:
+            return mine
+        parts = self._comm.allgather(mine) if root is None else self._comm.gather(mine, root=root)
+        if parts is None:
+            return None
+        full = {}
+        for p in parts:
+            full.update(p)
+        return full
+
+    def to_serial(self) -> nn.Module:
+        """An ordinary nn.Module computing the same function in one process (collective)."""
+        import copy
+
+        full = self._gather_state()
+        layers = nn.ModuleList(self._make_layer(i, self._layer_seed) for i in range(self.num_steps))
+        serial = _SerialChain(copy.deepcopy(self.open), layers, copy.deepcopy(self.close),
+                              self.dt, self.step_rule)
+        serial.load_state_dict(full)
+        return serial
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Loads a serial (or any rank count's) state_dict: each rank keeps its own layers."""
+        owned = set(self._owned) if self._built else None
+        keep = {}
+        for k, v in state_dict.items():
+            m = _LAYER_KEY.match(k)
+            if m and owned is not None and int(m.group(1)) not in owned:
+                continue
+            keep[k] = v
+        return super().load_state_dict(keep, strict=strict, assign=assign)
+
+    def _param_names(self):
+        names = {}
+        first, last = self._rank == 0, self._rank == self._size - 1
+        for k, p in self.named_parameters():
+            if _LAYER_KEY.match(k) or (k.startswith("open.") and first) \
+                    or (k.startswith("close.") and last):
+                names[id(p)] = k
+        return names
+
+    def save_checkpoint(self, path, optimizer=None, extra=None):
+        """Writes one file (from rank 0) that any number of ranks can resume from (collective).
+
+        Holds the serial state_dict, the optimizer's per-parameter state keyed by parameter name,
+        its hyper-parameters, and ``extra`` (anything picklable, e.g. the epoch)."""
+        full = self._gather_state(root=0)
+        opt_state = {}
+        if optimizer is not None:
+            names = self._param_names()
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) in names and p in optimizer.state:
+                        opt_state[names[id(p)]] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
+                                                   for k, v in optimizer.state[p].items()}
+            parts = self._comm.gather(opt_state, root=0) if self._size > 1 else [opt_state]
+        if self._rank == 0:
+            ckpt = {"format": "layerbraid-checkpoint-1", "num_steps": self.num_steps,
+                    "t_final": self.t_final, "model": full, "extra": extra}
+            if optimizer is not None:
+                merged = {}
+                for p in parts:
+                    merged.update(p)
+                ckpt["optimizer"] = {
+                    "state": merged,
+                    "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                     for g in optimizer.param_groups]}
+            torch.save(ckpt, path)
+        self._comm.Barrier()
+
+    def load_checkpoint(self, path, optimizer=None):
+        """Resumes from :meth:`save_checkpoint`'s file on any number of ranks; returns ``extra``."""
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        if ckpt.get("format") != "layerbraid-checkpoint-1":
+            raise ValueError(f"{path} is not a layerbraid checkpoint")
+        if ckpt["num_steps"] != self.num_steps:
+            raise ValueError(f"{path} holds a network of {ckpt['num_steps']} steps; this model "
+                             f"has num_steps={self.num_steps}")
+        self.load_state_dict(ckpt["model"])
+        if optimizer is not None and "optimizer" in ckpt:
+            names = self._param_names()
+            sd = optimizer.state_dict()
+            flat = [p for g in optimizer.param_groups for p in g["params"]]
+            state = {}
+            for pid, p in enumerate(flat):
+                name = names.get(id(p))
+                if name is not None and name in ckpt["optimizer"]["state"]:
+                    state[pid] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
+                                  for k, v in ckpt["optimizer"]["state"][name].items()}
+            groups = []
+            for g, saved in zip(sd["param_groups"], ckpt["optimizer"]["param_groups"]):
+                groups.append({**saved, "params": g["params"]})
+            optimizer.load_state_dict({"state": state, "param_groups": groups})
+        return ckpt.get("extra")
+
+
+class _SerialChain(nn.Module):
+    """The serial network a LayerParallelModule computes: open, N steps, close."""
+
+    def __init__(self, open, layers, close, dt, rule):
+        super().__init__()
+        self.open, self.layers, self.close = open, layers, close
+        self.dt = dt
+        self._rule = rule
+
+    def forward(self, x):
+        if self.open is not None:
+            x = self.open(x)
+        for i, layer in enumerate(self.layers):
+            x = self._rule(layer, x, self.dt, i)
+        return self.close(x) if self.close is not None else x
+
+
+def _bytes(t):
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.contiguous().view(torch.uint8).numpy()
