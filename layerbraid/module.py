@@ -120,7 +120,11 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
     def step_rule(self, layer: nn.Module, x: torch.Tensor, dt: float, index: int) -> torch.Tensor:
         """One step of the chain; forward Euler by default.  Must return a new tensor of the same
         shape and dtype as ``x``.  Coarse MGRIT levels call it with a longer ``dt``."""
-        return x + dt * layer(x)
+        fx = layer(x)
+        if fx.shape != x.shape:
+            raise ValueError(f"step layer {index} returned shape {tuple(fx.shape)} for a state of "
+                             f"shape {tuple(x.shape)}: a step layer must keep the state's shape")
+        return x + dt * fx
 
     # ------------------------------------------------------------------ construction
     @property

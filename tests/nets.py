@@ -1,0 +1,38 @@
+"""Small layer-parallel networks shared by the tests."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import layerbraid
+
+
+class ConvBlock(nn.Module):
+    """f(x) = relu(conv2(relu(conv1(x))))"""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        return F.relu(self.conv2(F.relu(self.conv1(x))))
+
+
+class ODEResNet(layerbraid.LayerParallelModule):
+    """open conv -> N conv steps -> flatten + linear."""
+
+    def __init__(self, comm, num_steps=8, channels=4, size=8, classes=3, **kwargs):
+        super().__init__(num_steps=num_steps, t_final=1.0, comm=comm, **kwargs)
+        self.channels = channels  # set after super().__init__: step_layer may still use it
+        self.open = nn.Conv2d(1, channels, 3, padding=1)
+        self.close = nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, classes))
+
+    def step_layer(self, index):
+        return ConvBlock(self.channels)
+
+
+def batch(n=6, size=8, classes=3, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, size, size, generator=g, dtype=dtype)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return x, y

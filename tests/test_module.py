@@ -1,0 +1,280 @@
+"""LayerParallelModule against the serial PyTorch network it represents, on 1 to 4 ranks."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+import layerbraid
+from layerbraid import LayerParallelModule, MGRITOptions
+from nets import ConvBlock, ODEResNet, batch
+from tolerances import CONVERGED, ROUNDOFF
+
+WORLD = MPI.COMM_WORLD
+RANKS = [1, 2, 3, 4]
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def compare_with_serial(model, x, y, tol):
+    """Output, input gradient and every parameter gradient of model vs model.to_serial()."""
+    serial = model.to_serial()
+    xp = x.clone().requires_grad_(True)
+    out = model(xp)
+    F.cross_entropy(out, y).backward()
+    xs = x.clone().requires_grad_(True)
+    ref = serial(xs)
+    F.cross_entropy(ref, y).backward()
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    if WORLD.rank == 0:
+        torch.testing.assert_close(xp.grad, xs.grad, rtol=tol, atol=tol)
+    for i, layer in model.owned_steps():
+        for (name, p), q in zip(layer.named_parameters(), serial.layers[i].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol,
+                                       msg=lambda m: f"step {i} {name}: {m}")
+    if WORLD.rank == 0:
+        for p, q in zip(model.open.parameters(), serial.open.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
+    if WORLD.rank == WORLD.size - 1:
+        for p, q in zip(model.close.parameters(), serial.close.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parallel(RANKS)
+def test_one_level_equals_serial_pytorch_to_roundoff():
+    for n in (4, 9):  # 9: steps that do not divide evenly over the ranks
+        torch.manual_seed(0)
+        model = ODEResNet(WORLD, num_steps=n)
+        compare_with_serial(model, *batch(), tol=ROUNDOFF)
+        assert model.forward_stats.iterations == 0 and model.backward_stats.iterations == 0
+
+
+@pytest.mark.parallel(RANKS)
+def test_three_levels_run_to_convergence_equal_serial():
+    opts = MGRITOptions(max_levels=3, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
+    for fwd_cycle in ("V", "F"):
+        torch.manual_seed(0)
+        model = ODEResNet(WORLD, num_steps=12, forward_options=opts,
+                          backward_options=MGRITOptions(max_levels=3, cfactor=(2, 3), max_iters=40,
+                                                        tol=1e-13, nrelax=(0, 1), cycle=fwd_cycle))
+        compare_with_serial(model, *batch(), tol=CONVERGED)
+        assert model.forward_stats.residual_norms[-1] < 1e-13
+        assert model.backward_stats.residual_norms[-1] < 1e-13
+
+
+@pytest.mark.parallel([1, 3])
+def test_cheap_settings_are_approximate_and_warm_start_helps():
+    """2 forward / 1 backward iteration: an approximation that warm starts make better."""
+    cheap_f = MGRITOptions(max_levels=2, cfactor=4, max_iters=2, nrelax=0)
+    cheap_b = MGRITOptions(max_levels=2, cfactor=4, max_iters=1, nrelax=0)
+    x, y = batch()
+    errors = {}
+    for warm in (False, True):
+        torch.manual_seed(0)
+        model = ODEResNet(WORLD, num_steps=16, forward_options=cheap_f, backward_options=cheap_b,
+                          warm_start=warm)
+        serial = model.to_serial()
+        ref = serial(x)
+        for _ in range(3):  # the same batch again: warm starts converge over calls
+            out = model(x)
+        errors[warm] = (out - ref).abs().max().item()
+    assert errors[True] < 0.1 * errors[False]
+    assert errors[False] > 1e-6
+
+
+@pytest.mark.parallel(RANKS)
+def test_training_follows_the_serial_loss_trajectory():
+    torch.manual_seed(0)
+    model = ODEResNet(WORLD, num_steps=8)
+    serial = model.to_serial()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    losses, losses_s = [], []
+    x, y = batch()
+    for k in range(5):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        opt_s.zero_grad()
+        loss_s = F.cross_entropy(serial(x), y)
+        loss_s.backward()
+        opt_s.step()
+        losses_s.append(loss_s.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_s), rtol=1e-10, atol=1e-10)
+    assert losses[-1] < losses[0]
+    assert WORLD.allgather(losses) == [losses] * WORLD.size  # the same loss on every rank
+
+
+@pytest.mark.parallel([1, 2])
+def test_gradients_accumulate():
+    torch.manual_seed(0)
+    model = ODEResNet(WORLD, num_steps=4)
+    (x1, y1), (x2, y2) = batch(seed=1), batch(seed=2)
+    F.cross_entropy(model(x1), y1).backward()
+    F.cross_entropy(model(x2), y2).backward()
+    acc = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    F.cross_entropy(model(x1), y1).backward()
+    g1 = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    F.cross_entropy(model(x2), y2).backward()
+    assert acc and set(acc) == set(g1)
+    for k, p in model.named_parameters():
+        if k in acc:
+            torch.testing.assert_close(acc[k], g1[k] + p.grad, rtol=ROUNDOFF, atol=ROUNDOFF)
+
+
+@pytest.mark.parallel([4])
+def test_checkpoint_saved_on_four_ranks_resumes_on_two_and_one():
+    torch.manual_seed(0)
+    model = ODEResNet(WORLD, num_steps=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for k in range(2):
+        opt.zero_grad()
+        x, y = batch(seed=k)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    path = WORLD.bcast(os.path.join(tempfile.mkdtemp(), "ckpt.pt") if WORLD.rank == 0 else None)
+    model.save_checkpoint(path, optimizer=opt, extra={"epoch": 3})
+    # Continue two more steps on 4 ranks: the reference trajectory.
+    ref_losses = []
+    for k in (2, 3):
+        opt.zero_grad()
+        x, y = batch(seed=k)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    for size in (2, 1):
+        sub = WORLD.Split(0 if WORLD.rank < size else MPI.UNDEFINED, WORLD.rank)
+        if sub != MPI.COMM_NULL:
+            torch.manual_seed(123)  # different initial weights: everything must come from the file
+            resumed = ODEResNet(sub, num_steps=8)
+            opt2 = torch.optim.SGD(resumed.parameters(), lr=0.5, momentum=0.0)
+            assert resumed.load_checkpoint(path, optimizer=opt2) == {"epoch": 3}
+            assert opt2.param_groups[0]["lr"] == 0.05 and opt2.param_groups[0]["momentum"] == 0.9
+            losses = []
+            for k in (2, 3):
+                opt2.zero_grad()
+                x, y = batch(seed=k)
+                loss = F.cross_entropy(resumed(x), y)
+                loss.backward()
+                opt2.step()
+                losses.append(loss.item())
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                       rtol=1e-10, atol=1e-10)
+            sub.Free()
+        WORLD.Barrier()
+
+
+@pytest.mark.parallel([1, 3])
+def test_serial_state_dict_loads_into_layer_parallel_model():
+    torch.manual_seed(0)
+    model = ODEResNet(WORLD, num_steps=6)
+    serial = model.to_serial()
+    with torch.no_grad():
+        for p in serial.parameters():
+            p.mul_(1.5)
+    model.load_state_dict(serial.state_dict())
+    x, _ = batch()
+    torch.testing.assert_close(model(x), serial(x), rtol=ROUNDOFF, atol=ROUNDOFF)
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_owned_steps_cover_the_network_once():
+    model = ODEResNet(WORLD, num_steps=7)
+    mine = [i for i, _ in model.owned_steps()]
+    everyone = WORLD.allgather(mine)
+    assert sorted(i for b in everyone for i in b) == list(range(7))
+    assert all(b == list(range(b[0], b[-1] + 1)) for b in everyone)
+    # The same global step gets the same initial weights whatever the rank count.
+    torch.manual_seed(5)
+    a = ODEResNet(WORLD, num_steps=7).to_serial()
+    torch.manual_seed(5)
+    b = ODEResNet(MPI.COMM_SELF, num_steps=7).to_serial()
+    for p, q in zip(a.layers.parameters(), b.layers.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_step_layers_exist_for_the_optimizer_right_away():
+    model = ODEResNet(MPI.COMM_SELF, num_steps=3)
+    names = [k for k, _ in model.named_parameters()]
+    assert "layers.0.conv1.weight" in names and "layers.2.conv2.bias" in names
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parallel([2, 3])
+def test_fewer_steps_than_ranks_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"num_steps=1 is smaller than the number of"):
+        ODEResNet(WORLD, num_steps=1)
+
+
+@pytest.mark.parallel([2, 3])
+def test_options_that_differ_between_ranks_are_a_clear_error():
+    with pytest.raises(ValueError, match="cfactor ranges from 2 to"):
+        ODEResNet(WORLD, num_steps=8,
+                  forward_options=MGRITOptions(max_levels=2, cfactor=2 + WORLD.rank))
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_wrong_input_shape_is_a_clear_error_on_every_rank():
+    model = ODEResNet(WORLD, num_steps=6)
+    x = torch.randn(4, 3, 8, 8)  # 3 channels; the open conv takes 1
+    with pytest.raises((RuntimeError, ValueError)) as info:
+        model(x)
+    if WORLD.rank > 0:
+        assert "rank 0" in str(info.value) and "(4, 3, 8, 8)" in str(info.value)
+    # the model still works afterwards
+    model(torch.randn(4, 1, 8, 8))
+
+
+class ShapeChanging(LayerParallelModule):
+    def __init__(self, comm):
+        super().__init__(num_steps=6, comm=comm)
+
+    def step_layer(self, index):
+        return nn.Linear(4, 5) if index == 4 else nn.Linear(4, 4)
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_step_layer_that_changes_the_shape_is_a_clear_error_on_every_rank():
+    model = ShapeChanging(WORLD)
+    with pytest.raises((ValueError, layerbraid.RemoteRankError)) as info:
+        model(torch.randn(2, 4))
+    assert "step layer 4 returned shape (2, 5)" in str(info.value)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="num_steps"):
+        ODEResNet(MPI.COMM_SELF, num_steps=0)
+    with pytest.raises(ValueError, match="t_final"):
+        LayerParallelModule.__init__(nn.Module.__new__(LayerParallelModule), 4, t_final=-1.0)
+    with pytest.raises(TypeError, match="forward_options"):
+        ODEResNet(MPI.COMM_SELF, num_steps=4, forward_options={"max_levels": 2})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_states_match_cpu():
+    torch.manual_seed(0)
+    model = ODEResNet(MPI.COMM_SELF, num_steps=6,
+                      forward_options=MGRITOptions(max_levels=2, cfactor=2, max_iters=20, tol=1e-13),
+                      backward_options=MGRITOptions(max_levels=2, cfactor=2, max_iters=20, tol=1e-13))
+    serial = model.to_serial()
+    model.cuda()
+    x, y = batch()
+    out = model(x.cuda())
+    F.cross_entropy(out, y.cuda()).backward()
+    torch.testing.assert_close(out.cpu(), serial(x), rtol=CONVERGED, atol=CONVERGED)
