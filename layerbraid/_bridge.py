@@ -224,6 +224,10 @@ class _Core:
             raise MemoryError(msg or "the MGRIT core ran out of memory")
         raise MGRITError(msg or f"the MGRIT core failed with status {rc}")
 
+    def set_trace(self, on):
+        """Record the schedule of the following solves (see ``trace()``)."""
+        self._check(lib.mgrit_set_trace(self._core, int(bool(on))))
+
     def setup(self):
         """Checks the options across ranks and builds the levels (collective)."""
         rc = lib.mgrit_setup(self._core)

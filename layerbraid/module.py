@@ -121,9 +121,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         """One step of the chain; forward Euler by default.  Must return a new tensor of the same
         shape and dtype as ``x``.  Coarse MGRIT levels call it with a longer ``dt``."""
         fx = layer(x)
-        if fx.shape != x.shape:
-            raise ValueError(f"step layer {index} returned shape {tuple(fx.shape)} for a state of "
-                             f"shape {tuple(x.shape)}: a step layer must keep the state's shape")
+        _check_shape(fx, x, index)
         return x + dt * fx
 
     # ------------------------------------------------------------------ construction
@@ -178,6 +176,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         alo, ahi, _ = self._bwd.level_info()[0]
         starts = sorted(self.num_steps - j for j in range(max(alo, 1), ahi + 1))
         assert starts == self._owned, "adjoint distribution does not mirror the forward one"
+        self._euler = type(self).step_rule is LayerParallelModule.step_rule
         self._anchor = torch.zeros((), requires_grad=True)
         self._run = None
         self._fwd_warm, self._bwd_warm = {}, {}
@@ -322,6 +321,14 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         run = self._run
         if done and level == 0 and run.record:
             xg = u.detach().requires_grad_(True)
+            if self._euler:
+                # Note [Euler graphs]: keep the graph of f(x) alone.  Its VJP serves every step
+                # size, so the coarse adjoint steps reuse it instead of recomputing the layer.
+                with torch.enable_grad():
+                    fx = layer(xg)
+                _check_shape(fx, u, index)
+                run.graphs[index] = (xg, fx)
+                return u + (t1 - t0) * fx.detach()
             with torch.enable_grad():
                 y = self.step_rule(layer, xg, t1 - t0, index)
             run.graphs[index] = (xg, y)
@@ -362,6 +369,19 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         run = self._run
         s = self.num_steps - index - self._bwd_strides[level]
         xg, y = run.graphs[s]
+        if self._euler:  # y is f(x): x + dt f(x) has the VJP w + f'(x)^T (dt w), for any dt
+            dtw = (t1 - t0) * w
+            if level == 0 and done:
+                layer = self.layers[str(s)]
+                params = [p for p in layer.parameters() if p.requires_grad]
+                grads = torch.autograd.grad(y, [xg] + params, dtw, allow_unused=True)
+                for p, g in zip(params, grads[1:]):
+                    if g is not None:
+                        run.param_grads[id(p)] = g
+                gx = grads[0]
+            else:
+                gx, = torch.autograd.grad(y, xg, dtw, retain_graph=True, allow_unused=True)
+            return w + gx if gx is not None else w.clone()
         if level == 0:
             if done:
                 layer = self.layers[str(s)]
@@ -502,6 +522,12 @@ class _SerialChain(nn.Module):
         for i, layer in enumerate(self.layers):
             x = self._rule(layer, x, self.dt, i)
         return self.close(x) if self.close is not None else x
+
+
+def _check_shape(fx, x, index):
+    if fx.shape != x.shape:
+        raise ValueError(f"step layer {index} returned shape {tuple(fx.shape)} for a state of "
+                         f"shape {tuple(x.shape)}: a step layer must keep the state's shape")
 
 
 def _bytes(t):

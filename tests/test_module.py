@@ -278,3 +278,21 @@ def test_cuda_states_match_cpu():
     out = model(x.cuda())
     F.cross_entropy(out, y.cuda()).backward()
     torch.testing.assert_close(out.cpu(), serial(x), rtol=CONVERGED, atol=CONVERGED)
+
+
+class Midpoint(ODEResNet):
+    """A subclass with its own step rule (explicit midpoint): the general, non-Euler path."""
+
+    def step_rule(self, layer, x, dt, index):
+        return x + dt * layer(x + 0.5 * dt * layer(x))
+
+
+@pytest.mark.parallel([1, 2])
+def test_a_custom_step_rule_equals_serial():
+    torch.manual_seed(0)
+    model = Midpoint(WORLD, num_steps=6)
+    compare_with_serial(model, *batch(), tol=ROUNDOFF)
+    torch.manual_seed(0)
+    opts = MGRITOptions(max_levels=2, cfactor=3, max_iters=30, tol=1e-13)
+    model = Midpoint(WORLD, num_steps=6, forward_options=opts, backward_options=opts)
+    compare_with_serial(model, *batch(), tol=CONVERGED)

@@ -121,8 +121,11 @@ int mgrit_solve(mgrit_core *core) {
   if ((rc = mgrit_setup(core))) return rc;
   for (int l = 0; l < core->nlevels; l++) _mgrit_free_level_states(core, l);
 
+  /* Only point 0 and the level-0 C-points need a value before the first sweep: every F-point
+   * (and, on one level, every point) is written by an F-sweep before it is read. */
   _mgrit_level *F = &core->levels[0];
   for (int64_t i = F->lo; i <= F->hi; i++) {
+    if (i > 0 && (core->nlevels == 1 || !_mgrit_is_c(core, 0, i))) continue;
     mgrit_vec x = MGRIT_NONE;
     _mgrit_trace(core, 0, MGRIT_OP_INIT, i, -1, 0);
     _MGRIT_CB(core, core->cb.init(core->app, _mgrit_time(core, 0, i), i, &x));

@@ -1,0 +1,181 @@
+"""Forward+backward time of a layer-parallel ODE-ResNet vs plain PyTorch (one configuration).
+
+    mpiexec -n 2 python bench/bench_resnet.py --steps 64 --levels 2 --json out.json
+
+Network: x <- x + dt * relu(conv2(relu(conv1(x)))), 8 channels, 28x28, batch 50, float32, 1 thread
+per rank.  Reports seconds per forward+backward (median of --repeats), the relative errors of the
+output, input gradient and parameter gradients against the serial network, and the MGRIT work
+model: the steps and VJPs each rank ran (from the core's trace), turned into a predicted time with
+the measured serial cost of one step and one VJP.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import layerbraid  # noqa: E402
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return F.relu(self.conv2(F.relu(self.conv1(x))))
+
+
+class Chain(layerbraid.LayerParallelModule):
+    def __init__(self, comm, steps, channels, fwd, bwd, warm):
+        super().__init__(num_steps=steps, t_final=1.0, comm=comm, forward_options=fwd,
+                         backward_options=bwd, warm_start=warm)
+        self.channels = channels
+
+    def step_layer(self, index):
+        return ConvBlock(self.channels)
+
+
+def _sgd(model, serial, comm, lr):
+    """One plain SGD step on the layer-parallel weights, mirrored onto the serial copy."""
+    with torch.no_grad():
+        for i, layer in model.owned_steps():
+            for p in layer.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+        state = model._gather_state()
+        serial.load_state_dict(state)
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--levels", type=int, default=1)
+    p.add_argument("--cfactor", type=int, default=4)
+    p.add_argument("--fwd-iters", type=int, default=2)
+    p.add_argument("--bwd-iters", type=int, default=1)
+    p.add_argument("--warm", action="store_true", help="warm-start each solve from the last")
+    p.add_argument("--channels", type=int, default=8)
+    p.add_argument("--batch", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--serial", action="store_true", help="also time plain PyTorch (rank 0)")
+    p.add_argument("--json", help="write the results here (rank 0)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+
+    # F-relaxation on the fine level, FCF on coarse levels, first down-cycle skipped.
+    nrelax = tuple([0] + [1] * (args.levels - 2)) if args.levels > 2 else 0
+    def opts(iters):
+        if args.levels == 1:
+            return layerbraid.MGRITOptions(max_levels=1)
+        return layerbraid.MGRITOptions(max_levels=args.levels, cfactor=args.cfactor,
+                                       max_iters=iters, nrelax=nrelax, tol=0.0,
+                                       skip_first_downcycle=True)
+    torch.manual_seed(0)
+    model = Chain(comm, args.steps, args.channels, opts(args.fwd_iters), opts(args.bwd_iters),
+                  args.warm)
+    model._fwd.set_trace(True)
+    model._bwd.set_trace(True)
+    serial = model.to_serial()
+    g = torch.Generator().manual_seed(1)
+
+    def lp_step(xx):
+        model.zero_grad(set_to_none=True)
+        out = model(xx)
+        out.sum().backward()
+        return out
+
+    def serial_step(xx):
+        serial.zero_grad(set_to_none=True)
+        out = serial(xx)
+        out.sum().backward()
+        return out
+
+    # Training-like: a new batch each time and a small SGD step between (what warm starts see).
+    # Layer-parallel and serial runs alternate, so that machine noise hits both alike.
+    lp_times, serial_times = [], []
+    for k in range(args.repeats + 1):
+        xb = torch.randn(args.batch, args.channels, 28, 28, generator=g).requires_grad_(True)
+        comm.Barrier()
+        t0 = time.perf_counter()
+        out = lp_step(xb)
+        t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        if k > 0:
+            lp_times.append(t)
+        if args.serial and comm.rank == 0:
+            xs = xb.detach().clone().requires_grad_(True)
+            t0 = time.perf_counter()
+            serial_step(xs)
+            if k > 0:
+                serial_times.append(time.perf_counter() - t0)
+        comm.Barrier()
+        if k < args.repeats:  # the same SGD step on both copies of the weights
+            _sgd(model, serial, comm, lr=1e-3)
+    lp_time = statistics.median(lp_times)
+    gx = xb.grad
+
+    # accuracy on the last batch against the serial network (same weights)
+    xs = xb.detach().clone().requires_grad_(True)
+    ref = serial_step(xs)
+    err_out = rel(out.detach(), ref.detach())
+    num = den = 0.0
+    for i, layer in model.owned_steps():
+        for p_, q in zip(layer.parameters(), serial.layers[i].parameters()):
+            num += float((p_.grad - q.grad).pow(2).sum())
+            den += float(q.grad.pow(2).sum())
+    num, den = comm.allreduce(num), comm.allreduce(den)
+    err_param = (num / max(den, 1e-300)) ** 0.5
+    err_in = comm.bcast(rel(gx, xs.grad) if comm.rank == 0 else None, root=0)
+
+    # work model: steps (forward) and VJPs (backward) this rank ran in the last iteration
+    def count(core):
+        return sum(1 for e in core.trace() if e.op.endswith("step"))
+    work = comm.gather((count(model._fwd), count(model._bwd)), root=0)
+
+    result = None
+    if comm.rank == 0:
+        result = dict(ranks=comm.size, steps=args.steps, levels=args.levels, cfactor=args.cfactor,
+                      fwd_iters=args.fwd_iters, bwd_iters=args.bwd_iters, warm=args.warm,
+                      seconds=lp_time, err_output=err_out, err_input_grad=err_in,
+                      err_param_grad=err_param, fwd_steps_per_rank=[w[0] for w in work],
+                      bwd_vjps_per_rank=[w[1] for w in work],
+                      fwd_iterations=model.forward_stats.iterations,
+                      bwd_iterations=model.backward_stats.iterations)
+        if args.serial:
+            result["serial_seconds"] = statistics.median(serial_times)
+            result["ratio"] = lp_time / result["serial_seconds"]
+            # serial cost of one step forward and one VJP, for the work model
+            layer = serial.layers[0]
+            h = torch.randn(args.batch, args.channels, 28, 28)
+            tf, tb = [], []
+            for k in range(20):
+                hh = h.clone().requires_grad_(True)
+                t0 = time.perf_counter()
+                y = hh + 0.1 * layer(hh)
+                t1 = time.perf_counter()
+                torch.autograd.grad(y, hh, torch.ones_like(y))
+                t2 = time.perf_counter()
+                tf.append(t1 - t0)
+                tb.append(t2 - t1)
+            result["step_seconds"] = statistics.median(tf)
+            result["vjp_seconds"] = statistics.median(tb)
+        print(json.dumps(result))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
