@@ -22,13 +22,13 @@ $(STAMP): $(SOURCES) requirements.txt
 	touch $@
 
 demo: $(STAMP)
-	mpiexec -n 2 $(PY) examples/dahlquist.py
+	mpiexec -n 2 $(PY) examples/mnist.py
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q
 
 bench: $(STAMP)
-	$(PY) bench/bench_core.py
+	$(PY) bench/report_resnet.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info layerbraid/*.so

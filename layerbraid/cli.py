@@ -1,0 +1,161 @@
+"""The shared command line of the examples, reusable in your own scripts.
+
+    parser = argparse.ArgumentParser()
+    layerbraid.cli.add_training_arguments(parser, steps=8, epochs=1)
+    layerbraid.cli.add_lp_arguments(parser)
+    args = layerbraid.cli.parse_args(parser)        # clear errors before any training starts
+    forward, backward = layerbraid.cli.mgrit_options(args)
+
+Every rank parses the same argv, so a bad value stops every rank with the same message.
+"""
+import argparse
+
+from .options import MGRITOptions
+
+__all__ = ["add_lp_arguments", "add_training_arguments", "parse_args", "mgrit_options"]
+
+
+def _positive_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _nonneg_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
+def _positive_float(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def _nonneg_float(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return v
+
+
+def _cfactor(text):
+    v = _positive_int(text)
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"a coarsening factor must be at least 2, got {text!r}")
+    return v
+
+
+def add_lp_arguments(parser, *, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1, relax="F"):
+    """Adds the ``--lp-*`` MGRIT flags (defaults can be changed per script)."""
+    g = parser.add_argument_group("layer-parallel MGRIT")
+    g.add_argument("--lp-levels", type=_positive_int, default=levels, metavar="L",
+                   help=f"MGRIT levels; 1 = exact sequential stepping across ranks (default {levels})")
+    g.add_argument("--lp-cfactor", type=_cfactor, nargs="+", default=[cfactor], metavar="CF",
+                   help="coarsening factor, or one per coarsened level (levels - 1 values) "
+                        f"(default {cfactor})")
+    g.add_argument("--lp-fwd-iters", type=_positive_int, default=fwd_iters, metavar="N",
+                   help=f"most MGRIT iterations of the forward solve (default {fwd_iters})")
+    g.add_argument("--lp-bwd-iters", type=_positive_int, default=bwd_iters, metavar="N",
+                   help=f"most MGRIT iterations of the adjoint solve (default {bwd_iters})")
+    g.add_argument("--lp-tol", type=_nonneg_float, default=0.0, metavar="TOL",
+                   help="stop a solve early when its residual norm is below TOL; 0 = always run "
+                        "the set iterations (default 0)")
+    g.add_argument("--lp-relax", choices=["F", "FCF"], nargs="+", default=[relax],
+                   help=f"relaxation, or one per coarsened level (default {relax})")
+    g.add_argument("--lp-skip-downcycle", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip the work of the first down-cycle (default: on)")
+    g.add_argument("--lp-cycle", choices=["V", "F"], default="V", help="cycle type (default V)")
+    g.add_argument("--lp-warm-start", action=argparse.BooleanOptionalAction, default=False,
+                   help="start each solve from the previous batch's states (default: off)")
+    return g
+
+
+def add_training_arguments(parser, *, steps=8, channels=8, t_final=1.0, batch_size=64,
+                           epochs=1, lr=0.05, optimizer="sgd", seed=0, log_interval=50):
+    """Adds the network, training, data and checkpoint flags."""
+    g = parser.add_argument_group("network and training")
+    g.add_argument("--steps", type=_positive_int, default=steps,
+                   help=f"residual steps (layers) of the ODE network (default {steps})")
+    g.add_argument("--channels", type=_positive_int, default=channels,
+                   help=f"channels of the state (default {channels})")
+    g.add_argument("--t-final", type=_positive_float, default=t_final,
+                   help=f"final time T; the step size is T / steps (default {t_final})")
+    g.add_argument("--batch-size", type=_positive_int, default=batch_size,
+                   help=f"training batch size (default {batch_size})")
+    g.add_argument("--epochs", type=_positive_int, default=epochs,
+                   help=f"epochs (default {epochs})")
+    g.add_argument("--lr", type=_positive_float, default=lr, help=f"learning rate (default {lr})")
+    g.add_argument("--optimizer", choices=["sgd", "adam"], default=optimizer,
+                   help=f"optimizer; sgd uses momentum 0.9 (default {optimizer})")
+    g.add_argument("--seed", type=_nonneg_int, default=seed, help=f"random seed (default {seed})")
+    g.add_argument("--device", default="cpu",
+                   help="torch device, e.g. cpu or cuda; with cuda, rank r uses cuda:r %% "
+                        "(GPUs) (default cpu)")
+    g.add_argument("--serial", action="store_true",
+                   help="train the plain serial PyTorch network instead (one process, no MPI "
+                        "solve), for comparison")
+    g.add_argument("--max-batches", type=_positive_int, default=None, metavar="N",
+                   help="stop each epoch after N batches (default: the whole epoch)")
+    g.add_argument("--log-interval", type=_positive_int, default=log_interval, metavar="N",
+                   help=f"update the progress line every N batches (default {log_interval})")
+    d = parser.add_argument_group("data and output")
+    d.add_argument("--data-dir", default=None,
+                   help="folder with the data set's files (default: data that ships in a package)")
+    d.add_argument("--out-dir", default=None,
+                   help="where the metrics JSON and the training-curve PNG go")
+    d.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="save a checkpoint (any rank count can resume it) after every epoch")
+    d.add_argument("--resume", default=None, metavar="PATH",
+                   help="resume from a checkpoint written by --checkpoint")
+    return g
+
+
+def parse_args(parser, argv=None):
+    """Parses argv and checks the flags against each other; errors exit before any training."""
+    args = parser.parse_args(argv)
+    if hasattr(args, "lp_levels"):
+        coarsened = max(args.lp_levels - 1, 1)
+        if len(args.lp_cfactor) not in (1, coarsened):
+            parser.error(f"--lp-cfactor takes one value or one per coarsened level "
+                         f"({coarsened} for --lp-levels {args.lp_levels}), got "
+                         f"{' '.join(map(str, args.lp_cfactor))}")
+        if len(args.lp_relax) not in (1, coarsened):
+            parser.error(f"--lp-relax takes one value or one per coarsened level "
+                         f"({coarsened} for --lp-levels {args.lp_levels}), got "
+                         f"{' '.join(args.lp_relax)}")
+    if getattr(args, "resume", None):
+        import os
+
+        if not os.path.exists(args.resume):
+            parser.error(f"--resume {args.resume}: no such file")
+    return args
+
+
+def mgrit_options(args):
+    """(forward, backward) MGRITOptions from parsed ``--lp-*`` flags."""
+    def per_level(values):
+        return values[0] if len(values) == 1 else tuple(values)
+
+    common = dict(max_levels=args.lp_levels, cfactor=per_level(args.lp_cfactor),
+                  nrelax=per_level([1 if r == "FCF" else 0 for r in args.lp_relax]),
+                  tol=args.lp_tol, skip_first_downcycle=args.lp_skip_downcycle,
+                  cycle=args.lp_cycle)
+    return (MGRITOptions(max_iters=args.lp_fwd_iters, **common),
+            MGRITOptions(max_iters=args.lp_bwd_iters, **common))

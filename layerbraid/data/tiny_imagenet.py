@@ -1,0 +1,70 @@
+"""Tiny-ImageNet (200 classes, 64x64 RGB) from the standard `tiny-imagenet-200` folder."""
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["load_tiny_imagenet"]
+
+
+def _read_image(path):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        if im.size != (64, 64):
+            im = im.resize((64, 64))
+        return np.asarray(im, dtype=np.uint8)
+
+
+def load_tiny_imagenet(root, split="train", max_per_class=None):
+    """Loads one split of Tiny-ImageNet.
+
+    Args:
+        root: the `tiny-imagenet-200` folder: ``wnids.txt``, ``train/<wnid>/images/*.JPEG`` and
+            ``val/images/*.JPEG`` with ``val/val_annotations.txt``.
+        split: "train" or "val".
+        max_per_class: keep at most this many images of each class (None: all).
+
+    Returns:
+        (images, labels, wnids): uint8 tensor (n, 3, 64, 64), int64 labels (indices into wnids),
+        and the list of class ids in label order.
+    """
+    root = Path(root)
+    wnids_file = root / "wnids.txt"
+    if not wnids_file.exists():
+        raise FileNotFoundError(
+            f"{root} is not a tiny-imagenet-200 folder (no wnids.txt). Tiny-ImageNet ships with "
+            "no package: download and unpack it yourself, then pass --data-dir; --synthetic runs "
+            "on random stand-in data for timing only")
+    wnids = [w.strip() for w in wnids_file.read_text().split() if w.strip()]
+    index = {w: k for k, w in enumerate(wnids)}
+    files = []
+    if split == "train":
+        for w in wnids:
+            imgs = sorted((root / "train" / w / "images").glob("*.JPEG"))
+            if not imgs:
+                raise FileNotFoundError(f"no images in {root / 'train' / w / 'images'}")
+            files += [(p, index[w]) for p in imgs[:max_per_class]]
+    elif split == "val":
+        ann = root / "val" / "val_annotations.txt"
+        if not ann.exists():
+            raise FileNotFoundError(f"missing {ann}")
+        counts = {}
+        for line in ann.read_text().splitlines():
+            parts = line.split("\t")
+            if len(parts) < 2:
+                continue
+            name, w = parts[0], parts[1]
+            if w not in index:
+                raise ValueError(f"{ann}: class {w!r} of {name} is not in wnids.txt")
+            counts[w] = counts.get(w, 0) + 1
+            if max_per_class is None or counts[w] <= max_per_class:
+                files.append((root / "val" / "images" / name, index[w]))
+    else:
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    images = np.stack([_read_image(p) for p, _ in files]) if files else \
+        np.zeros((0, 64, 64, 3), np.uint8)
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
+    y = torch.tensor([c for _, c in files], dtype=torch.int64)
+    return x, y, wnids
