@@ -97,7 +97,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False)
         seconds = time.perf_counter() - t0
         if bar is not None:
             bar.close()
-        acc = evaluate(model, data["test_x"], data["test_y"], device, prepare=prepare)
+        m = args.test_limit or len(data["test_x"])
+        acc = evaluate(model, data["test_x"][:m], data["test_y"][:m], device, prepare=prepare)
         w = args.log_interval
         curve = [(epoch + (k + len(losses[k:k + w])) / per_epoch,
                   sum(losses[k:k + w]) / len(losses[k:k + w])) for k in range(0, len(losses), w)]

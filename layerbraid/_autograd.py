@@ -49,3 +49,35 @@ class _BroadcastFn(torch.autograd.Function):
         if ctx.is_root:
             return None, None, grad
         return None, None, torch.zeros(ctx.dummy_shape, dtype=ctx.dtype, device=ctx.device)
+
+
+class _ToFirstFn(torch.autograd.Function):
+    """The last rank's tensor on the first rank (a dummy elsewhere), to feed another
+    layer-parallel stage; backward sends the first rank's gradient back to the last rank."""
+
+    TAG = 7302
+
+    @staticmethod
+    def forward(ctx, comm, y):
+        size, rank = comm.Get_size(), comm.Get_rank()
+        ctx.comm, ctx.first, ctx.last = comm, rank == 0, rank == size - 1
+        ctx.shape, ctx.dtype, ctx.device = y.shape, y.dtype, y.device
+        if size == 1:
+            return y.clone()
+        if ctx.last:
+            comm.send(y.detach().cpu(), dest=0, tag=_ToFirstFn.TAG)
+            return torch.zeros((), dtype=y.dtype, device=y.device)
+        if ctx.first:
+            return comm.recv(source=size - 1, tag=_ToFirstFn.TAG).to(y.device)
+        return torch.zeros((), dtype=y.dtype, device=y.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm = ctx.comm
+        if comm.Get_size() == 1:
+            return None, grad
+        if ctx.first:
+            comm.send(grad.detach().cpu(), dest=comm.Get_size() - 1, tag=_ToFirstFn.TAG)
+        if ctx.last:
+            return None, comm.recv(source=0, tag=_ToFirstFn.TAG).to(ctx.device)
+        return None, torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)

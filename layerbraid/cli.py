@@ -113,6 +113,8 @@ def add_training_arguments(parser, *, steps=8, channels=8, t_final=1.0, batch_si
                         "solve), for comparison")
     g.add_argument("--max-batches", type=_positive_int, default=None, metavar="N",
                    help="stop each epoch after N batches (default: the whole epoch)")
+    g.add_argument("--test-limit", type=_positive_int, default=None, metavar="N",
+                   help="evaluate on the first N test images only (default: all)")
     g.add_argument("--log-interval", type=_positive_int, default=log_interval, metavar="N",
                    help=f"update the progress line every N batches (default {log_interval})")
     d = parser.add_argument_group("data and output")

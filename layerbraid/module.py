@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._autograd import _BroadcastFn, _ChainFn
+from ._autograd import _BroadcastFn, _ChainFn, _ToFirstFn
 from .options import MGRITOptions
 
 __all__ = ["LayerParallelModule", "SolveStats"]
@@ -72,6 +72,10 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         backward_options: MGRIT settings of the adjoint solve (default: one level).
         warm_start: start each solve from the states of the previous one (same input shape),
             which makes cheap settings (2 forward, 1 backward iteration) much more accurate.
+        output: ``"all"`` (default): the close layer's output on every rank, for a loss computed
+            on every rank.  ``"next"``: the output only on the first rank (a placeholder on the
+            others), to feed the next layer-parallel stage of a network whose state changes
+            shape between stages (see examples/tiny_imagenet.py).
 
     Both solves always finish with an FC relaxation (``final_fc_relax`` is forced on): that is
     when each layer runs once more to record the graph that backward differentiates.
@@ -80,7 +84,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
     def __init__(self, num_steps: int, t_final: float = 1.0, comm=None, *,
                  forward_options: Optional[MGRITOptions] = None,
                  backward_options: Optional[MGRITOptions] = None,
-                 warm_start: bool = False):
+                 warm_start: bool = False, output: str = "all"):
         super().__init__()
         from mpi4py import MPI
 
@@ -104,6 +108,9 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         self.backward_options = dataclasses.replace(
             backward_options or MGRITOptions(max_levels=1), final_fc_relax=True)
         self.warm_start = bool(warm_start)
+        if output not in ("all", "next"):
+            raise ValueError(f"output must be 'all' or 'next', got {output!r}")
+        self.output = output
         self.open = None
         self.close = None
         self.layers = nn.ModuleDict()
@@ -233,7 +240,10 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         device = torch.device(device)
         record = torch.is_grad_enabled()
         if h0 is None:
-            h0 = torch.zeros((), dtype=dtype, device=device)
+            # Not used by the solve; but when x comes from an earlier stage it must stay in the
+            # graph, so that that stage's backward (collective) runs on this rank too.
+            h0 = x if isinstance(x, torch.Tensor) and x.requires_grad else \
+                torch.zeros((), dtype=dtype, device=device)
         run = _Run()
         run.shape, run.dtype, run.device, run.record = shape, dtype, device, record
         self._pending_run = run
@@ -242,6 +252,8 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         out = _ChainFn.apply(self, record, h0, anchor, *params)
         if last and self.close is not None:
             out = self.close(out)
+        if self.output == "next":
+            return _ToFirstFn.apply(comm, out)
         return _BroadcastFn.apply(comm, self._size - 1, out)
 
     def _owned_params(self):
@@ -281,6 +293,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
     def _forward_solve(self, h0, record):
         run = self._pending_run
         self._pending_run = None
+        run.h0_requires_grad, run.h0_shape, run.h0_dtype = h0.requires_grad, h0.shape, h0.dtype
         run.h0 = h0 if self._rank == 0 else None
         self._exchange_weights()
         self._run = run
@@ -355,7 +368,12 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         logger.debug("adjoint MGRIT: %d iterations, residual norms %s", iters, norms)
         if self.warm_start:
             self._bwd_warm = {i: s for i, s in states.items() if i > 0}
-        grad_h0 = states[self.num_steps] if self._rank == 0 else None
+        if self._rank == 0:
+            grad_h0 = states[self.num_steps]
+        elif run.h0_requires_grad:
+            grad_h0 = torch.zeros(run.h0_shape, dtype=run.h0_dtype, device=run.device)
+        else:
+            grad_h0 = None
         return grad_h0, [run.param_grads.get(id(p)) for p in params]
 
     def _bwd_init(self, t, index):

@@ -296,3 +296,41 @@ def test_a_custom_step_rule_equals_serial():
     opts = MGRITOptions(max_levels=2, cfactor=3, max_iters=30, tol=1e-13)
     model = Midpoint(WORLD, num_steps=6, forward_options=opts, backward_options=opts)
     compare_with_serial(model, *batch(), tol=CONVERGED)
+
+
+class Stage(LayerParallelModule):
+    def __init__(self, comm, steps, channels, open_layer, close_layer, output):
+        super().__init__(num_steps=steps, comm=comm, output=output)
+        self.channels, self.open, self.close = channels, open_layer, close_layer
+
+    def step_layer(self, index):
+        return ConvBlock(self.channels)
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_stages_that_change_shape_chain_like_serial():
+    """Two layer-parallel stages joined by a strided transition: the first hands its output to
+    the second's first rank (output="next"); outputs and all gradients equal serial PyTorch."""
+    torch.manual_seed(0)
+    s1 = Stage(WORLD, 4, 3, nn.Conv2d(1, 3, 3, padding=1), None, "next")
+    s2 = Stage(WORLD, 5, 6, nn.Conv2d(3, 6, 3, stride=2, padding=1),
+               nn.Sequential(nn.Flatten(), nn.Linear(6 * 4 * 4, 3)), "all")
+    net = nn.Sequential(s1, s2)
+    serial = nn.Sequential(s1.to_serial(), s2.to_serial())
+    x, y = batch()
+    xp = x.clone().requires_grad_(True)
+    out = net(xp)
+    F.cross_entropy(out, y).backward()
+    xs = x.clone().requires_grad_(True)
+    ref = serial(xs)
+    F.cross_entropy(ref, y).backward()
+    torch.testing.assert_close(out, ref, rtol=ROUNDOFF, atol=ROUNDOFF)
+    if WORLD.rank == 0:
+        torch.testing.assert_close(xp.grad, xs.grad, rtol=ROUNDOFF, atol=ROUNDOFF)
+    for stage, ser in zip((s1, s2), serial):
+        for i, layer in stage.owned_steps():
+            for p, q in zip(layer.parameters(), ser.layers[i].parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=ROUNDOFF, atol=ROUNDOFF)
+        if WORLD.rank == 0:
+            for p, q in zip(stage.open.parameters(), ser.open.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=ROUNDOFF, atol=ROUNDOFF)

@@ -1,0 +1,154 @@
+"""Train a layer-parallel residual network on Tiny-ImageNet (64x64 RGB, 200 classes).
+
+    mpiexec -n 4 python examples/tiny_imagenet.py --data-dir /path/to/tiny-imagenet-200
+    mpiexec -n 2 python examples/tiny_imagenet.py --synthetic --max-batches 5   # timing only
+
+The network, in the style of TorchBraid's: an open convolution (3 -> C channels, stride 2, to
+32x32), then --stages stages of --steps residual conv steps each, with a strided transition
+between stages (channels doubled, size halved), then average pooling and a linear classifier.
+Each stage is one LayerParallelModule: its steps are spread over all ranks and solved by MGRIT;
+a stage hands its output to the next stage's first rank (``output="next"``).
+
+Tiny-ImageNet ships in no package: download and unpack `tiny-imagenet-200` yourself and pass
+--data-dir.  Without it the script says so and stops; --synthetic trains on random images with
+random labels instead, clearly labelled, for timing only.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import layerbraid
+from layerbraid import cli
+from layerbraid.data import load_tiny_imagenet
+from layerbraid.nn import ConvBlock
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _training import train  # noqa: E402
+
+MEAN = torch.tensor([0.480, 0.448, 0.398]).view(1, 3, 1, 1)
+STD = torch.tensor([0.277, 0.269, 0.282]).view(1, 3, 1, 1)
+
+
+class Stage(layerbraid.LayerParallelModule):
+    """`steps` residual conv steps on `channels` channels, after an optional open layer."""
+
+    def __init__(self, comm, steps, channels, open_layer, close_layer, output, fwd, bwd, warm):
+        super().__init__(num_steps=steps, t_final=1.0, comm=comm, forward_options=fwd,
+                         backward_options=bwd, warm_start=warm, output=output)
+        self.channels = channels
+        self.open = open_layer
+        self.close = close_layer
+
+    def step_layer(self, index):
+        return ConvBlock(self.channels)
+
+
+class StagedNet(nn.Module):
+    def __init__(self, comm, stages, steps, channels, classes, fwd, bwd, warm):
+        super().__init__()
+        layers = []
+        c = channels
+        for k in range(stages):
+            if k == 0:
+                open_layer = nn.Sequential(nn.Conv2d(3, c, 3, stride=2, padding=1), nn.ReLU())
+            else:
+                open_layer = nn.Sequential(nn.Conv2d(c // 2, c, 3, stride=2, padding=1), nn.ReLU())
+            last = k == stages - 1
+            close_layer = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                        nn.Linear(c, classes)) if last else None
+            layers.append(Stage(comm, steps, c, open_layer, close_layer,
+                                "all" if last else "next", fwd, bwd, warm))
+            c *= 2
+        self.stages = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+    # One checkpoint file per stage; each holds that stage's weights and optimizer state.
+    def save_checkpoint(self, path, optimizer=None, extra=None):
+        for k, stage in enumerate(self.stages):
+            stage.save_checkpoint(f"{path}.stage{k}", optimizer, extra)
+
+    def load_checkpoint(self, path, optimizer=None):
+        extra = None
+        for k, stage in enumerate(self.stages):
+            extra = stage.load_checkpoint(f"{path}.stage{k}", optimizer)
+        return extra
+
+    def to_serial(self):
+        return nn.Sequential(*[s.to_serial() for s in self.stages])
+
+
+def prepare(images):
+    """uint8 (n, 3, 64, 64) -> normalized float32, with random horizontal flips."""
+    x = images.float().div_(255)
+    flip = torch.rand(len(x)) < 0.5
+    x[flip] = x[flip].flip(-1)
+    return (x - MEAN) / STD
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_training_arguments(parser, steps=8, channels=16, batch_size=64, epochs=1, lr=0.05)
+    cli.add_lp_arguments(parser, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1)
+    parser.add_argument("--stages", type=int, default=3, choices=[1, 2, 3, 4],
+                        help="stages of --steps steps each (default 3)")
+    parser.add_argument("--max-per-class", type=int, default=None,
+                        help="load at most this many training images per class (default all)")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="random images and labels instead of Tiny-ImageNet: timing only")
+    args = cli.parse_args(parser, argv)
+    comm = MPI.COMM_WORLD
+    if args.serial and comm.size > 1:
+        parser.error("--serial trains in one process: run it without mpiexec")
+    if not args.serial and args.steps < comm.size:
+        parser.error(f"--steps {args.steps} (per stage) is smaller than the number of ranks "
+                     f"({comm.size})")
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: CUDA is not available here")
+        args.device = f"cuda:{comm.rank % torch.cuda.device_count()}"
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+
+    if args.synthetic:
+        g = torch.Generator().manual_seed(args.seed)
+        n = args.batch_size * (args.max_batches or 20)
+        data = {"train_x": torch.randint(0, 256, (n, 3, 64, 64), generator=g, dtype=torch.uint8),
+                "train_y": torch.randint(0, 200, (n,), generator=g),
+                "test_x": torch.randint(0, 256, (200, 3, 64, 64), generator=g, dtype=torch.uint8),
+                "test_y": torch.randint(0, 200, (200,), generator=g)}
+    else:
+        if args.data_dir is None:
+            parser.error("Tiny-ImageNet ships in no package: pass --data-dir "
+                         "/path/to/tiny-imagenet-200 (or --synthetic for a timing-only run on "
+                         "random data)")
+        x, y, _ = load_tiny_imagenet(args.data_dir, "train", args.max_per_class)
+        xv, yv, _ = load_tiny_imagenet(args.data_dir, "val")
+        data = {"train_x": x, "train_y": y, "test_x": xv, "test_y": yv}
+    fwd, bwd = cli.mgrit_options(args)
+    model = StagedNet(MPI.COMM_SELF if args.serial else comm, args.stages, args.steps,
+                      args.channels, 200, fwd, bwd, args.lp_warm_start)
+    if args.serial:
+        model = model.to_serial()
+    model.to(args.device)
+    if comm.rank == 0:
+        source = "SYNTHETIC random data (timing only)" if args.synthetic else args.data_dir
+        print(f"tiny-imagenet from {source}: {len(data['train_x'])} training, "
+              f"{len(data['test_x'])} validation images; {args.stages} stages x {args.steps} "
+              f"steps, {args.channels} base channels; "
+              f"{'serial PyTorch' if args.serial else f'layer-parallel on {comm.size} rank(s)'}",
+              flush=True)
+    train(args, model, data, comm=comm, rank=comm.rank, name="tiny_imagenet", prepare=prepare,
+          synthetic=args.synthetic)
+
+
+if __name__ == "__main__":
+    main()

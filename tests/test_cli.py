@@ -1,0 +1,67 @@
+import argparse
+
+import pytest
+
+from layerbraid import MGRITOptions, cli
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="train")
+    cli.add_training_arguments(p)
+    cli.add_lp_arguments(p)
+    return p
+
+
+def test_defaults_give_valid_options():
+    args = cli.parse_args(parser(), [])
+    fwd, bwd = cli.mgrit_options(args)
+    assert isinstance(fwd, MGRITOptions) and fwd.max_levels == 2 and fwd.cfactor == 4
+    assert fwd.max_iters == 2 and bwd.max_iters == 1 and fwd.nrelax == 0
+    assert fwd.skip_first_downcycle and fwd.cycle == "V"
+
+
+def test_per_level_values_and_switches():
+    args = cli.parse_args(parser(), [
+        "--lp-levels", "3", "--lp-cfactor", "4", "2", "--lp-relax", "F", "FCF", "--lp-cycle", "F",
+        "--no-lp-skip-downcycle", "--lp-fwd-iters", "5", "--lp-bwd-iters", "3", "--lp-tol", "1e-8",
+        "--steps", "32", "--channels", "4", "--t-final", "2.5", "--batch-size", "10",
+        "--optimizer", "adam", "--lp-warm-start"])
+    fwd, bwd = cli.mgrit_options(args)
+    assert fwd.cfactor == (4, 2) and fwd.nrelax == (0, 1) and fwd.cycle == "F"
+    assert not fwd.skip_first_downcycle and fwd.max_iters == 5 and bwd.max_iters == 3
+    assert fwd.tol == 1e-8 and args.steps == 32 and args.t_final == 2.5 and args.lp_warm_start
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--lp-levels", "0"], ["--lp-levels", "'0'"]),
+    (["--lp-cfactor", "1"], ["--lp-cfactor", "at least 2", "'1'"]),
+    (["--lp-levels", "3", "--lp-cfactor", "2", "2", "2"], ["--lp-cfactor", "2 2 2"]),
+    (["--lp-levels", "2", "--lp-relax", "F", "FCF"], ["--lp-relax", "F FCF"]),
+    (["--lp-relax", "X"], ["--lp-relax", "'X'"]),
+    (["--lp-tol", "-1"], ["--lp-tol", "'-1'"]),
+    (["--lp-cycle", "W"], ["--lp-cycle", "'W'"]),
+    (["--steps", "0"], ["--steps", "'0'"]),
+    (["--lr", "nan"], ["--lr", "'nan'"]),
+    (["--batch-size", "ten"], ["--batch-size", "'ten'"]),
+    (["--resume", "/no/such/file.pt"], ["--resume", "/no/such/file.pt"]),
+])
+def test_bad_values_stop_with_a_message_naming_flag_and_value(argv, words, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(parser(), argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, err
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--lp-levels", "--lp-cfactor", "--lp-fwd-iters", "--lp-bwd-iters", "--lp-tol",
+                 "--lp-relax", "--lp-skip-downcycle", "--lp-cycle", "--steps", "--channels",
+                 "--t-final", "--batch-size", "--epochs", "--lr", "--optimizer", "--seed",
+                 "--device", "--serial", "--max-batches", "--data-dir", "--checkpoint",
+                 "--resume", "--log-interval"):
+        assert flag in out
+    assert "default" in out

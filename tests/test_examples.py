@@ -1,0 +1,77 @@
+"""Short real runs of the examples under mpiexec: the loss must fall."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_data import make_tiny_imagenet
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(ranks, script, *args, timeout=240):
+    cmd = ([sys.executable] if ranks == 0 else ["mpiexec", "-n", str(ranks), sys.executable])
+    cmd += [str(ROOT / "examples" / script), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def metrics(out_dir):
+    return json.loads((Path(out_dir) / "metrics.json").read_text())
+
+
+def test_mnist_layer_parallel_on_two_ranks_learns(tmp_path):
+    proc = run(2, "mnist.py", "--epochs", 1, "--max-batches", 40, "--test-limit", 1000,
+               "--log-interval", 10, "--out-dir", tmp_path, "--lp-levels", 2, "--steps", 8,
+               "--checkpoint", tmp_path / "ckpt.pt")
+    h = metrics(tmp_path)["history"][0]
+    assert h["batches"] == 40
+    assert sum(h["last_losses"]) / 5 < 0.6 * sum(h["first_losses"]) / 5
+    assert h["test_accuracy"] > 0.6
+    assert h["fwd_iters"] == 2 and h["bwd_iters"] == 1
+    assert (tmp_path / "training_curve.png").stat().st_size > 1000
+    assert "test accuracy" in proc.stdout
+    # resume on one rank from the two-rank checkpoint, for one more epoch
+    run(1, "mnist.py", "--epochs", 2, "--max-batches", 10, "--test-limit", 500, "--steps", 8,
+        "--out-dir", tmp_path / "resumed", "--resume", tmp_path / "ckpt.pt")
+    hist = metrics(tmp_path / "resumed")["history"]
+    assert [e["epoch"] for e in hist] == [1, 2]
+
+
+def test_mnist_serial_runs(tmp_path):
+    run(0, "mnist.py", "--serial", "--epochs", 1, "--max-batches", 20, "--test-limit", 500,
+        "--steps", 4, "--out-dir", tmp_path)
+    h = metrics(tmp_path)["history"][0]
+    assert sum(h["last_losses"]) < sum(h["first_losses"])
+    assert metrics(tmp_path)["serial"]
+
+
+def test_mnist_bad_flag_fails_before_training_on_every_rank(tmp_path):
+    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "examples" / "mnist.py"),
+                           "--lp-levels", "3", "--lp-cfactor", "2", "2", "2"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0
+    assert proc.stderr.count("--lp-cfactor takes one value or one per coarsened level") == 2
+
+
+def test_tiny_imagenet_on_a_miniature_folder_learns(tmp_path):
+    data = tmp_path / "tiny-imagenet-200"
+    data.mkdir()
+    make_tiny_imagenet(data, classes=3, per_class=8, val_per_class=2)
+    run(2, "tiny_imagenet.py", "--data-dir", data, "--epochs", 4, "--batch-size", 8,
+        "--steps", 2, "--stages", 2, "--channels", 4, "--lr", 0.02, "--optimizer", "adam",
+        "--out-dir", tmp_path / "out", "--log-interval", 1)
+    hist = metrics(tmp_path / "out")["history"]
+    assert len(hist) == 4 and not metrics(tmp_path / "out")["synthetic"]
+    assert hist[-1]["train_loss"] < hist[0]["train_loss"]
+
+
+def test_tiny_imagenet_without_data_says_so():
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_imagenet.py")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "ships in no package" in proc.stderr
