@@ -1,9 +1,28 @@
 """layerbraid: layer-parallel multigrid (MGRIT) training for PyTorch."""
 from .errors import DivergenceError, MGRITError, RemoteRankError
 from .mgrit import MGRIT, MGRITResult
-from .module import LayerParallelModule, SolveStats
 from .options import MGRITOptions
 
-__all__ = ["MGRIT", "MGRITResult", "MGRITOptions", "LayerParallelModule", "SolveStats", "MGRITError", "RemoteRankError",
+__all__ = ["MGRIT", "MGRITResult", "MGRITOptions", "LayerParallelModule", "SolveStats",
+           "ProcessGrid", "shard_batches", "MGRITError", "RemoteRankError",
            "DivergenceError"]
 __version__ = "0.1.0"
+
+# The names that need torch load on first use, so that the general solver works (and imports
+# fast) without it.
+_LAZY = {"LayerParallelModule": "module", "SolveStats": "module", "ProcessGrid": "grid",
+         "shard_batches": "grid"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'layerbraid' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

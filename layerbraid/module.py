@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ._autograd import _BroadcastFn, _ChainFn, _ToFirstFn
+from .nn import _solve_state
 from .options import MGRITOptions
 
 __all__ = ["LayerParallelModule", "SolveStats"]
@@ -93,7 +94,8 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         if isinstance(t_final, bool) or not isinstance(t_final, (int, float)) or not t_final > 0:
             raise ValueError(f"t_final must be a number > 0, got {t_final!r}")
         comm = MPI.COMM_WORLD if comm is None else comm
-        comm = getattr(comm, "layer_comm", comm)  # a ProcessGrid gives its layer group
+        grid = comm if hasattr(comm, "layer_comm") else None  # a ProcessGrid
+        comm = grid.layer_comm if grid is not None else comm
         if num_steps < comm.Get_size():
             raise ValueError(f"num_steps={num_steps} is smaller than the number of layer-parallel "
                              f"ranks ({comm.Get_size()}): every rank needs at least one step")
@@ -117,6 +119,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         self.forward_stats = SolveStats()
         self.backward_stats = SolveStats()
         object.__setattr__(self, "_comm", comm)
+        object.__setattr__(self, "_grid", grid)
         self._built = False
 
     # ------------------------------------------------------------------ what subclasses define
@@ -184,6 +187,17 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         starts = sorted(self.num_steps - j for j in range(max(alo, 1), ahi + 1))
         assert starts == self._owned, "adjoint distribution does not mirror the forward one"
         self._euler = type(self).step_rule is LayerParallelModule.step_rule
+        self._averager = None
+        if self._grid is not None and self._grid.data_size > 1:
+            from .grid import _GradAverager
+
+            # The replicas in a data group start from rank 0's weights (as DDP does), then
+            # average their gradients at the end of every backward.
+            data = self._grid.data_comm
+            with torch.no_grad():
+                for t in list(self.parameters()) + list(self.buffers()):
+                    t.copy_(torch.as_tensor(data.bcast(t.detach().cpu(), root=0)))
+            self._averager = _GradAverager(self.parameters(), data)
         self._anchor = torch.zeros((), requires_grad=True)
         self._run = None
         self._fwd_warm, self._bwd_warm = {}, {}
@@ -297,12 +311,14 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         run.h0 = h0 if self._rank == 0 else None
         self._exchange_weights()
         self._run = run
+        _solve_state.in_solve = True
         try:
             with torch.no_grad():
                 iters, norms = self._fwd.solve()
             states = self._fwd.states()
         finally:
             self._run = None
+            _solve_state.in_solve = _solve_state.final = False
         self.forward_stats = SolveStats(iters, norms)
         logger.debug("forward MGRIT: %d iterations, residual norms %s", iters, norms)
         if self.warm_start:
@@ -332,6 +348,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         layer = self.layers[str(index)] if level == 0 or str(index) in self.layers \
             else self._copies[index]
         run = self._run
+        _solve_state.final = bool(done and level == 0)
         if done and level == 0 and run.record:
             xg = u.detach().requires_grad_(True)
             if self._euler:

@@ -1,8 +1,48 @@
 """Building blocks for layer-parallel networks."""
+import threading
+
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ConvBlock"]
+__all__ = ["ConvBlock", "LPBatchNorm1d", "LPBatchNorm2d", "LPBatchNorm3d"]
+
+
+class _SolveState(threading.local):
+    """Set by LayerParallelModule while its forward MGRIT solve runs (Note [batch-norm stats])."""
+
+    in_solve = False
+    final = False
+
+
+_solve_state = _SolveState()
+
+
+class _LayerParallelBatchNorm:
+    """Note [batch-norm stats]: inside a forward MGRIT solve a step layer runs many times per
+    batch (relaxation sweeps, coarse levels).  It always normalizes with the statistics of the
+    batch it is given, but it updates the running statistics only in the final fine relaxation,
+    where every step runs exactly once on the converged state, so that they equal what the
+    serial network computes.  Outside a solve (open/close layers, the serial network) it is an
+    ordinary batch norm."""
+
+    def forward(self, x):
+        if self.training and self.track_running_stats and _solve_state.in_solve \
+                and not _solve_state.final:
+            self._check_input_dim(x)
+            return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        return super().forward(x)
+
+
+class LPBatchNorm1d(_LayerParallelBatchNorm, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` for use inside layer-parallel step layers (same arguments)."""
+
+
+class LPBatchNorm2d(_LayerParallelBatchNorm, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` for use inside layer-parallel step layers (same arguments)."""
+
+
+class LPBatchNorm3d(_LayerParallelBatchNorm, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` for use inside layer-parallel step layers (same arguments)."""
 
 
 class ConvBlock(nn.Module):

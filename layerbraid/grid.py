@@ -1,0 +1,145 @@
+"""ProcessGrid: data parallel x layer parallel, and gradient averaging across data groups."""
+import numpy as np
+import torch
+
+__all__ = ["ProcessGrid", "shard_batches"]
+
+
+class ProcessGrid:
+    """Splits ``comm``'s P ranks into ``data_parallel`` groups of P / data_parallel
+    layer-parallel ranks.
+
+    Ranks ``d*L .. d*L + L - 1`` form layer group ``d`` (L = P / D).  The ranks at the same place
+    in every layer group own the same layers and form a data group, across which gradients are
+    averaged.  Pass the grid wherever a communicator is accepted (``LayerParallelModule(...,
+    comm=grid)``): the model runs on the layer group and averages over the data group.
+
+    Attributes:
+        world, layer_comm, data_comm: the communicators.
+        layer_rank, layer_size: this rank's place in its layer group, and the group's size.
+        data_rank, data_size: this rank's data group index (which shard it reads), and D.
+    """
+
+    def __init__(self, comm=None, data_parallel: int = 1):
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD if comm is None else comm
+        size = comm.Get_size()
+        if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) \
+                or data_parallel < 1:
+            raise ValueError(f"data_parallel must be an int >= 1, got {data_parallel!r}")
+        if size % data_parallel:
+            raise ValueError(f"data_parallel={data_parallel} does not divide the {size} ranks of "
+                             f"the communicator: each data group needs {size}/{data_parallel} "
+                             "ranks")
+        rank = comm.Get_rank()
+        layers = size // data_parallel
+        self.world = comm
+        self.layer_size, self.data_size = layers, data_parallel
+        self.layer_rank, self.data_rank = rank % layers, rank // layers
+        self.layer_comm = comm.Split(self.data_rank, self.layer_rank)
+        self.data_comm = comm.Split(self.layer_rank, self.data_rank)
+
+    def __repr__(self):
+        return (f"ProcessGrid(data_parallel={self.data_size}, layer_parallel={self.layer_size}, "
+                f"data_rank={self.data_rank}, layer_rank={self.layer_rank})")
+
+
+def shard_batches(n, batch_size, data_rank=0, data_size=1, seed=0, epoch=0):
+    """This data group's share of every batch of one epoch: yields index tensors.
+
+    The epoch's order is a permutation of ``range(n)`` that depends only on (seed, epoch); each
+    global batch of ``batch_size`` indices is split into ``data_size`` nearly equal contiguous
+    shards, and data group ``data_rank`` gets shard ``data_rank``.  Every group sees the same
+    number of batches.
+    """
+    if data_size < 1 or not 0 <= data_rank < data_size:
+        raise ValueError(f"data_rank={data_rank} must be in [0, data_size={data_size})")
+    if batch_size < data_size:
+        raise ValueError(f"batch_size={batch_size} is smaller than the {data_size} data groups "
+                         "that share each batch")
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
+    order = torch.randperm(n, generator=g)
+    for k in range(0, n, batch_size):
+        part = order[k:k + batch_size]
+        if len(part) < data_size:  # a last batch too small to share: dropped by every group
+            return
+        bounds = np.linspace(0, len(part), data_size + 1).round().astype(int)
+        yield part[bounds[data_rank]:bounds[data_rank + 1]]
+
+
+class _GradAverager:
+    """Averages the gradients of ``params`` over ``comm`` at the end of every backward, in flat
+    buckets; a bucket's allreduce starts (non-blocking) as soon as all its gradients are
+    accumulated, so that it overlaps with the rest of the backward pass.
+
+    Note [bucket order]: allreduces are started in bucket order on every rank, whatever order the
+    hooks fire in, so the collectives match across the data group.
+    """
+
+    def __init__(self, params, comm, bucket_bytes=8 << 20):
+        self.comm, self.size = comm, comm.Get_size()
+        params = [p for p in params if p.requires_grad]
+        # Gradients appear roughly in reverse order of the parameters (close layer first).
+        self.buckets, current, nbytes = [], [], 0
+        for p in reversed(params):
+            current.append(p)
+            nbytes += p.numel() * p.element_size()
+            if nbytes >= bucket_bytes:
+                self.buckets.append(current)
+                current, nbytes = [], 0
+        if current:
+            self.buckets.append(current)
+        self.where = {id(p): k for k, b in enumerate(self.buckets) for p in b}
+        self._reset()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _reset(self):
+        self.ready = [0] * len(self.buckets)
+        self.launched = 0
+        self.pending = []
+        self.queued = False
+
+    def _hook(self, p):
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self.queued = True
+        k = self.where[id(p)]
+        self.ready[k] += 1
+        while self.launched < len(self.buckets) and \
+                self.ready[self.launched] == len(self.buckets[self.launched]):
+            self._launch(self.launched)
+            self.launched += 1
+
+    def _launch(self, k):
+        from mpi4py import MPI
+
+        params = [p for p in self.buckets[k] if p.grad is not None]
+        if not params:
+            self.pending.append((None, [], None))
+            return
+        grads = [p.grad.detach() for p in params]
+        dtypes = {g.dtype for g in grads}
+        dtype = dtypes.pop() if len(dtypes) == 1 and grads[0].dtype in (
+            torch.float32, torch.float64) else torch.float64
+        flat = torch.cat([g.reshape(-1).to("cpu", dtype) for g in grads]).numpy()
+        req = self.comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        self.pending.append((req, params, flat))
+
+    def _finish(self):
+        from mpi4py import MPI
+
+        while self.launched < len(self.buckets):  # buckets some of whose params got no grad
+            self._launch(self.launched)
+            self.launched += 1
+        MPI.Request.Waitall([r for r, _, _ in self.pending if r is not None])
+        for req, params, flat in self.pending:
+            off = 0
+            for p in params:
+                n = p.grad.numel()
+                avg = torch.from_numpy(flat[off:off + n] / self.size).view(p.grad.shape)
+                p.grad.copy_(avg.to(p.grad.device, p.grad.dtype))
+                off += n
+        self._reset()
+
