@@ -13,17 +13,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from layerbraid import shard_batches
+
 
 def make_optimizer(args, params):
     if args.optimizer == "adam":
         return torch.optim.Adam(params, lr=args.lr)
     return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
-
-
-def batches(n, batch_size, generator):
-    order = torch.randperm(n, generator=generator)
-    for k in range(0, n, batch_size):
-        yield order[k:k + batch_size]
 
 
 def evaluate(model, x, y, device, batch_size=500, prepare=None):
@@ -50,9 +46,11 @@ def _stats(model):
             "bwd_residual": b.residual_norms[-1] if b.residual_norms else None}
 
 
-def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False):
+def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False, grid=None):
     """Trains ``model`` on ``data`` = {"train_x", "train_y", "test_x", "test_y"}; every rank runs
-    this same loop.  ``prepare`` maps a raw batch of images to the network's input."""
+    this same loop.  ``prepare`` maps a raw batch of images to the network's input.  With a
+    ProcessGrid, each data group trains on its shard of every batch."""
+    data_rank, data_size = (grid.data_rank, grid.data_size) if grid is not None else (0, 1)
     device = torch.device(args.device)
     optimizer = make_optimizer(args, model.parameters())
     history, start_epoch = [], 0
@@ -70,7 +68,6 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False)
     if args.max_batches:
         per_epoch = min(per_epoch, args.max_batches)
     for epoch in range(start_epoch, args.epochs):
-        g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
         bar = None
         if rank == 0:
             from tqdm import tqdm
@@ -78,7 +75,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False)
             bar = tqdm(total=per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch",
                        dynamic_ncols=True, leave=True, mininterval=0.5 if sys.stderr.isatty() else 10)
         losses, t0 = [], time.perf_counter()
-        for b, idx in enumerate(batches(n, args.batch_size, g)):
+        for b, idx in enumerate(shard_batches(n, args.batch_size, data_rank, data_size,
+                                              seed=args.seed, epoch=epoch)):
             if b >= per_epoch:
                 break
             xb, yb = data["train_x"][idx], data["train_y"][idx]
@@ -88,7 +86,10 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False)
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
             optimizer.step()
-            losses.append(loss.item())
+            if data_size > 1:  # report the whole batch's loss, not this group's shard
+                losses.append(grid.data_comm.allreduce(loss.item()) / data_size)
+            else:
+                losses.append(loss.item())
             if bar is not None:
                 bar.update(1)
                 if (b + 1) % args.log_interval == 0 or b + 1 == per_epoch:
@@ -126,6 +127,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False)
                             "extra": {"epoch": epoch + 1, "history": history}}, args.checkpoint)
     if rank == 0:
         meta = {"example": name, "ranks": comm.Get_size() if comm is not None else 1,
+                "data_parallel": data_size,
                 "serial": bool(args.serial), "synthetic": synthetic,
                 "args": {k: v for k, v in vars(args).items()}, "history": history}
         (out_dir / "metrics.json").write_text(json.dumps(meta, indent=1, default=str))

@@ -51,8 +51,12 @@ def main(argv=None):
     comm = MPI.COMM_WORLD
     if args.serial and comm.size > 1:
         parser.error("--serial trains in one process: run it without mpiexec")
-    if not args.serial and args.steps < comm.size:
-        parser.error(f"--steps {args.steps} is smaller than the number of ranks ({comm.size})")
+    if args.serial and args.dp_size > 1:
+        parser.error("--serial and --dp-size > 1 do not go together")
+    layer_ranks = comm.size // args.dp_size
+    if not args.serial and args.steps < layer_ranks:
+        parser.error(f"--steps {args.steps} is smaller than the number of layer-parallel "
+                     f"ranks ({layer_ranks})")
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
             parser.error(f"--device {args.device}: CUDA is not available here")
@@ -62,19 +66,21 @@ def main(argv=None):
 
     data = load_mnist(args.data_dir, args.dataset)
     fwd, bwd = cli.mgrit_options(args)
-    model = MNISTNet(MPI.COMM_SELF if args.serial else comm, args.steps, args.channels,
+    grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
+    model = MNISTNet(MPI.COMM_SELF if args.serial else grid, args.steps, args.channels,
                      args.t_final, fwd, bwd, args.lp_warm_start)
     if args.serial:
         model = model.to_serial()
     model.to(args.device)
     if comm.rank == 0:
         kind = "serial PyTorch" if args.serial else (
-            f"layer-parallel on {comm.size} rank(s), {args.lp_levels} MGRIT level(s), cfactor "
+            f"{args.dp_size} data-parallel x {comm.size // args.dp_size} layer-parallel rank(s), "
+            f"{args.lp_levels} MGRIT level(s), cfactor "
             f"{args.lp_cfactor}, {args.lp_fwd_iters} forward / {args.lp_bwd_iters} backward "
             f"iterations")
         print(f"{args.dataset}: {len(data['train_x'])} training, {len(data['test_x'])} test images;"
               f" {args.steps} steps of {args.channels} channels; {kind}", flush=True)
-    train(args, model, data, comm=comm, rank=comm.rank, name=args.dataset)
+    train(args, model, data, comm=comm, rank=comm.rank, name=args.dataset, grid=grid)
 
 
 if __name__ == "__main__":

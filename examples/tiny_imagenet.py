@@ -7,7 +7,8 @@ The network, in the style of TorchBraid's: an open convolution (3 -> C channels,
 32x32), then --stages stages of --steps residual conv steps each, with a strided transition
 between stages (channels doubled, size halved), then average pooling and a linear classifier.
 Each stage is one LayerParallelModule: its steps are spread over all ranks and solved by MGRIT;
-a stage hands its output to the next stage's first rank (``output="next"``).
+a stage hands its output to the next stage's first rank (``output="next"``).  The step layers
+use layer-parallel batch norm (LPBatchNorm2d); --dp-size D adds data parallelism.
 
 Tiny-ImageNet ships in no package: download and unpack `tiny-imagenet-200` yourself and pass
 --data-dir.  Without it the script says so and stops; --synthetic trains on random images with
@@ -24,7 +25,7 @@ from torch import nn
 import layerbraid
 from layerbraid import cli
 from layerbraid.data import load_tiny_imagenet
-from layerbraid.nn import ConvBlock
+from layerbraid.nn import ConvBlock, LPBatchNorm2d
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _training import train  # noqa: E402
@@ -44,7 +45,7 @@ class Stage(layerbraid.LayerParallelModule):
         self.close = close_layer
 
     def step_layer(self, index):
-        return ConvBlock(self.channels)
+        return nn.Sequential(ConvBlock(self.channels), LPBatchNorm2d(self.channels))
 
 
 class StagedNet(nn.Module):
@@ -54,9 +55,11 @@ class StagedNet(nn.Module):
         c = channels
         for k in range(stages):
             if k == 0:
-                open_layer = nn.Sequential(nn.Conv2d(3, c, 3, stride=2, padding=1), nn.ReLU())
+                open_layer = nn.Sequential(nn.Conv2d(3, c, 3, stride=2, padding=1),
+                                           nn.BatchNorm2d(c), nn.ReLU())
             else:
-                open_layer = nn.Sequential(nn.Conv2d(c // 2, c, 3, stride=2, padding=1), nn.ReLU())
+                open_layer = nn.Sequential(nn.Conv2d(c // 2, c, 3, stride=2, padding=1),
+                                           nn.BatchNorm2d(c), nn.ReLU())
             last = k == stages - 1
             close_layer = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                                         nn.Linear(c, classes)) if last else None
@@ -108,9 +111,12 @@ def main(argv=None):
     comm = MPI.COMM_WORLD
     if args.serial and comm.size > 1:
         parser.error("--serial trains in one process: run it without mpiexec")
-    if not args.serial and args.steps < comm.size:
-        parser.error(f"--steps {args.steps} (per stage) is smaller than the number of ranks "
-                     f"({comm.size})")
+    if args.serial and args.dp_size > 1:
+        parser.error("--serial and --dp-size > 1 do not go together")
+    layer_ranks = comm.size // args.dp_size
+    if not args.serial and args.steps < layer_ranks:
+        parser.error(f"--steps {args.steps} (per stage) is smaller than the number of layer-parallel "
+                     f"ranks ({layer_ranks})")
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
             parser.error(f"--device {args.device}: CUDA is not available here")
@@ -134,7 +140,8 @@ def main(argv=None):
         xv, yv, _ = load_tiny_imagenet(args.data_dir, "val")
         data = {"train_x": x, "train_y": y, "test_x": xv, "test_y": yv}
     fwd, bwd = cli.mgrit_options(args)
-    model = StagedNet(MPI.COMM_SELF if args.serial else comm, args.stages, args.steps,
+    grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
+    model = StagedNet(MPI.COMM_SELF if args.serial else grid, args.stages, args.steps,
                       args.channels, 200, fwd, bwd, args.lp_warm_start)
     if args.serial:
         model = model.to_serial()
@@ -144,10 +151,10 @@ def main(argv=None):
         print(f"tiny-imagenet from {source}: {len(data['train_x'])} training, "
               f"{len(data['test_x'])} validation images; {args.stages} stages x {args.steps} "
               f"steps, {args.channels} base channels; "
-              f"{'serial PyTorch' if args.serial else f'layer-parallel on {comm.size} rank(s)'}",
+              f"{'serial PyTorch' if args.serial else f'{args.dp_size} data x {comm.size // args.dp_size} layer-parallel ranks'}",
               flush=True)
     train(args, model, data, comm=comm, rank=comm.rank, name="tiny_imagenet", prepare=prepare,
-          synthetic=args.synthetic)
+          synthetic=args.synthetic, grid=grid)
 
 
 if __name__ == "__main__":

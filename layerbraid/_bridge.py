@@ -8,6 +8,7 @@ in cbridge/src/comm.c).
 """
 import struct
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,6 +136,7 @@ class _Core:
         self._next = 0
         self._error = None
         self._device = None
+        self.step_seconds = 0.0
         self.comm = comm
         self.rank = comm.Get_rank()
         self._handle = ffi.new_handle(self)
@@ -246,12 +248,17 @@ class _Core:
     def solve(self):
         """Runs the solve; returns (iterations, residual norms).  Raises on every rank on error."""
         self._error = None
+        self.step_seconds = 0.0
         rc = lib.mgrit_solve(self._core)
         if rc != lib.MGRIT_OK:
             self._raise(rc)
         n = lib.mgrit_num_norms(self._core)
         norms = lib.mgrit_norms(self._core)
         return lib.mgrit_iterations(self._core), [norms[k] for k in range(n)]
+
+    def comm_seconds(self):
+        """Seconds spent in the core's MPI calls (waiting included) in the last solve."""
+        return lib.mgrit_comm_seconds(self._core)
 
     def owned(self, level=0):
         lo, hi = ffi.new("int64_t *"), ffi.new("int64_t *")
@@ -338,7 +345,9 @@ def _lb_step(app, u, tstart, tstop, level, index, done, out):
     self = ffi.from_handle(app)
     try:
         x = self._table[u]
+        t0 = time.perf_counter()
         y = _as_state(self._step_fn(x, tstart, tstop, level, index, bool(done)))
+        self.step_seconds += time.perf_counter() - t0
         if y.shape != x.shape:
             raise ValueError(f"the step at level {level}, fine index {index} (t={tstart:g} to "
                              f"{tstop:g}) returned a state of shape {tuple(y.shape)}, but its "

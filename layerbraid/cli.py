@@ -104,6 +104,9 @@ def add_training_arguments(parser, *, steps=8, channels=8, t_final=1.0, batch_si
     g.add_argument("--lr", type=_positive_float, default=lr, help=f"learning rate (default {lr})")
     g.add_argument("--optimizer", choices=["sgd", "adam"], default=optimizer,
                    help=f"optimizer; sgd uses momentum 0.9 (default {optimizer})")
+    g.add_argument("--dp-size", type=_positive_int, default=1, metavar="D",
+                   help="data-parallel groups: the ranks split into D groups of ranks/D "
+                        "layer-parallel ranks, each reading its shard of every batch (default 1)")
     g.add_argument("--seed", type=_nonneg_int, default=seed, help=f"random seed (default {seed})")
     g.add_argument("--device", default="cpu",
                    help="torch device, e.g. cpu or cuda; with cuda, rank r uses cuda:r %% "
@@ -142,6 +145,15 @@ def parse_args(parser, argv=None):
             parser.error(f"--lp-relax takes one value or one per coarsened level "
                          f"({coarsened} for --lp-levels {args.lp_levels}), got "
                          f"{' '.join(args.lp_relax)}")
+    if getattr(args, "dp_size", 1) > 1:
+        from mpi4py import MPI
+
+        size = MPI.COMM_WORLD.Get_size()
+        if size % args.dp_size:
+            parser.error(f"--dp-size {args.dp_size} does not divide the {size} ranks")
+        if args.batch_size < args.dp_size:
+            parser.error(f"--batch-size {args.batch_size} is smaller than --dp-size "
+                         f"{args.dp_size}: every data group needs part of each batch")
     if getattr(args, "resume", None):
         import os
 

@@ -2,6 +2,7 @@
 import dataclasses
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -23,10 +24,20 @@ _LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
 
 @dataclass
 class SolveStats:
-    """Iterations and residual norms of one MGRIT solve (forward or adjoint)."""
+    """One MGRIT solve (forward or adjoint) on this rank.
+
+    Attributes:
+        iterations, residual_norms: as XBraid counts and prints them.
+        seconds: the whole solve; step_seconds: inside the steps (layers or VJPs);
+        comm_seconds: in the core's MPI calls, waiting for other ranks included.  The rest is
+        the MGRIT bookkeeping (vector sums, norms, packing).
+    """
 
     iterations: int = 0
     residual_norms: List[float] = field(default_factory=list)
+    seconds: float = 0.0
+    step_seconds: float = 0.0
+    comm_seconds: float = 0.0
 
 
 class _Run:
@@ -312,6 +323,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         self._exchange_weights()
         self._run = run
         _solve_state.in_solve = True
+        t0 = time.perf_counter()
         try:
             with torch.no_grad():
                 iters, norms = self._fwd.solve()
@@ -319,7 +331,8 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         finally:
             self._run = None
             _solve_state.in_solve = _solve_state.final = False
-        self.forward_stats = SolveStats(iters, norms)
+        self.forward_stats = SolveStats(iters, norms, time.perf_counter() - t0,
+                                        self._fwd.step_seconds, self._fwd.comm_seconds())
         logger.debug("forward MGRIT: %d iterations, residual norms %s", iters, norms)
         if self.warm_start:
             self._fwd_warm = {i: s for i, s in states.items() if i > 0}
@@ -374,6 +387,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         params = self._owned_params()
         run.param_grads = {}
         self._run = run
+        t0 = time.perf_counter()
         try:
             with torch.no_grad():
                 iters, norms = self._bwd.solve()
@@ -381,7 +395,8 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         finally:
             self._run = None
             run.graphs.clear()
-        self.backward_stats = SolveStats(iters, norms)
+        self.backward_stats = SolveStats(iters, norms, time.perf_counter() - t0,
+                                         self._bwd.step_seconds, self._bwd.comm_seconds())
         logger.debug("adjoint MGRIT: %d iterations, residual norms %s", iters, norms)
         if self.warm_start:
             self._bwd_warm = {i: s for i, s in states.items() if i > 0}

@@ -122,6 +122,8 @@ mgrit_vec mgrit_state(const mgrit_core *core, int64_t index);
 int64_t mgrit_level_points(const mgrit_core *core, int level);
 int64_t mgrit_level_stride(const mgrit_core *core, int level);
 int mgrit_failed_rank(const mgrit_core *core);
+/* Seconds this rank spent in MPI calls (receives, waits, allreduces) during the last solve. */
+double mgrit_comm_seconds(const mgrit_core *core);
 const char *mgrit_error_message(const mgrit_core *core);
 int64_t mgrit_trace_length(const mgrit_core *core);
 const mgrit_trace_entry *mgrit_trace(const mgrit_core *core);

@@ -62,6 +62,7 @@ struct mgrit_core {
   int err;         /* MGRIT_OK, or CALLBACK/REMOTE once this rank is poisoned */
   int failed_rank; /* set when a failure is known globally */
   int iterations;
+  double comm_seconds; /* time spent in MPI calls (waiting included) during the last solve */
   double *norms;
   int nnorms, cap_norms;
   mgrit_trace_entry *trace;

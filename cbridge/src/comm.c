@@ -56,11 +56,13 @@ int _mgrit_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec 
   if (src < 0) return MGRIT_OK;
   MPI_Status st;
   int count = 0;
+  double t0 = MPI_Wtime();
   MPI_Probe(src, tag, core->c.comm, &st);
   MPI_Get_count(&st, MPI_BYTE, &count);
   char *buf = malloc((size_t)count);
   if (!buf) return MGRIT_ERR_NOMEM;
   MPI_Recv(buf, count, MPI_BYTE, src, tag, core->c.comm, MPI_STATUS_IGNORE);
+  core->comm_seconds += MPI_Wtime() - t0;
   _mgrit_trace(core, l, MGRIT_OP_RECV, i, src, 0);
   int64_t flag;
   memcpy(&flag, buf, sizeof flag);
@@ -72,11 +74,13 @@ int _mgrit_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec 
 
 int _mgrit_wait_sends(mgrit_core *core) {
   _mgrit_comm *c = &core->c;
+  double t0 = MPI_Wtime();
   for (int k = 0; k < c->npending; k++) {
     MPI_Wait(&c->pending[k].req, MPI_STATUS_IGNORE);
     free(c->pending[k].buf);
   }
   c->npending = 0;
+  core->comm_seconds += MPI_Wtime() - t0;
   return MGRIT_OK;
 }
 
@@ -85,7 +89,9 @@ int _mgrit_wait_sends(mgrit_core *core) {
 int _mgrit_allreduce_status(mgrit_core *core, double *sumsq) {
   _mgrit_wait_sends(core);
   double local[2] = {core->err ? 0.0 : *sumsq, core->err ? 1.0 : 0.0}, global[2];
+  double t0 = MPI_Wtime();
   MPI_Allreduce(local, global, 2, MPI_DOUBLE, MPI_SUM, core->c.comm);
+  core->comm_seconds += MPI_Wtime() - t0;
   *sumsq = global[0];
   if (global[1] == 0.0) return MGRIT_OK;
   int mine = core->err == MGRIT_ERR_CALLBACK ? core->c.rank : core->c.size, first;

@@ -132,6 +132,7 @@ int mgrit_num_levels(const mgrit_core *core) { return core->nlevels; }
 int mgrit_iterations(const mgrit_core *core) { return core->iterations; }
 int mgrit_num_norms(const mgrit_core *core) { return core->nnorms; }
 const double *mgrit_norms(const mgrit_core *core) { return core->norms; }
+double mgrit_comm_seconds(const mgrit_core *core) { return core->comm_seconds; }
 int mgrit_failed_rank(const mgrit_core *core) { return core->failed_rank; }
 const char *mgrit_error_message(const mgrit_core *core) { return core->msg; }
 

@@ -118,6 +118,7 @@ int mgrit_solve(mgrit_core *core) {
   core->nnorms = 0;
   core->iterations = 0;
   core->ntrace = 0;
+  core->comm_seconds = 0.0;
   if ((rc = mgrit_setup(core))) return rc;
   for (int l = 0; l < core->nlevels; l++) _mgrit_free_level_states(core, l);
 
