@@ -16,22 +16,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from mpi4py import MPI
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layerbraid  # noqa: E402
-
-
-class ConvBlock(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, x):
-        return F.relu(self.conv2(F.relu(self.conv1(x))))
+from layerbraid.nn import ConvBlock  # noqa: E402
 
 
 class Chain(layerbraid.LayerParallelModule):

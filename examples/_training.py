@@ -16,6 +16,22 @@ import torch.nn.functional as F
 from layerbraid import shard_batches
 
 
+def check_launch(parser, args, comm, steps_note=""):
+    """Checks the flags against the MPI launch (same answer on every rank) and picks the device."""
+    if args.serial and comm.size > 1:
+        parser.error("--serial trains in one process: run it without mpiexec")
+    if args.serial and args.dp_size > 1:
+        parser.error("--serial and --dp-size > 1 do not go together")
+    layer_ranks = comm.size // args.dp_size
+    if not args.serial and args.steps < layer_ranks:
+        parser.error(f"--steps {args.steps}{steps_note} is smaller than the number of "
+                     f"layer-parallel ranks ({layer_ranks})")
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: CUDA is not available here")
+        args.device = f"cuda:{comm.rank % torch.cuda.device_count()}"
+
+
 def make_optimizer(args, params):
     if args.optimizer == "adam":
         return torch.optim.Adam(params, lr=args.lr)

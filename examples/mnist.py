@@ -23,7 +23,7 @@ from layerbraid.data import load_mnist
 from layerbraid.nn import ConvBlock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _training import train  # noqa: E402
+from _training import check_launch, train  # noqa: E402
 
 
 class MNISTNet(layerbraid.LayerParallelModule):
@@ -49,18 +49,7 @@ def main(argv=None):
                         help="mnist (default) or fashion")
     args = cli.parse_args(parser, argv)
     comm = MPI.COMM_WORLD
-    if args.serial and comm.size > 1:
-        parser.error("--serial trains in one process: run it without mpiexec")
-    if args.serial and args.dp_size > 1:
-        parser.error("--serial and --dp-size > 1 do not go together")
-    layer_ranks = comm.size // args.dp_size
-    if not args.serial and args.steps < layer_ranks:
-        parser.error(f"--steps {args.steps} is smaller than the number of layer-parallel "
-                     f"ranks ({layer_ranks})")
-    if args.device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            parser.error(f"--device {args.device}: CUDA is not available here")
-        args.device = f"cuda:{comm.rank % torch.cuda.device_count()}"
+    check_launch(parser, args, comm)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # one core per rank
 

@@ -28,7 +28,7 @@ from layerbraid.data import load_tiny_imagenet
 from layerbraid.nn import ConvBlock, LPBatchNorm2d
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _training import train  # noqa: E402
+from _training import check_launch, train  # noqa: E402
 
 MEAN = torch.tensor([0.480, 0.448, 0.398]).view(1, 3, 1, 1)
 STD = torch.tensor([0.277, 0.269, 0.282]).view(1, 3, 1, 1)
@@ -109,18 +109,7 @@ def main(argv=None):
                         help="random images and labels instead of Tiny-ImageNet: timing only")
     args = cli.parse_args(parser, argv)
     comm = MPI.COMM_WORLD
-    if args.serial and comm.size > 1:
-        parser.error("--serial trains in one process: run it without mpiexec")
-    if args.serial and args.dp_size > 1:
-        parser.error("--serial and --dp-size > 1 do not go together")
-    layer_ranks = comm.size // args.dp_size
-    if not args.serial and args.steps < layer_ranks:
-        parser.error(f"--steps {args.steps} (per stage) is smaller than the number of layer-parallel "
-                     f"ranks ({layer_ranks})")
-    if args.device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            parser.error(f"--device {args.device}: CUDA is not available here")
-        args.device = f"cuda:{comm.rank % torch.cuda.device_count()}"
+    check_launch(parser, args, comm, steps_note=" (per stage)")
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
 

@@ -15,44 +15,24 @@ from .options import MGRITOptions
 __all__ = ["add_lp_arguments", "add_training_arguments", "parse_args", "mgrit_options"]
 
 
-def _positive_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+def _number(convert, ok, what):
+    """An argparse type: convert the text, then check it, naming the bad value."""
+    def parse(text):
+        try:
+            v = convert(text)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+    return parse
 
 
-def _nonneg_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
-
-
-def _positive_float(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
-
-
-def _nonneg_float(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
+_finite = float("inf")
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda v: 0 < v < _finite, "a positive number")
+_nonneg_float = _number(float, lambda v: 0 <= v < _finite, "a number >= 0")
 
 
 def _cfactor(text):

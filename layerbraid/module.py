@@ -321,19 +321,12 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         run.h0_requires_grad, run.h0_shape, run.h0_dtype = h0.requires_grad, h0.shape, h0.dtype
         run.h0 = h0 if self._rank == 0 else None
         self._exchange_weights()
-        self._run = run
         _solve_state.in_solve = True
-        t0 = time.perf_counter()
         try:
-            with torch.no_grad():
-                iters, norms = self._fwd.solve()
-            states = self._fwd.states()
+            self.forward_stats, states = self._solve(self._fwd, run)
         finally:
-            self._run = None
             _solve_state.in_solve = _solve_state.final = False
-        self.forward_stats = SolveStats(iters, norms, time.perf_counter() - t0,
-                                        self._fwd.step_seconds, self._fwd.comm_seconds())
-        logger.debug("forward MGRIT: %d iterations, residual norms %s", iters, norms)
+        logger.debug("forward MGRIT: %s", self.forward_stats)
         if self.warm_start:
             self._fwd_warm = {i: s for i, s in states.items() if i > 0}
         if self._rank == self._size - 1:
@@ -343,6 +336,19 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         if run.output is h0:
             run.output = run.output.clone()
         return run
+
+    def _solve(self, core, run):
+        """One solve with ``run`` as the callbacks' context: (SolveStats, owned states)."""
+        self._run = run
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                iters, norms = core.solve()
+            states = core.states()
+        finally:
+            self._run = None
+        return SolveStats(iters, norms, time.perf_counter() - t0, core.step_seconds,
+                          core.comm_seconds()), states
 
     def _guess(self, warm, index, run, like):
         s = warm.get(index)
@@ -386,18 +392,11 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         run.grad_out = grad_out.detach() if last else None
         params = self._owned_params()
         run.param_grads = {}
-        self._run = run
-        t0 = time.perf_counter()
         try:
-            with torch.no_grad():
-                iters, norms = self._bwd.solve()
-            states = self._bwd.states()
+            self.backward_stats, states = self._solve(self._bwd, run)
         finally:
-            self._run = None
             run.graphs.clear()
-        self.backward_stats = SolveStats(iters, norms, time.perf_counter() - t0,
-                                         self._bwd.step_seconds, self._bwd.comm_seconds())
-        logger.debug("adjoint MGRIT: %d iterations, residual norms %s", iters, norms)
+        logger.debug("adjoint MGRIT: %s", self.backward_stats)
         if self.warm_start:
             self._bwd_warm = {i: s for i, s in states.items() if i > 0}
         if self._rank == 0:
@@ -407,6 +406,15 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         else:
             grad_h0 = None
         return grad_h0, [run.param_grads.get(id(p)) for p in params]
+
+    def _final_vjp(self, run, s, xg, y, cotangent):
+        """The VJP of step s's kept graph for the state and, once, for its parameters."""
+        params = [p for p in self.layers[str(s)].parameters() if p.requires_grad]
+        grads = torch.autograd.grad(y, [xg] + params, cotangent, allow_unused=True)
+        for p, g in zip(params, grads[1:]):
+            if g is not None:
+                run.param_grads[id(p)] = g
+        return grads[0]
 
     def _bwd_init(self, t, index):
         run = self._run
@@ -422,25 +430,13 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         if self._euler:  # y is f(x): x + dt f(x) has the VJP w + f'(x)^T (dt w), for any dt
             dtw = (t1 - t0) * w
             if level == 0 and done:
-                layer = self.layers[str(s)]
-                params = [p for p in layer.parameters() if p.requires_grad]
-                grads = torch.autograd.grad(y, [xg] + params, dtw, allow_unused=True)
-                for p, g in zip(params, grads[1:]):
-                    if g is not None:
-                        run.param_grads[id(p)] = g
-                gx = grads[0]
+                gx = self._final_vjp(run, s, xg, y, dtw)
             else:
                 gx, = torch.autograd.grad(y, xg, dtw, retain_graph=True, allow_unused=True)
             return w + gx if gx is not None else w.clone()
         if level == 0:
             if done:
-                layer = self.layers[str(s)]
-                params = [p for p in layer.parameters() if p.requires_grad]
-                grads = torch.autograd.grad(y, [xg] + params, w, allow_unused=True)
-                for p, g in zip(params, grads[1:]):
-                    if g is not None:
-                        run.param_grads[id(p)] = g
-                gx = grads[0]
+                gx = self._final_vjp(run, s, xg, y, w)
             else:
                 gx, = torch.autograd.grad(y, xg, w, retain_graph=True)
             return gx if gx is not None else torch.zeros_like(w)

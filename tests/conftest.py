@@ -3,3 +3,17 @@ import sys
 
 # `tolerances` and the shared helpers are imported by name from the test files.
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def float64():
+    """Run a test with torch's default dtype float64 (exact comparisons)."""
+    import torch
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)

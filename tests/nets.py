@@ -1,21 +1,9 @@
 """Small layer-parallel networks shared by the tests."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import layerbraid
-
-
-class ConvBlock(nn.Module):
-    """f(x) = relu(conv2(relu(conv1(x))))"""
-
-    def __init__(self, channels):
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
-
-    def forward(self, x):
-        return F.relu(self.conv2(F.relu(self.conv1(x))))
+from layerbraid.nn import ConvBlock
 
 
 class ODEResNet(layerbraid.LayerParallelModule):

@@ -14,11 +14,8 @@ WORLD = MPI.COMM_WORLD
 
 
 @pytest.fixture(autouse=True)
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+def _all_float64(float64):
+    pass
 
 
 @pytest.mark.parallel([3])

@@ -18,11 +18,8 @@ RANKS = [1, 2, 3, 4]
 
 
 @pytest.fixture(autouse=True)
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+def _all_float64(float64):
+    pass
 
 
 def compare_with_serial(model, x, y, tol):
