@@ -143,3 +143,30 @@ def test_batch_norm_multilevel_converges_to_serial():
     torch.manual_seed(0)
     opts = MGRITOptions(max_levels=2, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
     check_bn(BNNet(WORLD, forward_options=opts, backward_options=opts), CONVERGED)
+
+
+class SyncBNNet(BNNet):
+    def __init__(self, comm, sync_comm, **kw):
+        self._sync = sync_comm  # read by step_layer, which runs after __init__
+        super().__init__(comm, **kw)
+
+    def step_layer(self, index):
+        return nn.Sequential(ConvBlock(3), LPBatchNorm2d(3, sync_comm=self._sync))
+
+
+@pytest.mark.parallel([4])
+def test_synchronized_batch_norm_over_data_groups_matches_the_whole_batch():
+    """2 x 2 with batch statistics shared across the data groups trains like 1 x 4 on the whole
+    batch (plain batch norm)."""
+    torch.manual_seed(0)
+    grid = ProcessGrid(WORLD, data_parallel=2)
+    dp = SyncBNNet(grid, grid.data_comm)
+    torch.manual_seed(0)
+    lp = BNNet(WORLD)
+    train(dp, 3, grid.data_rank, 2)
+    train(lp, 3)
+    full = lp._gather_state()
+    for name, t in dp.state_dict().items():
+        if name.startswith("layers."):
+            torch.testing.assert_close(t, full[name], rtol=1e-10, atol=1e-10,
+                                       msg=lambda m: f"{name}: {m}")
