@@ -46,6 +46,8 @@ typedef struct mgrit_core mgrit_core;
 int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
                  const mgrit_callbacks *callbacks, void *app, mgrit_core **out);
 int mgrit_destroy(mgrit_core *core);
+int mgrit_create_virtual(int64_t num_steps, double tstart, double tstop, int rank, int size,
+                         mgrit_core **out);
 int mgrit_set_max_levels(mgrit_core *core, int max_levels);
 int mgrit_set_cfactors(mgrit_core *core, int n, const int *cfactors);
 int mgrit_set_nrelax(mgrit_core *core, int n, const int *nrelax);

@@ -161,18 +161,7 @@ class _Core:
             raise ValueError(ffi.string(lib.mgrit_error_message(self._core)).decode())
 
     def _set_options(self, o, trace):
-        c = self._core
-        self._check(lib.mgrit_set_max_levels(c, o.max_levels))
-        cfs, nrs = o.cfactors(), o.nrelaxes()
-        self._check(lib.mgrit_set_cfactors(c, len(cfs), ffi.new("int[]", list(cfs))))
-        self._check(lib.mgrit_set_nrelax(c, len(nrs), ffi.new("int[]", list(nrs))))
-        self._check(lib.mgrit_set_max_iters(c, o.max_iters))
-        self._check(lib.mgrit_set_tol(c, o.tol))
-        self._check(lib.mgrit_set_skip(c, int(o.skip_first_downcycle)))
-        self._check(lib.mgrit_set_cycle(c, lib.MGRIT_CYCLE_F if o.cycle == "F" else lib.MGRIT_CYCLE_V))
-        self._check(lib.mgrit_set_min_coarse(c, o.min_coarse))
-        self._check(lib.mgrit_set_final_fc(c, int(o.final_fc_relax)))
-        self._check(lib.mgrit_set_trace(c, int(bool(trace))))
+        _configure(self._core, o, trace)
 
     def close(self):
         if getattr(self, "_core", None) is not None:
@@ -283,6 +272,56 @@ class _Core:
         t = lib.mgrit_trace(self._core)
         return [TraceEntry(t[k].level, _OPS[t[k].op], t[k].index, t[k].peer, bool(t[k].done))
                 for k in range(n)]
+
+
+# ---------------------------------------------------------------- virtual ranks
+TRACE_DTYPE = np.dtype([("level", "<i4"), ("op", "<i4"), ("index", "<i8"), ("peer", "<i4"),
+                        ("done", "<i4")])
+OPS = _OPS
+
+
+def virtual_schedule(num_steps, size, options, mirror=False):
+    """The schedule each of ``size`` ranks would run (without running it): a list, per rank, of
+    structured arrays (TRACE_DTYPE; `op` indexes OPS).  Every solve runs options.max_iters
+    iterations (a virtual rank has no residual to stop on)."""
+    if TRACE_DTYPE.itemsize != ffi.sizeof("mgrit_trace_entry"):
+        raise RuntimeError("trace entry layout mismatch")
+    out = []
+    ptr = ffi.new("mgrit_core **")
+    for rank in range(size):
+        rc = lib.mgrit_create_virtual(int(num_steps), 0.0, 1.0, rank, int(size), ptr)
+        if rc != lib.MGRIT_OK:
+            raise ValueError(f"cannot plan num_steps={num_steps!r} on {size!r} ranks")
+        core = ptr[0]
+        try:
+            _configure(core, options, trace=True)
+            lib.mgrit_set_mirror(core, int(bool(mirror)))
+            rc = lib.mgrit_solve(core)
+            if rc != lib.MGRIT_OK:
+                raise ValueError(ffi.string(lib.mgrit_error_message(core)).decode())
+            n = lib.mgrit_trace_length(core)
+            buf = ffi.buffer(lib.mgrit_trace(core), n * TRACE_DTYPE.itemsize)
+            out.append(np.frombuffer(buf, dtype=TRACE_DTYPE).copy())
+        finally:
+            lib.mgrit_destroy(core)
+    return out
+
+
+def _configure(c, o, trace):
+    def check(rc):
+        if rc != lib.MGRIT_OK:
+            raise ValueError(ffi.string(lib.mgrit_error_message(c)).decode())
+    check(lib.mgrit_set_max_levels(c, o.max_levels))
+    cfs, nrs = o.cfactors(), o.nrelaxes()
+    check(lib.mgrit_set_cfactors(c, len(cfs), ffi.new("int[]", list(cfs))))
+    check(lib.mgrit_set_nrelax(c, len(nrs), ffi.new("int[]", list(nrs))))
+    check(lib.mgrit_set_max_iters(c, o.max_iters))
+    check(lib.mgrit_set_tol(c, o.tol))
+    check(lib.mgrit_set_skip(c, int(o.skip_first_downcycle)))
+    check(lib.mgrit_set_cycle(c, lib.MGRIT_CYCLE_F if o.cycle == "F" else lib.MGRIT_CYCLE_V))
+    check(lib.mgrit_set_min_coarse(c, o.min_coarse))
+    check(lib.mgrit_set_final_fc(c, int(o.final_fc_relax)))
+    check(lib.mgrit_set_trace(c, int(bool(trace))))
 
 
 # ---------------------------------------------------------------- callbacks

@@ -83,6 +83,11 @@ typedef struct mgrit_core mgrit_core; /* opaque */
 int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
                  const mgrit_callbacks *callbacks, void *app, mgrit_core **out);
 int mgrit_destroy(mgrit_core *core);
+/* A virtual rank `rank` of `size`: no communicator, no application, states that are no-ops.
+ * mgrit_solve on it records (mgrit_trace) exactly the schedule that rank would run, every
+ * iteration up to max_iters; this is what the work model (layerbraid.plan) simulates. */
+int mgrit_create_virtual(int64_t num_steps, double tstart, double tstop, int rank, int size,
+                         mgrit_core **out);
 
 /* Options; each returns MGRIT_ERR_ARG for a bad value. */
 int mgrit_set_max_levels(mgrit_core *core, int max_levels);

@@ -56,6 +56,7 @@ struct mgrit_core {
   int64_t nsteps;
   double tstart, tstop;
   int mirror; /* extra steps go to the last ranks (see grid.c) */
+  int virt;   /* a virtual rank: no MPI, no-op states; records the schedule (mgrit_create_virtual) */
   int built;  /* levels built for the current options */
   int nlevels;
   _mgrit_level *levels;

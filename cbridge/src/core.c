@@ -45,8 +45,50 @@ int mgrit_destroy(mgrit_core *core) {
   free(core->c.pending);
   free(core->norms);
   free(core->trace);
-  MPI_Comm_free(&core->c.comm);
+  if (!core->virt) MPI_Comm_free(&core->c.comm);
   free(core);
+  return MGRIT_OK;
+}
+
+/* Virtual ranks: every state is id 0 and every operation a no-op.  The schedule does not depend
+ * on the data, so a virtual rank records exactly the trace that the real rank would run. */
+static int v_init(void *a, double t, int64_t i, mgrit_vec *o) { *o = 0; return 0; }
+static int v_clone(void *a, mgrit_vec x, mgrit_vec *o) { *o = 0; return 0; }
+static int v_free(void *a, mgrit_vec x) { return 0; }
+static int v_sum(void *a, double al, mgrit_vec x, double be, mgrit_vec y) { return 0; }
+static int v_norm(void *a, mgrit_vec x, double *o) { *o = 0.0; return 0; }
+static int v_step(void *a, mgrit_vec u, double t0, double t1, int l, int64_t i, int d,
+                  mgrit_vec *o) { *o = 0; return 0; }
+static int v_bufsize(void *a, mgrit_vec x, int64_t *n) { *n = 0; return 0; }
+static int v_pack(void *a, mgrit_vec x, void *b, int64_t n) { return 0; }
+static int v_unpack(void *a, void *b, int64_t n, mgrit_vec *o) { *o = 0; return 0; }
+
+int mgrit_create_virtual(int64_t num_steps, double tstart, double tstop, int rank, int size,
+                         mgrit_core **out) {
+  static const mgrit_callbacks none = {v_init, v_clone, v_free, v_sum, v_norm, v_step,
+                                       v_bufsize, v_pack, v_unpack};
+  *out = NULL;
+  if (num_steps < 1 || !(tstop > tstart) || size < 1 || rank < 0 || rank >= size)
+    return MGRIT_ERR_ARG;
+  mgrit_core *core = calloc(1, sizeof *core);
+  if (!core) return MGRIT_ERR_NOMEM;
+  core->virt = 1;
+  core->c.rank = rank;
+  core->c.size = size;
+  core->cb = none;
+  core->nsteps = num_steps;
+  core->tstart = tstart;
+  core->tstop = tstop;
+  core->failed_rank = -1;
+  core->o.max_levels = 1;
+  core->o.ncf = core->o.nnr = 1;
+  core->o.cf[0] = 2;
+  core->o.nrelax[0] = 1;
+  core->o.max_iters = 100;
+  core->o.cycle = MGRIT_CYCLE_V;
+  core->o.min_coarse = 2;
+  core->o.trace = 1;
+  *out = core;
   return MGRIT_OK;
 }
 

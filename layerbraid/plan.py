@@ -1,0 +1,339 @@
+"""layerbraid.plan: predict the time per batch of layer-parallel training before booking the ranks.
+
+    python -m layerbraid.plan --steps 1024 --ranks 1 2 4 8 16 64 256 1024 \\
+        --levels 3 --cfactor 4 --fwd-iters 2 --bwd-iters 1 --step-seconds 6e-3 --vjp-seconds 6e-3
+
+The prediction runs on the exact schedule the C core would run: each rank's ordered actions
+(steps per level, sends and receives with their peers, the residual allreduce), recorded by
+*virtual* ranks of the core (`mgrit_create_virtual`: the same code with no MPI and no-op states;
+the schedule never depends on the data).  A discrete-event simulation then walks those actions:
+a step costs the measured (or given) seconds of one layer step forward, one VJP backward (one
+with parameter gradients in the final relaxation); a message costs latency + bytes / bandwidth;
+a receive waits for its message; an allreduce waits for every rank, plus log2(P) latencies.
+Forward and adjoint solves are simulated separately (the adjoint on the mirrored distribution)
+and added.  MGRIT's own bookkeeping (vector sums) is not modelled: it is small next to the layers
+(see docs/bench_grid.md).
+"""
+import argparse
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .options import MGRITOptions
+
+__all__ = ["Costs", "Prediction", "schedule", "step_counts", "simulate", "predict", "sweep",
+           "recommend", "measure_step"]
+
+_STEP_OPS = ("fstep", "cstep", "rstep", "gstep", "seqstep")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds of one step and one VJP of a layer on the hardware, and the network.
+
+    Attributes:
+        step_seconds: one layer step forward (any MGRIT level: coarse steps use the same layer).
+        vjp_seconds: one vector-Jacobian product for the state (adjoint relaxation).
+        vjp_param_seconds: the VJP of the final relaxation, with parameter gradients (default
+            1.5 x vjp_seconds).
+        message_bytes: bytes of one state (batch x channels x height x width x dtype size).
+        latency: seconds per message; bandwidth: bytes per second.
+        param_bytes: bytes of one rank's parameters (data parallelism averages them).
+    """
+
+    step_seconds: float
+    vjp_seconds: float
+    vjp_param_seconds: Optional[float] = None
+    message_bytes: float = 0.0
+    latency: float = 5e-6
+    bandwidth: float = 10e9
+    param_bytes: float = 0.0
+
+    def __post_init__(self):
+        for name in ("step_seconds", "vjp_seconds", "message_bytes", "latency", "param_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 \
+                    or math.isinf(v):
+                raise ValueError(f"Costs.{name} must be a finite number >= 0, got {v!r}")
+        if not isinstance(self.bandwidth, (int, float)) or not self.bandwidth > 0:
+            raise ValueError(f"Costs.bandwidth must be > 0, got {self.bandwidth!r}")
+        if self.vjp_param_seconds is None:
+            object.__setattr__(self, "vjp_param_seconds", 1.5 * self.vjp_seconds)
+        elif not self.vjp_param_seconds >= 0:
+            raise ValueError(f"Costs.vjp_param_seconds must be >= 0, got "
+                             f"{self.vjp_param_seconds!r}")
+
+    def message_seconds(self):
+        return self.latency + self.message_bytes / self.bandwidth
+
+
+@dataclass
+class Prediction:
+    """The predicted time per batch (forward + backward) on `ranks` layer-parallel ranks."""
+
+    ranks: int
+    data_parallel: int
+    seconds: float
+    serial_seconds: float
+    forward_seconds: float
+    backward_seconds: float
+    steps_per_rank: List[int] = field(default_factory=list)
+
+    @property
+    def speedup(self):
+        return self.serial_seconds / self.seconds
+
+    @property
+    def efficiency(self):
+        return self.speedup / (self.ranks * self.data_parallel)
+
+
+def _check(num_steps, ranks):
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    if ranks > num_steps:
+        raise ValueError(f"ranks={ranks} is more than num_steps={num_steps}: every rank needs a "
+                         "step")
+
+
+def _training(options):
+    # Training always ends with the FC relaxation; a planned solve runs all its iterations.
+    return replace(options, final_fc_relax=True, tol=0.0)
+
+
+def schedule(num_steps: int, ranks: int, options: MGRITOptions, adjoint: bool = False):
+    """Each rank's actions, from the C core's virtual ranks (structured numpy arrays)."""
+    from ._bridge import virtual_schedule
+
+    _check(num_steps, ranks)
+    if not isinstance(options, MGRITOptions):
+        raise TypeError(f"options must be an MGRITOptions, got {type(options).__name__}")
+    return virtual_schedule(num_steps, ranks, _training(options), mirror=adjoint)
+
+
+def step_counts(traces) -> List[Dict[int, int]]:
+    """Per rank, {level: steps run} (all step kinds), from schedule()'s traces."""
+    from ._bridge import OPS
+
+    codes = [OPS.index(op) for op in _STEP_OPS]
+    out = []
+    for t in traces:
+        mask = np.isin(t["op"], codes)
+        levels, counts = np.unique(t["level"][mask], return_counts=True)
+        out.append({int(lv): int(c) for lv, c in zip(levels, counts)})
+    return out
+
+
+def simulate(traces, step_cost, done_cost, message_seconds, latency):
+    """The time at which the last rank finishes, walking every rank's actions (seconds)."""
+    from ._bridge import OPS
+
+    step_codes = {OPS.index(op) for op in _STEP_OPS}
+    send, recv, norm = OPS.index("send"), OPS.index("recv"), OPS.index("norm")
+    p = len(traces)
+    clock = [0.0] * p
+    pos = [0] * p
+    arrivals: Dict[tuple, list] = {}
+    allreduce = latency * max(1.0, math.ceil(math.log2(p))) if p > 1 else 0.0
+    # Messages only go from lower to higher ranks (docs/ARCHITECTURE.md), so walking the ranks in
+    # order up to each allreduce resolves every receive.
+    while True:
+        reached = 0
+        for r in range(p):
+            t, a, ops = clock[r], pos[r], traces[r]
+            op, level, index, peer, done = (ops["op"], ops["level"], ops["index"], ops["peer"],
+                                            ops["done"])
+            n = len(ops)
+            while a < n:
+                o = op[a]
+                if o in step_codes:
+                    t += done_cost if done[a] else step_cost
+                elif o == send:
+                    t += latency
+                    arrivals.setdefault((r, int(peer[a]), int(level[a]), int(index[a])),
+                                        []).append(t + message_seconds)
+                elif o == recv:
+                    key = (int(peer[a]), r, int(level[a]), int(index[a]))
+                    t = max(t, arrivals[key].pop(0))
+                elif o == norm:
+                    break
+                a += 1
+            clock[r], pos[r] = t, a
+            if a < n:
+                reached += 1
+        if reached == 0:
+            return max(clock)
+        if reached != p:
+            raise RuntimeError("ranks disagree on the number of allreduces")
+        t = max(clock) + allreduce
+        clock = [t] * p
+        pos = [a + 1 for a in pos]
+
+
+def predict(num_steps: int, ranks: int, forward: MGRITOptions, backward: MGRITOptions,
+            costs: Costs, data_parallel: int = 1) -> Prediction:
+    """Predicted seconds per batch on `ranks` layer-parallel ranks (x `data_parallel` groups,
+    each with 1 / data_parallel of the batch, and a gradient allreduce)."""
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"data_parallel must be an int >= 1, got {data_parallel!r}")
+    if not isinstance(costs, Costs):
+        raise TypeError(f"costs must be a Costs, got {type(costs).__name__}")
+    share = 1.0 / data_parallel  # a layer's cost scales with the batch it sees
+    msg = costs.latency + share * costs.message_bytes / costs.bandwidth
+    fwd_traces = schedule(num_steps, ranks, forward)
+    bwd_traces = schedule(num_steps, ranks, backward, adjoint=True)
+    tf = simulate(fwd_traces, share * costs.step_seconds, share * costs.step_seconds, msg,
+                  costs.latency)
+    tb = simulate(bwd_traces, share * costs.vjp_seconds, share * costs.vjp_param_seconds, msg,
+                  costs.latency)
+    total = tf + tb
+    if data_parallel > 1:  # ring allreduce of the gradients of one rank's layers
+        per_rank_bytes = costs.param_bytes / ranks
+        total += 2 * (data_parallel - 1) * (costs.latency + per_rank_bytes / data_parallel
+                                            / costs.bandwidth)
+    serial = num_steps * (costs.step_seconds + costs.vjp_param_seconds)
+    counts = [sum(c.values()) for c in step_counts(fwd_traces)]
+    return Prediction(ranks, data_parallel, total, serial, tf, tb, counts)
+
+
+def sweep(num_steps, ranks_list: Sequence[int], forward, backward, costs, data_parallel=1):
+    """predict() for each rank count that has at least one step per rank."""
+    return [predict(num_steps, p, forward, backward, costs, data_parallel)
+            for p in ranks_list if p <= num_steps]
+
+
+def recommend(num_steps, ranks, costs, *, min_fwd_iters=2, min_bwd_iters=1,
+              levels=(2, 3, 4), cfactors=(2, 4, 8)):
+    """The fastest predicted settings with at least the given iterations (skip on, F-relaxation
+    on the fine level and FCF below, as TorchBraid's examples run).  Accuracy is not modelled:
+    check the gradient error of the chosen settings on your network (bench/bench_resnet.py)."""
+    best = None
+    for lv in levels:
+        for cf in cfactors:
+            nrelax = tuple([0] + [1] * (lv - 2)) if lv > 2 else 0
+            fwd = MGRITOptions(max_levels=lv, cfactor=cf, nrelax=nrelax,
+                               max_iters=min_fwd_iters, skip_first_downcycle=True)
+            bwd = replace(fwd, max_iters=min_bwd_iters)
+            p = predict(num_steps, ranks, fwd, bwd, costs)
+            if best is None or p.seconds < best[0].seconds:
+                best = (p, fwd, bwd)
+    return best
+
+
+def measure_step(layer, x, repeats=20, dt=0.1):
+    """(step_seconds, vjp_seconds, vjp_param_seconds) of ``x + dt * layer(x)`` on this machine,
+    medians of `repeats` runs."""
+    import torch
+
+    fwd, vjp, vjp_p = [], [], []
+    params = [p for p in layer.parameters() if p.requires_grad]
+    for _ in range(repeats + 1):
+        xx = x.detach().clone().requires_grad_(True)
+        t0 = time.perf_counter()
+        fx = layer(xx)
+        y = xx + dt * fx
+        t1 = time.perf_counter()
+        torch.autograd.grad(y, xx, torch.ones_like(y), retain_graph=True)
+        t2 = time.perf_counter()
+        torch.autograd.grad(y, [xx] + params, torch.ones_like(y))
+        t3 = time.perf_counter()
+        fwd.append(t1 - t0)
+        vjp.append(t2 - t1)
+        vjp_p.append(t3 - t2)
+    med = lambda v: float(np.median(v[1:]))  # noqa: E731
+    return med(fwd), med(vjp), med(vjp_p)
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(prog="python -m layerbraid.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, required=True, help="layers (MGRIT fine steps) N")
+    p.add_argument("--ranks", type=int, nargs="+",
+                   default=[2 ** k for k in range(13)], help="layer-parallel rank counts")
+    p.add_argument("--data-parallel", type=int, default=1, help="data-parallel groups")
+    p.add_argument("--levels", type=int, default=3)
+    p.add_argument("--cfactor", type=int, nargs="+", default=[4])
+    p.add_argument("--fwd-iters", type=int, default=2)
+    p.add_argument("--bwd-iters", type=int, default=1)
+    p.add_argument("--relax", choices=["F", "FCF"], default="F", help="fine-level relaxation "
+                   "(coarse levels use FCF)")
+    p.add_argument("--no-skip", action="store_true", help="do not skip the first down-cycle")
+    p.add_argument("--step-seconds", type=float, help="seconds of one layer step forward")
+    p.add_argument("--vjp-seconds", type=float, help="seconds of one VJP")
+    p.add_argument("--measure-conv", metavar="B,C,H,W",
+                   help="measure the costs on this machine with a ConvBlock on a B x C x H x W "
+                        "float32 state instead")
+    p.add_argument("--message-bytes", type=float, default=None,
+                   help="bytes of one state (default: from --measure-conv, else 0)")
+    p.add_argument("--param-bytes", type=float, default=0.0, help="bytes of all parameters")
+    p.add_argument("--latency", type=float, default=5e-6, help="seconds per message")
+    p.add_argument("--bandwidth", type=float, default=10e9, help="bytes per second")
+    p.add_argument("--recommend", action="store_true",
+                   help="also print the fastest settings for each rank count")
+    args = p.parse_args(argv)
+    if args.measure_conv is None and (args.step_seconds is None or args.vjp_seconds is None):
+        p.error("give --step-seconds and --vjp-seconds, or --measure-conv B,C,H,W")
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
+    bad = [r for r in args.ranks if r < 1]
+    if bad:
+        p.error(f"--ranks must be >= 1, got {bad[0]}")
+    if args.levels < 1:
+        p.error(f"--levels must be >= 1, got {args.levels}")
+    return p, args
+
+
+def main(argv=None):
+    parser, args = _parse(argv)
+    message_bytes = args.message_bytes or 0.0
+    if args.measure_conv:
+        import torch
+
+        from .nn import ConvBlock
+
+        try:
+            b, c, h, w = (int(v) for v in args.measure_conv.split(","))
+        except ValueError:
+            parser.error(f"--measure-conv takes B,C,H,W, got {args.measure_conv!r}")
+        torch.set_num_threads(1)
+        layer = ConvBlock(c)
+        x = torch.randn(b, c, h, w)
+        step, vjp, vjp_p = measure_step(layer, x)
+        message_bytes = args.message_bytes or x.numel() * 4
+        param_bytes = args.param_bytes or args.steps * sum(p.numel() * 4 for p in layer.parameters())
+        print(f"measured: step {1e3 * step:.3f} ms, VJP {1e3 * vjp:.3f} ms, VJP with parameter "
+              f"gradients {1e3 * vjp_p:.3f} ms")
+    else:
+        step, vjp, vjp_p = args.step_seconds, args.vjp_seconds, None
+        param_bytes = args.param_bytes
+    try:
+        costs = Costs(step, vjp, vjp_p, message_bytes, args.latency, args.bandwidth, param_bytes)
+        cf = args.cfactor[0] if len(args.cfactor) == 1 else tuple(args.cfactor)
+        nrelax = 1 if args.relax == "FCF" else (
+            tuple([0] + [1] * (args.levels - 2)) if args.levels > 2 else 0)
+        fwd = MGRITOptions(max_levels=args.levels, cfactor=cf, nrelax=nrelax,
+                           max_iters=args.fwd_iters, skip_first_downcycle=not args.no_skip)
+        bwd = replace(fwd, max_iters=args.bwd_iters)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(f"N = {args.steps} steps, {args.levels} levels, cfactor {args.cfactor}, "
+          f"{args.fwd_iters} forward / {args.bwd_iters} backward iterations, "
+          f"{args.data_parallel} data-parallel group(s)")
+    print(f"{'ranks':>6} {'s/batch':>10} {'speedup':>8} {'efficiency':>10} {'steps/rank':>11}")
+    for pr in sweep(args.steps, args.ranks, fwd, bwd, costs, args.data_parallel):
+        print(f"{pr.ranks:>6} {pr.seconds:>10.4f} {pr.speedup:>8.2f} {pr.efficiency:>10.2f} "
+              f"{max(pr.steps_per_rank):>11}")
+        if args.recommend and pr.ranks > 1:
+            best, bf, bb = recommend(args.steps, pr.ranks, costs, min_fwd_iters=args.fwd_iters,
+                                     min_bwd_iters=args.bwd_iters)
+            print(f"{'':>6} best: {bf.max_levels} levels, cfactor {bf.cfactor}: "
+                  f"{best.seconds:.4f} s/batch, speedup {best.speedup:.2f}")
+
+
+if __name__ == "__main__":
+    main()

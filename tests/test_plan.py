@@ -1,0 +1,106 @@
+"""The work model: its schedule is the core's own, rank by rank."""
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from layerbraid import MGRIT, MGRITOptions, plan
+from layerbraid._bridge import OPS
+from nets import ODEResNet, batch
+from problems import nonlinear_init, nonlinear_step
+
+WORLD = MPI.COMM_WORLD
+OPTION_SETS = [
+    MGRITOptions(max_levels=2, cfactor=4, max_iters=2, nrelax=0, skip_first_downcycle=True),
+    MGRITOptions(max_levels=3, cfactor=(2, 3), max_iters=3, nrelax=(0, 1)),
+    MGRITOptions(max_levels=4, cfactor=2, max_iters=2, nrelax=1, cycle="F"),
+    MGRITOptions(max_levels=1),
+]
+
+
+def as_tuples(entries):
+    return [(e.level, e.op, e.index, e.peer, e.done) for e in entries]
+
+
+def virtual_tuples(arr):
+    return [(int(r["level"]), OPS[r["op"]], int(r["index"]), int(r["peer"]), bool(r["done"]))
+            for r in arr]
+
+
+@pytest.mark.parallel([1, 2, 3, 4])
+def test_planner_schedule_is_the_cores_trace_on_every_rank():
+    for opts in OPTION_SETS:
+        for n in (23, 64):
+            o = MGRITOptions(**{**opts.__dict__, "tol": 0.0, "final_fc_relax": True})
+            real = MGRIT(step=nonlinear_step, init=nonlinear_init, num_steps=n, options=o,
+                         comm=WORLD, trace=True).solve()
+            virtual = plan.schedule(n, WORLD.size, opts)[WORLD.rank]
+            assert virtual_tuples(virtual) == as_tuples(real.trace), (opts, n)
+            counts = plan.step_counts(plan.schedule(n, WORLD.size, opts))[WORLD.rank]
+            mine = {}
+            for e in real.trace:
+                if e.op.endswith("step"):
+                    mine[e.level] = mine.get(e.level, 0) + 1
+            assert counts == mine
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_planner_adjoint_schedule_is_the_training_backward_trace(float64):
+    opts = MGRITOptions(max_levels=2, cfactor=2, max_iters=2, nrelax=0)
+    torch.manual_seed(0)
+    model = ODEResNet(WORLD, num_steps=7, forward_options=opts, backward_options=opts)
+    model._fwd.set_trace(True)
+    model._bwd.set_trace(True)
+    x, y = batch()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    fwd = plan.schedule(7, WORLD.size, opts)[WORLD.rank]
+    assert virtual_tuples(fwd) == as_tuples(model._fwd.trace())
+    adj_rank = WORLD.size - 1 - WORLD.rank  # the adjoint runs on the reversed communicator
+    bwd = plan.schedule(7, WORLD.size, opts, adjoint=True)[adj_rank]
+    assert virtual_tuples(bwd) == as_tuples(model._bwd.trace())
+
+
+def test_simulation_of_plain_sequential_stepping():
+    costs = plan.Costs(step_seconds=2.0, vjp_seconds=1.0, vjp_param_seconds=1.5,
+                       message_bytes=0.0, latency=0.0)
+    one = MGRITOptions(max_levels=1)
+    p1 = plan.predict(12, 1, one, one, costs)
+    assert p1.seconds == pytest.approx(12 * (2.0 + 1.5)) and p1.speedup == pytest.approx(1.0)
+    p3 = plan.predict(12, 3, one, one, costs)  # a pipeline: no faster, no slower
+    assert p3.seconds == pytest.approx(p1.seconds)
+    assert p3.steps_per_rank == [4, 4, 4]
+    slow_net = plan.Costs(2.0, 1.0, 1.5, message_bytes=1e6, latency=0.5, bandwidth=1e6)
+    assert plan.predict(12, 3, one, one, slow_net).seconds > p3.seconds + 4 * 1.5
+
+
+def test_multilevel_beats_serial_on_many_ranks():
+    costs = plan.Costs(step_seconds=1e-3, vjp_seconds=1e-3, message_bytes=1e5)
+    o = MGRITOptions(max_levels=3, cfactor=4, max_iters=2, nrelax=0, skip_first_downcycle=True)
+    preds = plan.sweep(1024, [1, 16, 64], o, o, costs)
+    assert preds[0].speedup < 1 < preds[1].speedup < preds[2].speedup
+    best, fwd, bwd = plan.recommend(1024, 64, costs)
+    assert best.seconds <= preds[2].seconds and fwd.max_iters == 2 and bwd.max_iters == 1
+
+
+def test_bad_arguments():
+    o = MGRITOptions()
+    with pytest.raises(ValueError, match="ranks=9 is more than num_steps=8"):
+        plan.schedule(8, 9, o)
+    with pytest.raises(ValueError, match="num_steps must be an int >= 1, got 0"):
+        plan.schedule(0, 1, o)
+    with pytest.raises(ValueError, match=r"Costs.step_seconds must be a finite number >= 0, got -1"):
+        plan.Costs(step_seconds=-1, vjp_seconds=1)
+    with pytest.raises(ValueError, match="Costs.bandwidth must be > 0, got 0"):
+        plan.Costs(1, 1, bandwidth=0)
+    with pytest.raises(ValueError, match="data_parallel must be an int >= 1, got 0"):
+        plan.predict(8, 2, o, o, plan.Costs(1, 1), data_parallel=0)
+    with pytest.raises(SystemExit):
+        plan.main(["--steps", "8"])  # no costs given
+
+
+def test_command_line(capsys):
+    plan.main(["--steps", "64", "--ranks", "1", "4", "--step-seconds", "1e-3", "--vjp-seconds",
+               "1e-3", "--levels", "2", "--recommend"])
+    out = capsys.readouterr().out
+    assert "speedup" in out and "best:" in out
+    assert len([ln for ln in out.splitlines() if ln.strip().startswith(("1 ", "4 "))]) == 2
