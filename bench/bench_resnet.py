@@ -147,20 +147,11 @@ def main():
             result["serial_seconds"] = statistics.median(serial_times)
             result["ratio"] = lp_time / result["serial_seconds"]
             # serial cost of one step forward and one VJP, for the work model
-            layer = serial.layers[0]
+            from layerbraid.plan import measure_step
+
             h = torch.randn(args.batch, args.channels, 28, 28)
-            tf, tb = [], []
-            for k in range(20):
-                hh = h.clone().requires_grad_(True)
-                t0 = time.perf_counter()
-                y = hh + 0.1 * layer(hh)
-                t1 = time.perf_counter()
-                torch.autograd.grad(y, hh, torch.ones_like(y))
-                t2 = time.perf_counter()
-                tf.append(t1 - t0)
-                tb.append(t2 - t1)
-            result["step_seconds"] = statistics.median(tf)
-            result["vjp_seconds"] = statistics.median(tb)
+            (result["step_seconds"], result["vjp_seconds"],
+             result["vjp_param_seconds"]) = measure_step(serial.layers[0], h)
         print(json.dumps(result))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ConvBlock", "LPBatchNorm1d", "LPBatchNorm2d", "LPBatchNorm3d"]
+__all__ = ["ConvBlock", "LPBatchNorm1d", "LPBatchNorm2d", "LPBatchNorm3d", "LayerParallelGRU",
+           "LayerParallelLSTM"]
 
 
 class _SolveState(threading.local):
@@ -124,3 +125,6 @@ class ConvBlock(nn.Module):
 
     def forward(self, x):
         return F.relu(self.conv2(F.relu(self.conv1(x))))
+
+
+from .rnn import LayerParallelGRU, LayerParallelLSTM  # noqa: E402

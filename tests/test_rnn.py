@@ -1,0 +1,92 @@
+"""LayerParallelGRU / LayerParallelLSTM against nn.GRU / nn.LSTM with the same weights."""
+import pytest
+import torch
+from mpi4py import MPI
+
+from layerbraid import MGRITOptions
+from layerbraid.nn import LayerParallelGRU, LayerParallelLSTM
+from tolerances import CONVERGED, ROUNDOFF
+
+WORLD = MPI.COMM_WORLD
+PAIRS = [(LayerParallelGRU, torch.nn.GRU), (LayerParallelLSTM, torch.nn.LSTM)]
+
+
+@pytest.fixture(autouse=True)
+def _all_float64(float64):
+    pass
+
+
+def compare(cls, ref_cls, seq, tol, opts=None, layers=2, with_h0=False):
+    torch.manual_seed(0)
+    model = cls(3, 5, num_layers=layers, comm=WORLD, forward_options=opts,
+                backward_options=opts)
+    ref = ref_cls(3, 5, num_layers=layers, batch_first=True)
+    ref.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, seq, 3, generator=g)
+    hx = None
+    if with_h0:
+        h = torch.randn(layers, 4, 5, generator=g)
+        hx = (h, torch.randn(layers, 4, 5, generator=g)) if cls is LayerParallelLSTM else h
+    results = []
+    for net in (model, ref):
+        xx = x.clone().requires_grad_(True)
+        hh = None
+        if hx is not None:
+            hh = tuple(t.clone().requires_grad_(True) for t in hx) if isinstance(hx, tuple) \
+                else hx.clone().requires_grad_(True)
+        out, hn = net(xx, hh)
+        h_last = hn[0] if isinstance(hn, tuple) else hn
+        loss = (out * torch.linspace(-1, 1, seq).view(1, seq, 1)).pow(2).sum() + h_last.sum()
+        if isinstance(hn, tuple):
+            loss = loss + hn[1].pow(2).sum()
+        net.zero_grad()
+        loss.backward()
+        grads = [p.grad.clone() for p in net.parameters()]
+        hgrad = None
+        if hh is not None:
+            hgrad = [t.grad for t in hh] if isinstance(hh, tuple) else [hh.grad]
+        results.append((out.detach(), xx.grad, grads, hgrad))
+    (o1, gx1, gp1, gh1), (o2, gx2, gp2, gh2) = results
+    torch.testing.assert_close(o1, o2, rtol=tol, atol=tol)
+    torch.testing.assert_close(gx1, gx2, rtol=tol, atol=tol)
+    for a, b in zip(gp1, gp2):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    if gh1 is not None:
+        for a, b in zip(gh1, gh2):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    return model
+
+
+@pytest.mark.parallel([1, 2, 3, 4])
+def test_exact_mode_equals_torch_rnns():
+    for cls, ref in PAIRS:
+        for seq in (8, 13):  # 13: not divisible by the ranks
+            compare(cls, ref, seq, ROUNDOFF, with_h0=seq == 13)
+
+
+@pytest.mark.parallel([1, 3])
+def test_multilevel_converges_to_torch_rnns():
+    opts = MGRITOptions(max_levels=3, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
+    for cls, ref in PAIRS:
+        model = compare(cls, ref, 16, CONVERGED, opts)
+        assert all(norms[-1] < 1e-13 for _, norms in model.forward_stats)
+
+
+@pytest.mark.parallel([1, 2])
+def test_bad_shapes_are_clear_errors():
+    gru = LayerParallelGRU(3, 5, comm=WORLD)
+    with pytest.raises(ValueError, match=r"expects input of shape \(batch, seq, 3\), got \(4, 6\)"):
+        gru(torch.randn(4, 6))
+    with pytest.raises(ValueError, match=r"expects input of shape \(batch, seq, 3\), got \(4, 6, 2\)"):
+        gru(torch.randn(4, 6, 2))
+    with pytest.raises(ValueError, match=r"h0 of shape \(1, 4, 5\)"):
+        gru(torch.randn(4, 6, 3), torch.randn(1, 3, 5))
+    lstm = LayerParallelLSTM(3, 5, comm=WORLD)
+    with pytest.raises(ValueError, match=r"hx = \(h0, c0\)"):
+        lstm(torch.randn(4, 6, 3), torch.randn(1, 4, 5))
+    with pytest.raises(ValueError, match="hidden_size must be an int >= 1, got 0"):
+        LayerParallelGRU(3, 0, comm=WORLD)
+    if WORLD.size > 1:
+        with pytest.raises(ValueError, match="fewer than the 2 ranks"):
+            gru(torch.randn(4, 1, 3))
