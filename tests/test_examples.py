@@ -75,3 +75,14 @@ def test_tiny_imagenet_without_data_says_so():
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_imagenet.py")],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "ships in no package" in proc.stderr
+
+
+def test_sequence_classification_layer_parallel_equals_serial_in_exact_mode(tmp_path):
+    common = ["--task", "synthetic", "--length", "40", "--epochs", "1", "--max-batches", "25",
+              "--test-limit", "300", "--log-interval", "5", "--channels", "16"]
+    run(2, "sequence_classification.py", *common, "--lp-levels", "1", "--out-dir", tmp_path / "lp")
+    run(0, "sequence_classification.py", *common, "--serial", "--out-dir", tmp_path / "serial")
+    lp, ser = metrics(tmp_path / "lp")["history"][0], metrics(tmp_path / "serial")["history"][0]
+    assert lp["first_losses"] == pytest.approx(ser["first_losses"], rel=1e-4)
+    assert lp["train_loss"] == pytest.approx(ser["train_loss"], rel=1e-3)
+    assert sum(lp["last_losses"]) < sum(lp["first_losses"])

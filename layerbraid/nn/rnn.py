@@ -1,9 +1,12 @@
 """Layer-parallel GRU and LSTM: the recurrence over sequence time is the ODE that MGRIT solves.
 
-Each step is the cell update written as an ODE step, ``h <- h + dt * (cell(x_t, h) - h)``; on
-the fine level ``dt = 1``, so the step is exactly the cell (to round-off) and one MGRIT level
-reproduces ``nn.GRU`` / ``nn.LSTM``; coarse levels take ``dt = cfactor^l`` with the input at the
-coarse step's start.  The sequence is split over the ranks of the communicator; every rank holds
+Each step is the cell update written as an ODE step, ``h <- h + theta(dt) * (cell(x_t, h) - h)``
+with ``theta(1) = 1``: on the fine level (``dt = 1``) the step is exactly the cell (to round-off),
+so one MGRIT level reproduces ``nn.GRU`` / ``nn.LSTM``.  A coarse step spans ``dt = m`` fine steps
+and reads the input at its start.  ``coarse_rule="cell"`` (default) takes ``theta = 1``: one
+cell update per coarse step, a GRU reading every m-th input, which is stable for any m.
+``coarse_rule="euler"`` takes ``theta = dt``, forward Euler on ``h' = cell - h``, whose
+amplification ``|1 - dt|`` exceeds 1 beyond ``dt = 2`` (coarse levels then diverge).  The sequence is split over the ranks of the communicator; every rank holds
 the same weights (shared over time), and their gradients are summed over the ranks.
 
 Note [rnn adjoint]: the loss depends on every output h_t, so the adjoint equation has a source:
@@ -43,10 +46,13 @@ class _LayerParallelRNN(nn.Module):
     _lstm = False
 
     def __init__(self, input_size, hidden_size, num_layers=1, *, batch_first=True, bias=True,
-                 comm=None, forward_options=None, backward_options=None):
+                 comm=None, forward_options=None, backward_options=None, coarse_rule="cell"):
         super().__init__()
         from mpi4py import MPI
 
+        if coarse_rule not in ("cell", "euler"):
+            raise ValueError(f"coarse_rule must be 'cell' or 'euler', got {coarse_rule!r}")
+        self.coarse_rule = coarse_rule
         if not batch_first:
             raise ValueError("layer-parallel RNNs take batch_first=True inputs "
                              "(batch, seq, features)")
@@ -196,8 +202,11 @@ class _LayerParallelRNN(nn.Module):
             with torch.enable_grad():
                 f = self._cell_minus_h(xg, sg, run.params)
             run.graphs[index] = (sg, xg, f)
-            return s + (t1 - t0) * f.detach()
-        return s + (t1 - t0) * self._cell_minus_h(xs, s, run.params)
+            return s + self._theta(t1 - t0) * f.detach()
+        return s + self._theta(t1 - t0) * self._cell_minus_h(xs, s, run.params)
+
+    def _theta(self, dt):
+        return dt if self.coarse_rule == "euler" else 1.0
 
     # ------------------------------------------------------------------ backward
     def _backward_layer(self, k, run, grad_states):
@@ -240,7 +249,7 @@ class _LayerParallelRNN(nn.Module):
         seq = run.g.shape[1]
         s = seq - index - run.strides[level]  # forward step (owned, Note [rnn adjoint])
         sg, xg, f = run.graphs[s]
-        dtw = (t1 - t0) * w
+        dtw = self._theta(t1 - t0) * w
         if level == 0 and done:
             wants = [sg] + ([xg] if xg.requires_grad else []) + \
                 [p for p in run.params if p.requires_grad]
@@ -293,6 +302,7 @@ class LayerParallelGRU(_LayerParallelRNN):
         input_size, hidden_size, num_layers, bias: as nn.GRU (the parameters have nn.GRU's names).
         comm: mpi4py communicator or ProcessGrid (its layer group) (default COMM_WORLD).
         forward_options, backward_options: MGRITOptions (default one level: exact).
+        coarse_rule: "cell" (default) or "euler": the coarse-level step (module docstring).
     """
 
 
