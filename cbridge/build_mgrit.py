@@ -29,6 +29,8 @@ typedef struct {
   int (*bufsize)(void *, mgrit_vec, int64_t *);
   int (*pack)(void *, mgrit_vec, void *, int64_t);
   int (*unpack)(void *, void *, int64_t, mgrit_vec *);
+  int (*coarsen)(void *, mgrit_vec, int, mgrit_vec *);
+  int (*refine)(void *, mgrit_vec, int, mgrit_vec *);
 } mgrit_callbacks;
 typedef struct mgrit_core mgrit_core;
 
@@ -84,6 +86,8 @@ extern "Python" int _lb_step(void *, mgrit_vec, double, double, int, int64_t, in
 extern "Python" int _lb_bufsize(void *, mgrit_vec, int64_t *);
 extern "Python" int _lb_pack(void *, mgrit_vec, void *, int64_t);
 extern "Python" int _lb_unpack(void *, void *, int64_t, mgrit_vec *);
+extern "Python" int _lb_coarsen(void *, mgrit_vec, int, mgrit_vec *);
+extern "Python" int _lb_refine(void *, mgrit_vec, int, mgrit_vec *);
 """
 
 

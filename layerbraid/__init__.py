@@ -4,14 +4,14 @@ from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions
 
 __all__ = ["MGRIT", "MGRITResult", "MGRITOptions", "LayerParallelModule", "SolveStats",
-           "ProcessGrid", "shard_batches", "MGRITError", "RemoteRankError",
+           "SpatialCoarsening", "ProcessGrid", "shard_batches", "MGRITError", "RemoteRankError",
            "DivergenceError"]
 __version__ = "0.1.0"
 
 # The names that need torch load on first use, so that the general solver works (and imports
 # fast) without it.
 _LAZY = {"LayerParallelModule": "module", "SolveStats": "module", "ProcessGrid": "grid",
-         "shard_batches": "grid"}
+         "shard_batches": "grid", "SpatialCoarsening": "coarsening"}
 
 
 def __getattr__(name):

@@ -123,15 +123,18 @@ class _Core:
         init: ``init(t, index) -> state``: the initial value at index 0, the guess elsewhere.
         step: ``step(u, t_start, t_stop, level, index, done) -> state`` (must not modify u).
         trace: record the schedule.
+        coarsen, refine: optional spatial transfers ``coarsen(x, level)`` (level -> level+1)
+            and ``refine(e, level)`` (level -> level-1).
         mirror: give the extra steps (N % P) to the last ranks instead of the first, for a solve
             backward in time on the reversed communicator.
     """
 
     def __init__(self, comm, num_steps, t_start, t_stop, options, init, step, trace=False,
-                 mirror=False):
+                 mirror=False, coarsen=None, refine=None):
         from mpi4py import MPI
 
         self._init_fn, self._step_fn = init, step
+        self._coarsen_fn, self._refine_fn = coarsen, refine
         self._table = {}
         self._next = 0
         self._error = None
@@ -144,6 +147,10 @@ class _Core:
         cbs.init, cbs.clone, cbs.free = lib._lb_init, lib._lb_clone, lib._lb_free
         cbs.sum, cbs.norm, cbs.step = lib._lb_sum, lib._lb_norm, lib._lb_step
         cbs.bufsize, cbs.pack, cbs.unpack = lib._lb_bufsize, lib._lb_pack, lib._lb_unpack
+        if coarsen is not None:
+            cbs.coarsen = lib._lb_coarsen
+        if refine is not None:
+            cbs.refine = lib._lb_refine
         self._cbs = cbs
         out = ffi.new("mgrit_core **")
         comm_ptr = ffi.cast("MPI_Comm *", MPI._addressof(comm))
@@ -435,3 +442,23 @@ def _lb_unpack(app, buf, nbytes, out):
         return 0
     except BaseException as exc:
         return self._fail(exc, "unpack")
+
+
+@ffi.def_extern()
+def _lb_coarsen(app, x, level, out):
+    self = ffi.from_handle(app)
+    try:
+        out[0] = self._put(self._coarsen_fn(self._table[x], level))
+        return 0
+    except BaseException as exc:
+        return self._fail(exc, "coarsen")
+
+
+@ffi.def_extern()
+def _lb_refine(app, x, level, out):
+    self = ffi.from_handle(app)
+    try:
+        out[0] = self._put(self._refine_fn(self._table[x], level))
+        return 0
+    except BaseException as exc:
+        return self._fail(exc, "refine")

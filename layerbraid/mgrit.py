@@ -42,6 +42,9 @@ class MGRIT:
         options: an :class:`MGRITOptions`.
         comm: an mpi4py communicator (default ``MPI.COMM_WORLD``).
         trace: record the schedule (``result.trace``).
+        coarsen, refine: optional spatial transfers: ``coarsen(x, level)`` gives x on level+1's
+            spatial grid (used for states and FAS residuals), ``refine(e, level)`` gives a
+            correction on level-1's grid.  Steps on level l then see level l's grid.
 
     States are numpy arrays or torch tensors of any shape and dtype; they cross ranks as raw
     bytes, so float64 stays float64.
@@ -49,7 +52,7 @@ class MGRIT:
 
     def __init__(self, step: Callable, init: Callable, num_steps: int, t_start: float = 0.0,
                  t_stop: float = 1.0, *, options: MGRITOptions = None, comm=None,
-                 trace: bool = False):
+                 trace: bool = False, coarsen: Callable = None, refine: Callable = None):
         from mpi4py import MPI
 
         from ._bridge import _Core
@@ -70,7 +73,7 @@ class MGRIT:
         self._core = _Core(self.comm, num_steps, t_start, t_stop, options,
                            init=lambda t, index: init(t),
                            step=lambda u, t0, t1, level, index, done: step(u, t0, t1, level),
-                           trace=trace)
+                           trace=trace, coarsen=coarsen, refine=refine)
         self._trace = trace
 
     def solve(self) -> MGRITResult:

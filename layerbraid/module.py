@@ -88,6 +88,8 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
             on every rank.  ``"next"``: the output only on the first rank (a placeholder on the
             others), to feed the next layer-parallel stage of a network whose state changes
             shape between stages (see examples/tiny_imagenet.py).
+        spatial: a :class:`layerbraid.SpatialCoarsening`: coarse MGRIT levels also coarse in
+            space (convolutional step layers then run on the coarse grid).
 
     Both solves always finish with an FC relaxation (``final_fc_relax`` is forced on): that is
     when each layer runs once more to record the graph that backward differentiates.
@@ -96,7 +98,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
     def __init__(self, num_steps: int, t_final: float = 1.0, comm=None, *,
                  forward_options: Optional[MGRITOptions] = None,
                  backward_options: Optional[MGRITOptions] = None,
-                 warm_start: bool = False, output: str = "all"):
+                 warm_start: bool = False, output: str = "all", spatial=None):
         super().__init__()
         from mpi4py import MPI
 
@@ -124,6 +126,11 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         if output not in ("all", "next"):
             raise ValueError(f"output must be 'all' or 'next', got {output!r}")
         self.output = output
+        from .coarsening import SpatialCoarsening
+
+        if spatial is not None and not isinstance(spatial, SpatialCoarsening):
+            raise TypeError(f"spatial must be a SpatialCoarsening, got {type(spatial).__name__}")
+        object.__setattr__(self, "spatial", spatial)
         self.open = None
         self.close = None
         self.layers = nn.ModuleDict()
@@ -156,8 +163,11 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
 
         comm = self._comm
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
+        sp = self.spatial
         self._fwd = _Core(comm, self.num_steps, 0.0, self.t_final, self.forward_options,
-                          init=self._fwd_init, step=self._fwd_step)
+                          init=self._fwd_init, step=self._fwd_step,
+                          coarsen=sp.restrict if sp else None,
+                          refine=sp.interpolate if sp else None)
         self._fwd.setup()  # collective: options must agree across ranks
         levels = self._fwd.level_info()
         lo, hi, _ = levels[0]
@@ -191,7 +201,8 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         self._rev_comm = comm.Split(0, self._size - 1 - self._rank)
         self._bwd = _Core(self._rev_comm, self.num_steps, 0.0, self.t_final,
                           self.backward_options, init=self._bwd_init, step=self._bwd_step,
-                          mirror=True)
+                          mirror=True, coarsen=sp.restrict_adjoint if sp else None,
+                          refine=sp.interpolate_adjoint if sp else None)
         self._bwd.setup()
         self._bwd_strides = [m for (_, _, m) in self._bwd.level_info()]
         alo, ahi, _ = self._bwd.level_info()[0]
@@ -263,6 +274,8 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
                              f"shape {meta[2]} went through the open layer: {meta[1]}")
         shape, dtype, device = meta
         device = torch.device(device)
+        if self.spatial is not None:  # the same check, and error, on every rank
+            self.spatial.check(shape, max(self._fwd.num_levels(), self._bwd.num_levels()))
         record = torch.is_grad_enabled()
         if h0 is None:
             # Not used by the solve; but when x comes from an earlier stage it must stay in the
@@ -427,6 +440,13 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         run = self._run
         s = self.num_steps - index - self._bwd_strides[level]
         xg, y = run.graphs[s]
+        if level > 0 and self.spatial is not None and self.spatial.factor(level) > 0:
+            # A coarse grid in space: linearize at the fine state restricted to that grid.
+            with torch.enable_grad():
+                xr = self.spatial.to_level(xg.detach(), level).requires_grad_(True)
+                yr = self.step_rule(self.layers[str(s)], xr, t1 - t0, s)
+                gx, = torch.autograd.grad(yr, xr, w, allow_unused=True)
+            return gx if gx is not None else torch.zeros_like(w)
         if self._euler:  # y is f(x): x + dt f(x) has the VJP w + f'(x)^T (dt w), for any dt
             dtw = (t1 - t0) * w
             if level == 0 and done:

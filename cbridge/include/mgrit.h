@@ -74,6 +74,11 @@ typedef struct mgrit_callbacks {
   int (*bufsize)(void *app, mgrit_vec x, int64_t *nbytes);
   int (*pack)(void *app, mgrit_vec x, void *buf, int64_t nbytes);
   int (*unpack)(void *app, void *buf, int64_t nbytes, mgrit_vec *out);
+  /* Optional spatial transfers (NULL: states keep their size on every level).  coarsen maps a
+   * state of level `level` to level+1 (the restriction of states and FAS residuals); refine maps
+   * a correction of level `level` to level-1 (the interpolation). */
+  int (*coarsen)(void *app, mgrit_vec x, int level, mgrit_vec *out);
+  int (*refine)(void *app, mgrit_vec x, int level, mgrit_vec *out);
 } mgrit_callbacks;
 
 typedef struct mgrit_core mgrit_core; /* opaque */

@@ -12,7 +12,14 @@ int _mgrit_correct(mgrit_core *core, int l) {
     _mgrit_trace(core, l, MGRIT_OP_CORRECT, k, -1, 0);
     mgrit_vec e = C->u[k - C->lo];
     _mgrit_sum(core, -1.0, C->v[k - C->lo], 1.0, e);
-    _mgrit_sum(core, 1.0, e, 1.0, F->u[k * F->cf - F->lo]);
+    if (core->cb.refine) { /* interpolate the correction back to the finer grid */
+      mgrit_vec ef = MGRIT_NONE;
+      _MGRIT_CB(core, core->cb.refine(core->app, e, l, &ef));
+      _mgrit_sum(core, 1.0, ef, 1.0, F->u[k * F->cf - F->lo]);
+      _mgrit_set(core, &ef, MGRIT_NONE);
+    } else {
+      _mgrit_sum(core, 1.0, e, 1.0, F->u[k * F->cf - F->lo]);
+    }
   }
   _mgrit_free_level_states(core, l);
   return MGRIT_OK;

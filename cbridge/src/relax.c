@@ -15,6 +15,15 @@ mgrit_vec _mgrit_clone(mgrit_core *core, mgrit_vec x) {
   return core->err ? MGRIT_NONE : out;
 }
 
+/* A new state: x (of level l) carried to level l+1, in space too when the application coarsens. */
+mgrit_vec _mgrit_coarsen(mgrit_core *core, int l, mgrit_vec x) {
+  mgrit_vec out = MGRIT_NONE;
+  if (x == MGRIT_NONE) return MGRIT_NONE;
+  if (!core->cb.coarsen) return _mgrit_clone(core, x);
+  _MGRIT_CB(core, core->cb.coarsen(core->app, x, l, &out));
+  return core->err ? MGRIT_NONE : out;
+}
+
 void _mgrit_sum(mgrit_core *core, double a, mgrit_vec x, double b, mgrit_vec y) {
   if (x == MGRIT_NONE || y == MGRIT_NONE) return;
   _MGRIT_CB(core, core->cb.sum(core->app, a, x, b, y));

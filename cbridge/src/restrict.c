@@ -5,7 +5,8 @@
 
 /* Restrict level l to level l+1: an F-sweep, then at each C-point c >= cf the residual
  * r_c = Phi_l(u_{c-1}) (+ g_c) - u_c; coarse values v_k = u_{k cf}; coarse right-hand side
- * g_k = r_{k cf} + v_k - Phi_{l+1}(v_{k-1}); the coarse unknowns start at v.  On level 0 the
+ * g_k = r_{k cf} + v_k - Phi_{l+1}(v_{k-1}); the coarse unknowns start at v.  With spatial
+ * transfers, v and r are coarsened in space too (the application's coarsen).  On level 0 the
  * squared residual norms are added to *sumsq. */
 int _mgrit_restrict(mgrit_core *core, int l, double *sumsq) {
   _mgrit_level *L = &core->levels[l], *C = &core->levels[l + 1];
@@ -13,7 +14,7 @@ int _mgrit_restrict(mgrit_core *core, int l, double *sumsq) {
   int rc;
   /* C-values do not change in an F-sweep: v can be formed, and its ghost sent, up front. */
   for (int64_t k = C->lo; k <= C->hi; k++)
-    _mgrit_set(core, &C->v[k - C->lo], _mgrit_clone(core, L->u[k * cf - L->lo]));
+    _mgrit_set(core, &C->v[k - C->lo], _mgrit_coarsen(core, l, L->u[k * cf - L->lo]));
   if (C->lo <= C->hi &&
       (rc = _mgrit_send(core, C->right, _mgrit_tag(l + 1, 1), l + 1, C->hi, C->v[C->hi - C->lo])))
     return rc;
@@ -27,6 +28,11 @@ int _mgrit_restrict(mgrit_core *core, int l, double *sumsq) {
       double nrm = 0.0;
       _MGRIT_CB(core, core->cb.norm(core->app, r, &nrm));
       *sumsq += nrm * nrm;
+    }
+    if (core->cb.coarsen) { /* the residual moves to the coarse grid like the states */
+      mgrit_vec rc = _mgrit_coarsen(core, l, r);
+      _mgrit_set(core, &r, MGRIT_NONE);
+      r = rc;
     }
     _mgrit_set(core, &C->g[k - C->lo], r);
   }
@@ -54,7 +60,7 @@ int _mgrit_restrict(mgrit_core *core, int l, double *sumsq) {
 int _mgrit_inject(mgrit_core *core, int l) {
   _mgrit_level *L = &core->levels[l], *C = &core->levels[l + 1];
   for (int64_t k = C->lo; k <= C->hi; k++) {
-    _mgrit_set(core, &C->v[k - C->lo], _mgrit_clone(core, L->u[k * L->cf - L->lo]));
+    _mgrit_set(core, &C->v[k - C->lo], _mgrit_coarsen(core, l, L->u[k * L->cf - L->lo]));
     _mgrit_set(core, &C->u[k - C->lo], _mgrit_clone(core, C->v[k - C->lo]));
     _mgrit_set(core, &C->g[k - C->lo], MGRIT_NONE);
   }

@@ -1,0 +1,119 @@
+"""Spatial coarsening on coarse MGRIT levels."""
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+import layerbraid
+from layerbraid import LayerParallelModule, MGRITOptions, SpatialCoarsening
+from layerbraid.nn import ConvBlock
+from tolerances import CONVERGED, ROUNDOFF
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.fixture(autouse=True)
+def _all_float64(float64):
+    pass
+
+
+def inner(a, b):
+    return float((a * b).sum())
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_transfers_are_adjoint_as_documented(dims):
+    sp = SpatialCoarsening(levels=[1])
+    g = torch.Generator().manual_seed(dims)
+    fine = (2, 3) + (8,) * dims
+    coarse = (2, 3) + (4,) * dims
+    x, y = torch.randn(fine, generator=g), torch.randn(coarse, generator=g)
+    # full weighting is 2^-d times the transpose of (bi/tri)linear interpolation
+    assert inner(sp.restrict(x, 0), y) == pytest.approx(inner(x, sp.interpolate(y, 1)) / 2 ** dims,
+                                                         rel=ROUNDOFF)
+    # the adjoint solve's transfers are the transposes of the forward ones
+    assert inner(sp.interpolate(y, 1), x) == pytest.approx(inner(y, sp.restrict_adjoint(x, 0)),
+                                                           rel=ROUNDOFF)
+    assert inner(sp.restrict(x, 0), y) == pytest.approx(inner(x, sp.interpolate_adjoint(y, 1)),
+                                                        rel=ROUNDOFF)
+    # restriction keeps constants, interpolation too
+    ones = torch.ones(fine)
+    torch.testing.assert_close(sp.restrict(ones, 0), torch.ones(coarse))
+    torch.testing.assert_close(sp.interpolate(torch.ones(coarse), 1), ones)
+
+
+def test_other_transfers_and_levels_that_stay_fine():
+    sp = SpatialCoarsening(levels=[2], restrict="average", interpolate="nearest")
+    x = torch.arange(16.0).view(1, 1, 4, 4)
+    assert torch.equal(sp.restrict(x, 0), x)  # level 1 is not coarse in space
+    torch.testing.assert_close(sp.restrict(x, 1), F.avg_pool2d(x, 2))
+    assert sp.interpolate(sp.restrict(x, 1), 2).shape == x.shape
+    inj = SpatialCoarsening(levels=[1], restrict="inject")
+    assert torch.equal(inj.restrict(x, 0), x[:, :, ::2, ::2])
+    custom = SpatialCoarsening(levels=[1], restrict=lambda x, lv: x[..., ::2, ::2] * 1.0,
+                               interpolate=lambda e, lv: e.repeat_interleave(2, -1)
+                               .repeat_interleave(2, -2))
+    y = torch.randn(1, 1, 2, 2, dtype=torch.float64)
+    assert inner(custom.restrict(x, 0), y) == pytest.approx(
+        inner(x, custom.interpolate_adjoint(y, 1)))
+
+
+def test_bad_arguments_and_grid_sizes():
+    with pytest.raises(ValueError, match=r"levels >= 1, got \(0,\)"):
+        SpatialCoarsening(levels=[0])
+    with pytest.raises(ValueError, match="restrict must be"):
+        SpatialCoarsening(levels=[1], restrict="cubic")
+    sp = SpatialCoarsening(levels=[1, 2])
+    with pytest.raises(ValueError, match=r"multiple of 4 and at least 8, but the state has "
+                                         r"spatial shape \(12, 6\)"):
+        sp.check((2, 3, 12, 6), 3)
+    with pytest.raises(ValueError, match=r"spatial shape \(9, 9\)"):
+        SpatialCoarsening(levels=[1]).check((2, 3, 9, 9), 2)
+    sp.check((2, 3, 16, 8), 3)
+    SpatialCoarsening(levels=[1]).check((2, 3, 9, 9), 1)  # one MGRIT level: nothing to halve
+
+
+class Net(LayerParallelModule):
+    def __init__(self, comm, size, dims, **kw):
+        super().__init__(num_steps=8, comm=comm, **kw)
+        self.dims = dims
+        conv = nn.Conv3d if dims == 3 else nn.Conv2d
+        self.open = conv(1, 2, 3, padding=1)
+        self.close = nn.Sequential(nn.Flatten(), nn.Linear(2 * size ** dims, 3))
+
+    def step_layer(self, index):
+        return ConvBlock(2, dims=self.dims)
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_spatial_coarsening_converges_to_the_serial_answer():
+    """Coarse levels coarse in space: MGRIT still converges to serial PyTorch (fine level
+    unchanged), forward and adjoint, in 2D and 3D."""
+    for dims, size in ((2, 16), (3, 8)):
+        opts = MGRITOptions(max_levels=3, cfactor=2, max_iters=12, tol=1e-12, nrelax=1)
+        torch.manual_seed(0)
+        model = Net(WORLD, size, dims, forward_options=opts, backward_options=opts,
+                    spatial=SpatialCoarsening(levels=[1, 2]))
+        serial = model.to_serial()
+        x = torch.randn((3, 1) + (size,) * dims)
+        y = torch.tensor([0, 1, 2])
+        out = model(x)
+        F.cross_entropy(out, y).backward()
+        ref = serial(x)
+        F.cross_entropy(ref, y).backward()
+        torch.testing.assert_close(out, ref, rtol=CONVERGED, atol=CONVERGED)
+        for i, layer in model.owned_steps():
+            for p, q in zip(layer.parameters(), serial.layers[i].parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=CONVERGED, atol=CONVERGED)
+
+
+@pytest.mark.parallel([1, 2])
+def test_a_grid_too_small_for_the_levels_is_a_clear_error_on_every_rank():
+    opts = MGRITOptions(max_levels=3, cfactor=2, max_iters=2)
+    model = Net(WORLD, 6, 2, forward_options=opts, backward_options=opts,
+                spatial=SpatialCoarsening(levels=[1, 2]))
+    with pytest.raises(ValueError, match=r"spatial shape \(6, 6\)"):
+        model(torch.randn(2, 1, 6, 6))
+    with pytest.raises(TypeError, match="SpatialCoarsening"):
+        Net(WORLD, 6, 2, spatial=[1, 2])
