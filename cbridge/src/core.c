@@ -11,15 +11,9 @@
     return MGRIT_ERR_ARG;                                       \
   } while (0)
 
-int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
-                 const mgrit_callbacks *callbacks, void *app, mgrit_core **out) {
-  *out = NULL;
-  if (num_steps < 1 || !(tstop > tstart) || !callbacks) return MGRIT_ERR_ARG;
-  mgrit_core *core = calloc(1, sizeof *core);
-  if (!core) return MGRIT_ERR_NOMEM;
-  MPI_Comm_dup(*comm, &core->c.comm);
-  MPI_Comm_rank(core->c.comm, &core->c.rank);
-  MPI_Comm_size(core->c.comm, &core->c.size);
+/* The problem, and XBraid's defaults for the options. */
+static void defaults(mgrit_core *core, int64_t num_steps, double tstart, double tstop,
+                     const mgrit_callbacks *callbacks, void *app) {
   core->cb = *callbacks;
   core->app = app;
   core->nsteps = num_steps;
@@ -34,6 +28,18 @@ int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
   core->o.tol = 1e-9;
   core->o.cycle = MGRIT_CYCLE_V;
   core->o.min_coarse = 2;
+}
+
+int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
+                 const mgrit_callbacks *callbacks, void *app, mgrit_core **out) {
+  *out = NULL;
+  if (num_steps < 1 || !(tstop > tstart) || !callbacks) return MGRIT_ERR_ARG;
+  mgrit_core *core = calloc(1, sizeof *core);
+  if (!core) return MGRIT_ERR_NOMEM;
+  MPI_Comm_dup(*comm, &core->c.comm);
+  MPI_Comm_rank(core->c.comm, &core->c.rank);
+  MPI_Comm_size(core->c.comm, &core->c.size);
+  defaults(core, num_steps, tstart, tstop, callbacks, app);
   *out = core;
   return MGRIT_OK;
 }
@@ -75,18 +81,7 @@ int mgrit_create_virtual(int64_t num_steps, double tstart, double tstop, int ran
   core->virt = 1;
   core->c.rank = rank;
   core->c.size = size;
-  core->cb = none;
-  core->nsteps = num_steps;
-  core->tstart = tstart;
-  core->tstop = tstop;
-  core->failed_rank = -1;
-  core->o.max_levels = 1;
-  core->o.ncf = core->o.nnr = 1;
-  core->o.cf[0] = 2;
-  core->o.nrelax[0] = 1;
-  core->o.max_iters = 100;
-  core->o.cycle = MGRIT_CYCLE_V;
-  core->o.min_coarse = 2;
+  defaults(core, num_steps, tstart, tstop, &none, NULL);
   core->o.trace = 1;
   *out = core;
   return MGRIT_OK;
