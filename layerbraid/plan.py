@@ -25,7 +25,7 @@ import numpy as np
 from .options import MGRITOptions
 
 __all__ = ["Costs", "Prediction", "schedule", "step_counts", "simulate", "predict", "sweep",
-           "recommend", "measure_step"]
+           "recommend", "measure_step", "spatial_scale"]
 
 _STEP_OPS = ("fstep", "cstep", "rstep", "gstep", "seqstep")
 
@@ -42,6 +42,9 @@ class Costs:
         message_bytes: bytes of one state (batch x channels x height x width x dtype size).
         latency: seconds per message; bandwidth: bytes per second.
         param_bytes: bytes of one rank's parameters (data parallelism averages them).
+        level_scale: optional cost multipliers of a step (and message) on MGRIT level 0, 1, ...
+            (the last repeated), e.g. ``(1, 1/8, 1/64)`` for 3D spatial coarsening on levels 1
+            and 2 (see :func:`spatial_scale`).
     """
 
     step_seconds: float
@@ -51,8 +54,15 @@ class Costs:
     latency: float = 5e-6
     bandwidth: float = 10e9
     param_bytes: float = 0.0
+    level_scale: Optional[tuple] = None
 
     def __post_init__(self):
+        if self.level_scale is not None:
+            scale = tuple(float(v) for v in self.level_scale)
+            if not scale or any(not v > 0 for v in scale):
+                raise ValueError(f"Costs.level_scale must be positive numbers, got "
+                                 f"{self.level_scale!r}")
+            object.__setattr__(self, "level_scale", scale)
         for name in ("step_seconds", "vjp_seconds", "message_bytes", "latency", "param_bytes"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 \
@@ -129,7 +139,18 @@ def step_counts(traces) -> List[Dict[int, int]]:
     return out
 
 
-def simulate(traces, step_cost, done_cost, message_seconds, latency):
+def spatial_scale(levels, dims, num_levels=16):
+    """Costs.level_scale for spatial coarsening on `levels` in `dims` dimensions: each coarsened
+    level divides a step's work (and a message) by 2^dims."""
+    out, f = [], 1.0
+    for lv in range(num_levels):
+        if lv in set(levels):
+            f /= 2 ** dims
+        out.append(f)
+    return tuple(out)
+
+
+def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale=None):
     """The time at which the last rank finishes, walking every rank's actions (seconds)."""
     from ._bridge import OPS
 
@@ -152,11 +173,15 @@ def simulate(traces, step_cost, done_cost, message_seconds, latency):
             while a < n:
                 o = op[a]
                 if o in step_codes:
-                    t += done_cost if done[a] else step_cost
+                    f = 1.0 if level_scale is None else \
+                        level_scale[min(int(level[a]), len(level_scale) - 1)]
+                    t += done_cost if done[a] else f * step_cost
                 elif o == send:
                     t += latency
+                    f = 1.0 if level_scale is None else \
+                        level_scale[min(int(level[a]), len(level_scale) - 1)]
                     arrivals.setdefault((r, int(peer[a]), int(level[a]), int(index[a])),
-                                        []).append(t + message_seconds)
+                                        []).append(t + latency + f * (message_seconds - latency))
                 elif o == recv:
                     key = (int(peer[a]), r, int(level[a]), int(index[a]))
                     t = max(t, arrivals[key].pop(0))
@@ -188,9 +213,9 @@ def predict(num_steps: int, ranks: int, forward: MGRITOptions, backward: MGRITOp
     fwd_traces = schedule(num_steps, ranks, forward)
     bwd_traces = schedule(num_steps, ranks, backward, adjoint=True)
     tf = simulate(fwd_traces, share * costs.step_seconds, share * costs.step_seconds, msg,
-                  costs.latency)
+                  costs.latency, costs.level_scale)
     tb = simulate(bwd_traces, share * costs.vjp_seconds, share * costs.vjp_param_seconds, msg,
-                  costs.latency)
+                  costs.latency, costs.level_scale)
     total = tf + tb
     if data_parallel > 1:  # ring allreduce of the gradients of one rank's layers
         per_rank_bytes = costs.param_bytes / ranks

@@ -104,3 +104,14 @@ def test_command_line(capsys):
     out = capsys.readouterr().out
     assert "speedup" in out and "best:" in out
     assert len([ln for ln in out.splitlines() if ln.strip().startswith(("1 ", "4 "))]) == 2
+
+
+def test_spatial_coarsening_costs_less_in_the_model():
+    assert plan.spatial_scale((1, 2), 3, num_levels=4) == (1.0, 1 / 8, 1 / 64, 1 / 64)
+    o = MGRITOptions(max_levels=3, cfactor=4, max_iters=2, nrelax=0, skip_first_downcycle=True)
+    base = plan.Costs(1e-3, 1e-3, message_bytes=1e6)
+    sc = plan.Costs(1e-3, 1e-3, message_bytes=1e6, level_scale=plan.spatial_scale((1, 2), 3))
+    a, b = plan.predict(256, 16, o, o, base), plan.predict(256, 16, o, o, sc)
+    assert b.seconds < a.seconds and b.serial_seconds == a.serial_seconds
+    with pytest.raises(ValueError, match="level_scale must be positive"):
+        plan.Costs(1, 1, level_scale=(1, 0))
