@@ -86,3 +86,15 @@ def test_sequence_classification_layer_parallel_equals_serial_in_exact_mode(tmp_
     assert lp["first_losses"] == pytest.approx(ser["first_losses"], rel=1e-4)
     assert lp["train_loss"] == pytest.approx(ser["train_loss"], rel=1e-3)
     assert sum(lp["last_losses"]) < sum(lp["first_losses"])
+
+
+def test_volumes3d_with_spatial_coarsening_runs_and_checks_its_flags(tmp_path):
+    run(2, "volumes3d.py", "--size", 8, "--steps", 4, "--train-size", 64, "--epochs", 2,
+        "--max-batches", 4, "--batch-size", 8, "--lp-levels", 2, "--lp-sc-levels", 1,
+        "--test-limit", 32, "--out-dir", tmp_path)
+    hist = metrics(tmp_path)["history"]
+    assert len(hist) == 2 and all(h["batches"] == 4 for h in hist)
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "volumes3d.py"),
+                           "--lp-levels", "2", "--lp-sc-levels", "2"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--lp-sc-levels 2: levels 1 to 1" in proc.stderr
