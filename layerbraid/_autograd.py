@@ -15,8 +15,8 @@ class _ChainFn(torch.autograd.Function):
     """h0 (first rank) -> u_N (last rank) by a forward MGRIT solve; backward by an adjoint solve."""
 
     @staticmethod
-    def forward(ctx, model, record, h0, anchor, *params):
-        run = model._forward_solve(h0, record)
+    def forward(ctx, model, h0, anchor, *params):
+        run = model._forward_solve(h0)
         ctx.model, ctx.run = model, run
         ctx.num_params = len(params)
         return run.output
@@ -27,7 +27,7 @@ class _ChainFn(torch.autograd.Function):
         grad_h0, param_grads = model._backward_solve(run, grad_out)
         ctx.run = None  # the stored forward graphs are consumed
         assert len(param_grads) == ctx.num_params
-        return (None, None, grad_h0, None, *param_grads)
+        return (None, grad_h0, None, *param_grads)
 
 
 class _BroadcastFn(torch.autograd.Function):

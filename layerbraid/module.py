@@ -287,7 +287,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         self._pending_run = run
         anchor = self._anchor.to(device) if self._anchor.device != device else self._anchor
         params = self._owned_params()
-        out = _ChainFn.apply(self, record, h0, anchor, *params)
+        out = _ChainFn.apply(self, h0, anchor, *params)
         if last and self.close is not None:
             out = self.close(out)
         if self.output == "next":
@@ -328,7 +328,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
                     t.copy_(src)
                 off += n
 
-    def _forward_solve(self, h0, record):
+    def _forward_solve(self, h0):
         run = self._pending_run
         self._pending_run = None
         run.h0_requires_grad, run.h0_shape, run.h0_dtype = h0.requires_grad, h0.shape, h0.dtype
@@ -363,18 +363,18 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         return SolveStats(iters, norms, time.perf_counter() - t0, core.step_seconds,
                           core.comm_seconds()), states
 
-    def _guess(self, warm, index, run, like):
+    def _guess(self, warm, index, run):
+        """The previous solve's state at `index` (warm start), else zeros."""
         s = warm.get(index)
         if s is not None and tuple(s.shape) == tuple(run.shape) and s.dtype == run.dtype:
             return s
-        return torch.zeros(run.shape, dtype=run.dtype, device=run.device) if like is None \
-            else torch.zeros_like(like)
+        return torch.zeros(run.shape, dtype=run.dtype, device=run.device)
 
     def _fwd_init(self, t, index):
         run = self._run
         if index == 0:
             return run.h0.detach()
-        return self._guess(self._fwd_warm, index, run, None)
+        return self._guess(self._fwd_warm, index, run)
 
     def _fwd_step(self, u, t0, t1, level, index, done):
         layer = self.layers[str(index)] if level == 0 or str(index) in self.layers \
@@ -433,7 +433,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         run = self._run
         if index == 0:
             return run.grad_out
-        return self._guess(self._bwd_warm, index, run, None)
+        return self._guess(self._bwd_warm, index, run)
 
     def _bwd_step(self, w, t0, t1, level, index, done):
         """Adjoint step: the vector-Jacobian product of forward step s = N - index - stride."""
