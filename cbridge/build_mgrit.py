@@ -60,6 +60,7 @@ int mgrit_set_cycle(mgrit_core *core, int cycle);
 int mgrit_set_min_coarse(mgrit_core *core, int64_t min_coarse);
 int mgrit_set_final_fc(mgrit_core *core, int final_fc);
 int mgrit_set_trace(mgrit_core *core, int on);
+int mgrit_set_store_all(mgrit_core *core, int store_all);
 int mgrit_set_mirror(mgrit_core *core, int mirror);
 int mgrit_setup(mgrit_core *core);
 int mgrit_solve(mgrit_core *core);

@@ -125,12 +125,13 @@ class _Core:
         trace: record the schedule.
         coarsen, refine: optional spatial transfers ``coarsen(x, level)`` (level -> level+1)
             and ``refine(e, level)`` (level -> level-1).
+        store_all: keep every fine point (else only what the cycles read again).
         mirror: give the extra steps (N % P) to the last ranks instead of the first, for a solve
             backward in time on the reversed communicator.
     """
 
     def __init__(self, comm, num_steps, t_start, t_stop, options, init, step, trace=False,
-                 mirror=False, coarsen=None, refine=None):
+                 mirror=False, coarsen=None, refine=None, store_all=True):
         from mpi4py import MPI
 
         self._init_fn, self._step_fn = init, step
@@ -162,6 +163,7 @@ class _Core:
         self._core = out[0]
         self._set_options(options, trace)
         self._check(lib.mgrit_set_mirror(self._core, int(bool(mirror))))
+        self._check(lib.mgrit_set_store_all(self._core, int(bool(store_all))))
 
     def _check(self, rc):
         if rc != lib.MGRIT_OK:

@@ -45,6 +45,9 @@ class MGRIT:
         coarsen, refine: optional spatial transfers: ``coarsen(x, level)`` gives x on level+1's
             spatial grid (used for states and FAS residuals), ``refine(e, level)`` gives a
             correction on level-1's grid.  Steps on level l then see level l's grid.
+        store_all: keep every fine state (default).  False keeps only the fine C-points, the
+            points just before them and each rank's last point (``result.states`` then holds
+            those), releasing the others during the sweeps: less memory for long solves.
 
     States are numpy arrays or torch tensors of any shape and dtype; they cross ranks as raw
     bytes, so float64 stays float64.
@@ -52,7 +55,8 @@ class MGRIT:
 
     def __init__(self, step: Callable, init: Callable, num_steps: int, t_start: float = 0.0,
                  t_stop: float = 1.0, *, options: MGRITOptions = None, comm=None,
-                 trace: bool = False, coarsen: Callable = None, refine: Callable = None):
+                 trace: bool = False, coarsen: Callable = None, refine: Callable = None,
+                 store_all: bool = True):
         from mpi4py import MPI
 
         from ._bridge import _Core
@@ -73,7 +77,7 @@ class MGRIT:
         self._core = _Core(self.comm, num_steps, t_start, t_stop, options,
                            init=lambda t, index: init(t),
                            step=lambda u, t0, t1, level, index, done: step(u, t0, t1, level),
-                           trace=trace, coarsen=coarsen, refine=refine)
+                           trace=trace, coarsen=coarsen, refine=refine, store_all=store_all)
         self._trace = trace
 
     def solve(self) -> MGRITResult:

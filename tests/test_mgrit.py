@@ -300,3 +300,21 @@ def test_step_that_changes_shape_or_dtype():
         solve(lambda u, *a: u.astype(np.float32), lambda t: np.ones(3), 8, 0.0, 1.0)
     if isinstance(info.value, TypeError):
         assert "float32" in str(info.value)
+
+
+@pytest.mark.parallel([1, 3])
+def test_storing_only_what_the_cycles_need():
+    """store_all=False keeps the C-points, the points just before them and each rank's last
+    point, with the same values as a solve that stores everything."""
+    n, cf = 40, 4
+    opts = dict(max_levels=3, cfactor=cf, nrelax=1, max_iters=3, tol=0.0)
+    full = MGRIT(step=nonlinear_step, init=nonlinear_init, num_steps=n,
+                 options=MGRITOptions(**opts), comm=WORLD).solve()
+    lean = MGRIT(step=nonlinear_step, init=nonlinear_init, num_steps=n,
+                 options=MGRITOptions(**opts), comm=WORLD, store_all=False).solve()
+    last = max(full.states)
+    expected = {i for i in full.states if i % cf == 0 or (i + 1) % cf == 0 or i == last}
+    assert set(lean.states) == expected and len(expected) < len(full.states)
+    for i, u in lean.states.items():
+        assert np.array_equal(u, full.states[i])
+    assert lean.residual_norms == full.residual_norms

@@ -107,6 +107,10 @@ int mgrit_set_cycle(mgrit_core *core, int cycle);
 int mgrit_set_min_coarse(mgrit_core *core, int64_t min_coarse);
 int mgrit_set_final_fc(mgrit_core *core, int final_fc);
 int mgrit_set_trace(mgrit_core *core, int on);
+/* Keep every level-0 point (1, the default), or (0) only the C-points, the F-points just before
+ * them and each rank's last point: the others are released as soon as the sweep has used them,
+ * and mgrit_state returns -1 for them. */
+int mgrit_set_store_all(mgrit_core *core, int store_all);
 /* With mirror set, the N % P ranks that get one step more are the last ones instead of the
  * first: a solve backward in time on the reversed communicator then gives each rank exactly the
  * steps it owns forward (the adjoint of training). */

@@ -34,6 +34,7 @@ typedef struct _mgrit_opts {
   int64_t min_coarse;
   int final_fc;
   int trace;
+  int store_all; /* keep every level-0 point (default), or only what the cycles read again */
 } _mgrit_opts;
 
 typedef struct _mgrit_send {

@@ -28,6 +28,7 @@ static void defaults(mgrit_core *core, int64_t num_steps, double tstart, double 
   core->o.tol = 1e-9;
   core->o.cycle = MGRIT_CYCLE_V;
   core->o.min_coarse = 2;
+  core->o.store_all = 1;
 }
 
 int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
@@ -156,6 +157,11 @@ int mgrit_set_final_fc(mgrit_core *core, int v) {
 
 int mgrit_set_trace(mgrit_core *core, int v) {
   core->o.trace = v != 0;
+  return MGRIT_OK;
+}
+
+int mgrit_set_store_all(mgrit_core *core, int v) {
+  core->o.store_all = v != 0;
   return MGRIT_OK;
 }
 

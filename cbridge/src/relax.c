@@ -44,12 +44,16 @@ mgrit_vec _mgrit_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done,
   return out;
 }
 
-/* Steps a..b in order, starting from prev = u[a-1]. */
+/* Steps a..b (F-points) in order, starting from prev = u[a-1].  Without store_all, a level-0
+ * F-point is released as soon as the next step has read it: only the F-points just before a
+ * C-point (read by C-sweeps and residuals) and the last owned point (sent right) stay. */
 static void run(mgrit_core *core, int l, int64_t a, int64_t b, mgrit_vec prev, int done, int op) {
   _mgrit_level *L = &core->levels[l];
+  int release = l == 0 && !core->o.store_all;
   for (int64_t i = a; i <= b; i++) {
     mgrit_vec out = _mgrit_step(core, l, i, prev, done, op, 1);
     _mgrit_set(core, &L->u[i - L->lo], out);
+    if (release && i > a) _mgrit_set(core, &L->u[i - 1 - L->lo], MGRIT_NONE);
     prev = out;
   }
 }
