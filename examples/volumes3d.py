@@ -1,6 +1,7 @@
 """3D volume classification, layer-parallel, with spatial coarsening on coarse MGRIT levels.
 
     mpiexec -n 2 python examples/volumes3d.py --lp-levels 3 --lp-sc-levels 1 2
+    mpiexec -n 2 python examples/volumes3d.py --lp-sc-mode state     # coarse states too
     mpiexec -n 2 python examples/volumes3d.py --lp-sc-levels          # no spatial coarsening
 
 Data: no 3D volume data set ships in a package we can install here (the ones we found download
@@ -8,7 +9,8 @@ at run time), so this example generates a labelled synthetic set: noisy volumes 
 shape (ball, cube, hollow shell or rod, at a random place and size), the class being the shape.
 The network: an open 3D convolution, --steps residual 3D-conv steps solved by MGRIT, average
 pooling and a linear classifier.  With --lp-sc-levels, the listed MGRIT levels are also coarse in
-space (each halves the grid), so the coarse propagators cost 8x less per level.
+space (each halves the grid the step layers run on), so the coarse propagators cost up to 8x less
+per level; --lp-sc-mode picks how (layerbraid.SpatialCoarsening).
 """
 import argparse
 import sys
@@ -74,6 +76,10 @@ def main(argv=None):
     parser.add_argument("--lp-sc-levels", type=int, nargs="*", default=[1, 2], metavar="L",
                         help="MGRIT levels that are also coarse in space (default 1 2; none: "
                              "no spatial coarsening)")
+    parser.add_argument("--lp-sc-mode", choices=("branch", "state"), default="branch",
+                        help="branch (default): states stay fine, the coarse steps compute their "
+                             "increment on the coarse grid; state: coarse levels store coarse "
+                             "states (see layerbraid.SpatialCoarsening)")
     parser.add_argument("--size", type=int, default=16, help="volume edge (default 16)")
     parser.add_argument("--train-size", type=int, default=1024, help="training volumes")
     args = cli.parse_args(parser, argv)
@@ -93,8 +99,8 @@ def main(argv=None):
     xt, yt = make_volumes(256, args.size, args.seed + 1)
     data = {"train_x": x, "train_y": y, "test_x": xt, "test_y": yt}
     fwd, bwd = cli.mgrit_options(args)
-    spatial = layerbraid.SpatialCoarsening(levels=args.lp_sc_levels) if args.lp_sc_levels \
-        else None
+    spatial = layerbraid.SpatialCoarsening(levels=args.lp_sc_levels, mode=args.lp_sc_mode) \
+        if args.lp_sc_levels else None
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
     model = VolumeNet(MPI.COMM_SELF if args.serial else grid, args.steps, args.channels, fwd, bwd,
                       spatial, args.lp_warm_start)
@@ -104,7 +110,8 @@ def main(argv=None):
     if comm.rank == 0:
         print(f"synthetic 3D shapes {SHAPES}: {len(x)} training, {len(xt)} test volumes of "
               f"{args.size}^3; {args.steps} steps; spatial coarsening on levels "
-              f"{args.lp_sc_levels or 'none'}; "
+              f"{args.lp_sc_levels or 'none'}"
+              f"{f' (mode {args.lp_sc_mode})' if args.lp_sc_levels else ''}; "
               f"{'serial PyTorch' if args.serial else f'{comm.size} rank(s)'}", flush=True)
     train(args, model, data, comm=comm, rank=comm.rank, name="volumes3d", grid=grid)
 

@@ -1,10 +1,25 @@
 """Spatial coarsening on coarse MGRIT levels: coarse in time *and* in space.
 
-On the MGRIT levels you choose, states (batch, channels, *spatial) are restricted to a grid of
-half the size in every spatial dimension when they move down to that level, and corrections are
-interpolated back when they move up.  Convolutional step layers then run on the coarse grid with
-the same weights, which makes the coarse propagators, which dominate a cycle's cost, much
-cheaper (by 4x in 2D, 8x in 3D per coarsened level).
+On the MGRIT levels you choose, the step layers run on a grid of half the size (in every spatial
+dimension) of the level above's, with the same weights: the coarse propagators, which dominate a
+cycle's cost, get cheaper by up to 4x in 2D and 8x in 3D per coarsened level.
+
+Two modes:
+- ``mode="branch"`` (default): the states stay on the fine grid on every level; a coarse step
+  computes its increment on the level's grid: ``x + P^k (Phi(R^k x) - R^k x)`` (for the Euler
+  rule ``x + dt P^k f(R^k x)``), where ``R^k``/``P^k`` restrict the fine state to the level's
+  grid and interpolate back.  Fine-scale content the coarse grid cannot hold is carried by the
+  step's identity part instead of being dropped, so the coarse propagator stays close to the
+  fine one.  Storage and messages are those of the fine grid.  On random networks it
+  approximates as well after 1-2 iterations as MGRIT without spatial coarsening
+  (docs/bench_spatial.md).
+- ``mode="state"``: the coarse levels' *states* live on the coarse grid: states and FAS
+  right-hand sides are restricted on the way down (the C core's coarsen callback), corrections
+  interpolated on the way up (refine).  Storage, messages and every vector operation shrink too,
+  but the coarse correction only carries what the half-size grid can represent: where states are
+  dominated by fine-scale content (random inputs, random weights) the coarse levels correct
+  little of the error, and FCF's exactness of two intervals per iteration is lost (P R is not
+  the identity), so few-iteration solves are far off (~100% output error in the benchmark).
 
 Transfers (d = number of spatial dimensions):
 - interpolate "linear": (bi/tri)linear interpolation P (``F.interpolate``, align_corners=False);
@@ -12,8 +27,9 @@ Transfers (d = number of spatial dimensions):
 - restrict "full-weighting" (default): R = 2^-d P^T, so that ``<R x, y> = 2^-d <x, P y>`` exactly
   (the tests check this); "average": 2^d-point averaging; "inject": every other point.
 - any callable ``f(x, level)`` for either.
-The adjoint (backward) solve uses the transposed transfers, P^T to restrict gradients and R^T to
-interpolate their corrections, computed with autograd so that user functions work too.
+The adjoint (backward) solve uses the transposes: in mode "state", P^T to restrict gradients and
+R^T to interpolate their corrections; in mode "branch", the VJP of the coarse step through R and
+P.  Both by autograd, so that user functions work too.
 """
 from typing import Callable, Iterable, Union
 
@@ -34,10 +50,13 @@ class SpatialCoarsening:
             (x on level's grid, result on level+1's).
         interpolate: "linear", "nearest", or ``f(e, level) -> fine e`` (e on level's grid,
             result on level-1's).
+        mode: "branch" (default: states stay fine; the step's increment is computed on the
+            coarse grid) or "state" (coarse levels store coarse states); see the module's
+            docstring.
     """
 
     def __init__(self, levels: Iterable[int], restrict: Union[str, Callable] = "full-weighting",
-                 interpolate: Union[str, Callable] = "linear"):
+                 interpolate: Union[str, Callable] = "linear", mode: str = "branch"):
         levels = tuple(sorted(set(levels)))
         if not levels or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
                              for v in levels):
@@ -48,12 +67,15 @@ class SpatialCoarsening:
         if not callable(interpolate) and interpolate not in ("linear", "nearest"):
             raise ValueError(f"interpolate must be 'linear', 'nearest' or a function, got "
                              f"{interpolate!r}")
+        if mode not in ("state", "branch"):
+            raise ValueError(f"mode must be 'state' or 'branch', got {mode!r}")
         self.levels = levels
+        self.mode = mode
         self._restrict, self._interpolate = restrict, interpolate
 
     def __repr__(self):
         return (f"SpatialCoarsening(levels={self.levels}, restrict={self._restrict!r}, "
-                f"interpolate={self._interpolate!r})")
+                f"interpolate={self._interpolate!r}, mode={self.mode!r})")
 
     # ------------------------------------------------------------------ checks
     def factor(self, level: int) -> int:
@@ -88,11 +110,7 @@ class SpatialCoarsening:
         if self._restrict == "inject":
             idx = (slice(None), slice(None)) + (slice(0, None, 2),) * d
             return x[idx].clone()
-        # full weighting: 2^-d P^T, with P linear interpolation
-        mode = _MODES[d]
-        return _transpose(lambda z: F.interpolate(z, scale_factor=2, mode=mode,
-                                                  align_corners=False),
-                          x, _half(x)) / 2 ** d
+        return _full_weighting(x)
 
     def restrict(self, x, level):
         """x on `level`'s grid -> level+1's grid (a copy when level+1 is not coarse in space)."""
@@ -126,6 +144,37 @@ class SpatialCoarsening:
             if lv + 1 in self.levels:
                 x = self.restrict(x, lv)
         return x
+
+    def from_level(self, e, level):
+        """A correction on `level`'s grid interpolated to the fine (level-0) grid."""
+        for lv in range(level, 0, -1):
+            e = self.interpolate(e, lv)
+        return e
+
+    def branch_step(self, step, x, level):
+        """Mode "branch": ``x + P^k (step(R^k x) - R^k x)``, a coarse step whose increment is
+        computed on `level`'s grid (``step`` maps a state to the next one on any grid)."""
+        if self.factor(level) == 0:
+            return step(x)
+        xc = self.to_level(x, level)
+        return x + self.from_level(step(xc) - xc, level)
+
+
+def _full_weighting(x):
+    """2^-d P^T x for P the linear interpolation of ``F.interpolate(scale_factor=2,
+    align_corners=False)``: in each dimension, the stencil (1, 3, 3, 1) / 8 at stride 2 with the
+    edge values repeated (P clamps at the edges).  Strided slices, several times faster than
+    transposing F.interpolate by autograd; tests check it against that transpose."""
+    for dim in range(2, x.dim()):
+        n = x.shape[dim]
+        a = torch.cat([x.narrow(dim, 0, 1), x, x.narrow(dim, n - 1, 1)], dim)
+        every_other = (slice(None),) * dim + (slice(0, None, 2),)
+
+        def tap(k):
+            return a.narrow(dim, k, n - 1)[every_other]
+
+        x = 0.125 * (tap(0) + tap(3)) + 0.375 * (tap(1) + tap(2))
+    return x
 
 
 def _half(x):

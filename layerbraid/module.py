@@ -164,10 +164,11 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         comm = self._comm
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         sp = self.spatial
+        sp_state = sp is not None and sp.mode == "state"  # else states stay on the fine grid
         self._fwd = _Core(comm, self.num_steps, 0.0, self.t_final, self.forward_options,
                           init=self._fwd_init, step=self._fwd_step,
-                          coarsen=sp.restrict if sp else None,
-                          refine=sp.interpolate if sp else None)
+                          coarsen=sp.restrict if sp_state else None,
+                          refine=sp.interpolate if sp_state else None)
         self._fwd.setup()  # collective: options must agree across ranks
         levels = self._fwd.level_info()
         lo, hi, _ = levels[0]
@@ -201,8 +202,8 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         self._rev_comm = comm.Split(0, self._size - 1 - self._rank)
         self._bwd = _Core(self._rev_comm, self.num_steps, 0.0, self.t_final,
                           self.backward_options, init=self._bwd_init, step=self._bwd_step,
-                          mirror=True, coarsen=sp.restrict_adjoint if sp else None,
-                          refine=sp.interpolate_adjoint if sp else None)
+                          mirror=True, coarsen=sp.restrict_adjoint if sp_state else None,
+                          refine=sp.interpolate_adjoint if sp_state else None)
         self._bwd.setup()
         self._bwd_strides = [m for (_, _, m) in self._bwd.level_info()]
         alo, ahi, _ = self._bwd.level_info()[0]
@@ -395,7 +396,15 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
                 y = self.step_rule(layer, xg, t1 - t0, index)
             run.graphs[index] = (xg, y)
             return y.detach()
+        if level > 0 and self._branch(level):
+            return self.spatial.branch_step(
+                lambda x: self.step_rule(layer, x, t1 - t0, index), u, level)
         return self.step_rule(layer, u, t1 - t0, index)
+
+    def _branch(self, level):
+        """Whether `level`'s steps compute their increment on a grid coarse in space."""
+        sp = self.spatial
+        return sp is not None and sp.mode == "branch" and sp.factor(level) > 0
 
     # ------------------------------------------------------------------ backward
     def _backward_solve(self, run, grad_out):
@@ -440,6 +449,15 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         run = self._run
         s = self.num_steps - index - self._bwd_strides[level]
         xg, y = run.graphs[s]
+        if level > 0 and self._branch(level):
+            # The transpose of x + P^k (Phi(R^k x) - R^k x), linearized at the fine state.
+            layer = self.layers[str(s)]
+            with torch.enable_grad():
+                xr = xg.detach().requires_grad_(True)
+                yr = self.spatial.branch_step(
+                    lambda x: self.step_rule(layer, x, t1 - t0, s), xr, level)
+                gx, = torch.autograd.grad(yr, xr, w, allow_unused=True)
+            return gx if gx is not None else torch.zeros_like(w)
         if level > 0 and self.spatial is not None and self.spatial.factor(level) > 0:
             # A coarse grid in space: linearize at the fine state restricted to that grid.
             with torch.enable_grad():

@@ -44,7 +44,10 @@ class Costs:
         param_bytes: bytes of one rank's parameters (data parallelism averages them).
         level_scale: optional cost multipliers of a step (and message) on MGRIT level 0, 1, ...
             (the last repeated), e.g. ``(1, 1/8, 1/64)`` for 3D spatial coarsening on levels 1
-            and 2 (see :func:`spatial_scale`).
+            and 2 in mode "state" (see :func:`spatial_scale`).
+        message_scale: optional multipliers of a message's bytes per level, where they differ
+            from level_scale: ``(1,)`` for spatial coarsening in mode "branch", whose coarse
+            levels send fine states (their step costs, transfers included, are best measured).
     """
 
     step_seconds: float
@@ -55,14 +58,18 @@ class Costs:
     bandwidth: float = 10e9
     param_bytes: float = 0.0
     level_scale: Optional[tuple] = None
+    message_scale: Optional[tuple] = None
 
     def __post_init__(self):
-        if self.level_scale is not None:
-            scale = tuple(float(v) for v in self.level_scale)
-            if not scale or any(not v > 0 for v in scale):
-                raise ValueError(f"Costs.level_scale must be positive numbers, got "
-                                 f"{self.level_scale!r}")
-            object.__setattr__(self, "level_scale", scale)
+        for name in ("level_scale", "message_scale"):
+            value = getattr(self, name)
+            if value is not None:
+                scale = tuple(float(v) for v in value)
+                if not scale or any(not v > 0 for v in scale):
+                    raise ValueError(f"Costs.{name} must be positive numbers, got {value!r}")
+                object.__setattr__(self, name, scale)
+        if self.message_scale is None:
+            object.__setattr__(self, "message_scale", self.level_scale)
         for name in ("step_seconds", "vjp_seconds", "message_bytes", "latency", "param_bytes"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 \
@@ -150,8 +157,12 @@ def spatial_scale(levels, dims, num_levels=16):
     return tuple(out)
 
 
-def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale=None):
-    """The time at which the last rank finishes, walking every rank's actions (seconds)."""
+def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale=None,
+             message_scale=None):
+    """The time at which the last rank finishes, walking every rank's actions (seconds).
+    `message_scale` defaults to `level_scale`."""
+    if message_scale is None:
+        message_scale = level_scale
     from ._bridge import OPS
 
     step_codes = {OPS.index(op) for op in _STEP_OPS}
@@ -178,8 +189,8 @@ def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale
                     t += done_cost if done[a] else f * step_cost
                 elif o == send:
                     t += latency
-                    f = 1.0 if level_scale is None else \
-                        level_scale[min(int(level[a]), len(level_scale) - 1)]
+                    f = 1.0 if message_scale is None else \
+                        message_scale[min(int(level[a]), len(message_scale) - 1)]
                     arrivals.setdefault((r, int(peer[a]), int(level[a]), int(index[a])),
                                         []).append(t + latency + f * (message_seconds - latency))
                 elif o == recv:
@@ -213,9 +224,9 @@ def predict(num_steps: int, ranks: int, forward: MGRITOptions, backward: MGRITOp
     fwd_traces = schedule(num_steps, ranks, forward)
     bwd_traces = schedule(num_steps, ranks, backward, adjoint=True)
     tf = simulate(fwd_traces, share * costs.step_seconds, share * costs.step_seconds, msg,
-                  costs.latency, costs.level_scale)
+                  costs.latency, costs.level_scale, costs.message_scale)
     tb = simulate(bwd_traces, share * costs.vjp_seconds, share * costs.vjp_param_seconds, msg,
-                  costs.latency, costs.level_scale)
+                  costs.latency, costs.level_scale, costs.message_scale)
     total = tf + tb
     if data_parallel > 1:  # ring allreduce of the gradients of one rank's layers
         per_rank_bytes = costs.param_bytes / ranks

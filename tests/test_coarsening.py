@@ -1,4 +1,6 @@
 """Spatial coarsening on coarse MGRIT levels."""
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,47 @@ def test_transfers_are_adjoint_as_documented(dims):
     torch.testing.assert_close(sp.interpolate(torch.ones(coarse), 1), ones)
 
 
+@pytest.mark.parametrize("spatial", [(8,), (8, 6), (8, 6, 4)])
+def test_full_weighting_is_the_scaled_transpose_of_linear_interpolation(spatial):
+    """The stencil implementation equals 2^-d P^T computed by autograd through F.interpolate."""
+    d = len(spatial)
+    x = torch.randn((2, 3) + spatial, generator=torch.Generator().manual_seed(d))
+    mode = {1: "linear", 2: "bilinear", 3: "trilinear"}[d]
+    z = torch.zeros((2, 3) + tuple(n // 2 for n in spatial), requires_grad=True)
+    up = F.interpolate(z, scale_factor=2, mode=mode, align_corners=False)
+    expected, = torch.autograd.grad(up, z, x)
+    torch.testing.assert_close(SpatialCoarsening(levels=[1]).restrict(x, 0), expected / 2 ** d,
+                               rtol=ROUNDOFF, atol=ROUNDOFF)
+
+
+def test_branch_step_computes_the_increment_on_the_coarse_grid():
+    """mode="branch": x + P^k (step(R^k x) - R^k x) on levels coarse in space, step(x) elsewhere."""
+    sp = SpatialCoarsening(levels=[1, 3], mode="branch")
+    assert SpatialCoarsening(levels=[1]).mode == "branch"  # the default
+    x = torch.randn(2, 3, 16, 8, generator=torch.Generator().manual_seed(0))
+
+    def step(v):
+        return 0.5 * v + v.roll(1, -1) ** 2
+
+    def R(v, lv):
+        return sp.restrict(v, lv)
+
+    def P(e, lv):
+        return sp.interpolate(e, lv)
+
+    x1 = R(x, 0)
+    torch.testing.assert_close(sp.branch_step(step, x, 1), x + P(step(x1) - x1, 1),
+                               rtol=ROUNDOFF, atol=ROUNDOFF)
+    torch.testing.assert_close(sp.branch_step(step, x, 2), x + P(step(x1) - x1, 1),
+                               rtol=ROUNDOFF, atol=ROUNDOFF)  # level 2 keeps level 1's grid
+    x3 = R(R(x1, 1), 2)
+    assert x3.shape[2:] == (4, 2)
+    torch.testing.assert_close(sp.branch_step(step, x, 3),
+                               x + P(P(P(step(x3) - x3, 3), 2), 1), rtol=ROUNDOFF, atol=ROUNDOFF)
+    torch.testing.assert_close(SpatialCoarsening(levels=[2], mode="branch").branch_step(step, x, 1),
+                               step(x), rtol=0, atol=0)
+
+
 def test_other_transfers_and_levels_that_stay_fine():
     sp = SpatialCoarsening(levels=[2], restrict="average", interpolate="nearest")
     x = torch.arange(16.0).view(1, 1, 4, 4)
@@ -64,6 +107,8 @@ def test_bad_arguments_and_grid_sizes():
         SpatialCoarsening(levels=[0])
     with pytest.raises(ValueError, match="restrict must be"):
         SpatialCoarsening(levels=[1], restrict="cubic")
+    with pytest.raises(ValueError, match="mode must be 'state' or 'branch', got 'coarse'"):
+        SpatialCoarsening(levels=[1], mode="coarse")
     sp = SpatialCoarsening(levels=[1, 2])
     with pytest.raises(ValueError, match=r"multiple of 4 and at least 8, but the state has "
                                          r"spatial shape \(12, 6\)"):
@@ -90,11 +135,11 @@ class Net(LayerParallelModule):
 def test_spatial_coarsening_converges_to_the_serial_answer():
     """Coarse levels coarse in space: MGRIT still converges to serial PyTorch (fine level
     unchanged), forward and adjoint, in 2D and 3D."""
-    for dims, size in ((2, 16), (3, 8)):
+    for (dims, size), mode in itertools.product(((2, 16), (3, 8)), ("state", "branch")):
         opts = MGRITOptions(max_levels=3, cfactor=2, max_iters=12, tol=1e-12, nrelax=1)
         torch.manual_seed(0)
         model = Net(WORLD, size, dims, forward_options=opts, backward_options=opts,
-                    spatial=SpatialCoarsening(levels=[1, 2]))
+                    spatial=SpatialCoarsening(levels=[1, 2], mode=mode))
         serial = model.to_serial()
         x = torch.randn((3, 1) + (size,) * dims)
         y = torch.tensor([0, 1, 2])
@@ -117,3 +162,26 @@ def test_a_grid_too_small_for_the_levels_is_a_clear_error_on_every_rank():
         model(torch.randn(2, 1, 6, 6))
     with pytest.raises(TypeError, match="SpatialCoarsening"):
         Net(WORLD, 6, 2, spatial=[1, 2])
+
+
+@pytest.mark.parallel([1, 2])
+def test_branch_mode_approximates_as_well_as_coarsening_in_time_alone():
+    """With few iterations (what training runs), mode="branch" stays as accurate as MGRIT without
+    spatial coarsening, and keeps MGRIT's exactness after enough iterations (8 steps, 3 levels,
+    cfactor 2: 2 FCF iterations), which mode="state" loses (P R is not the identity)."""
+    def output_error(size, iters, spatial):
+        opts = MGRITOptions(max_levels=3, cfactor=2, max_iters=iters, tol=0.0, nrelax=1)
+        torch.manual_seed(0)
+        model = Net(WORLD, size, 2, forward_options=opts, backward_options=opts, spatial=spatial)
+        serial = model.to_serial()
+        x = torch.randn(3, 1, size, size, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            out, ref = model(x), serial(x)
+        return float((out - ref).norm() / ref.norm())
+
+    for size in (16, 32):
+        plain = output_error(size, 1, None)
+        branch = output_error(size, 1, SpatialCoarsening(levels=[1, 2], mode="branch"))
+        assert 1e-3 < plain < 0.1 and branch < 1.5 * plain, (size, plain, branch)
+    assert output_error(16, 2, SpatialCoarsening(levels=[1, 2], mode="branch")) < ROUNDOFF
+    assert output_error(16, 2, SpatialCoarsening(levels=[1, 2], mode="state")) > 0.1

@@ -98,3 +98,7 @@ def test_volumes3d_with_spatial_coarsening_runs_and_checks_its_flags(tmp_path):
                            "--lp-levels", "2", "--lp-sc-levels", "2"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "--lp-sc-levels 2: levels 1 to 1" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "volumes3d.py"),
+                           "--lp-sc-mode", "coarse"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--lp-sc-mode: invalid choice: 'coarse'" in proc.stderr

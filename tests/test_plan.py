@@ -113,5 +113,12 @@ def test_spatial_coarsening_costs_less_in_the_model():
     sc = plan.Costs(1e-3, 1e-3, message_bytes=1e6, level_scale=plan.spatial_scale((1, 2), 3))
     a, b = plan.predict(256, 16, o, o, base), plan.predict(256, 16, o, o, sc)
     assert b.seconds < a.seconds and b.serial_seconds == a.serial_seconds
+    # mode "branch": cheaper coarse steps, but coarse levels still send fine states
+    br = plan.Costs(1e-3, 1e-3, message_bytes=1e6, level_scale=plan.spatial_scale((1, 2), 3),
+                    message_scale=(1,))
+    assert sc.message_scale == sc.level_scale and br.message_scale == (1.0,)
+    assert b.seconds < plan.predict(256, 16, o, o, br).seconds < a.seconds
     with pytest.raises(ValueError, match="level_scale must be positive"):
         plan.Costs(1, 1, level_scale=(1, 0))
+    with pytest.raises(ValueError, match=r"message_scale must be positive numbers, got \(-1,\)"):
+        plan.Costs(1, 1, message_scale=(-1,))
