@@ -1,6 +1,8 @@
 """Spatial coarsening on 3D volumes: time per batch and accuracy with and without it (issue 7).
 
-    python bench/bench_spatial.py        (writes docs/bench_spatial.md; about 40 minutes here)
+    python bench/bench_spatial.py             (docs/bench_spatial.md and .json; ~30 minutes here)
+    python bench/bench_spatial.py --training  (adds 2-rank training runs of examples/volumes3d.py)
+    python bench/bench_spatial.py --report    (rewrites the .md from the .json)
 
 ODE-ResNet of 3D ConvBlocks (4 channels), batch 2, float32, one thread per rank; 3 MGRIT levels,
 cfactor 4, FCF, 2 forward / 1 backward iterations, first down-cycle skipped.  Spatial coarsening
@@ -135,96 +137,198 @@ levels) the error after 2 / 4 iterations was 0.33 / 0.12 with levels 1-2 coarse 
 where TorchBraid reports the benefit, which this project has not reproduced."""
 
 
-def project():
-    """Markdown lines: the work model's projection to many ranks, without spatial coarsening and
-    with it in both modes, at the issue's sizes (64^3, 128 steps), from steps measured here."""
+def measure_costs(channels, batch):
+    """Seconds of a fine step and of mode "branch"'s coarse steps (forward and adjoint, as the
+    module runs them) at 64^3, here."""
+    import statistics
+    import time
+
     import torch
-    from torch import nn
 
     sys.path.insert(0, str(ROOT))
-    from layerbraid import MGRITOptions, SpatialCoarsening, plan
+    from layerbraid import SpatialCoarsening, plan
     from layerbraid.nn import ConvBlock
 
-    class Branch(nn.Module):  # x + dt * Branch(x) is mode "branch"'s coarse Euler step
-        def __init__(self, layer, level):
-            super().__init__()
-            self.layer, self.level = layer, level
-            self.sp = SpatialCoarsening([1, 2], mode="branch")
-
-        def forward(self, x):
-            return self.sp.from_level(self.layer(self.sp.to_level(x, self.level)), self.level)
-
     torch.set_num_threads(1)
-    layer, x = ConvBlock(4, dims=3), torch.randn(4, 4, 64, 64, 64)
+    layer, x = ConvBlock(channels, dims=3), torch.randn(batch, channels, 64, 64, 64)
     step, vjp, vjp_p = plan.measure_step(layer, x, repeats=3)
-    # a coarse step's VJP never takes parameter gradients: only the fine level's final one does
-    branch = [plan.measure_step(Branch(layer, lv), x, repeats=3)[:2] for lv in (1, 2)]
-    scale_b = (1.0,) + tuple(max(f / step, b / vjp) for f, b in branch)
+    sp = SpatialCoarsening([1, 2], mode="branch")
+
+    def euler(v):
+        return v + 0.1 * layer(v)
+
+    def median_seconds(fn, repeats=3):
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    branch = []
+    for lv in (1, 2):
+        with torch.no_grad():
+            f = median_seconds(lambda: sp.branch_step(euler, x, lv))
+        b = median_seconds(lambda: sp.branch_adjoint(euler, x, x, lv))
+        branch.append([f, b])
+    return dict(channels=channels, batch=batch, step=step, vjp=vjp, vjp_p=vjp_p, branch=branch)
+
+
+def projection_lines(measured):
+    """Markdown: the work model's projection to many ranks at the issue's sizes (64^3, 128
+    steps), without spatial coarsening and with it in both modes, from measure_costs()."""
+    sys.path.insert(0, str(ROOT))
+    from layerbraid import MGRITOptions, plan
+
     lines = ["", "## Projection to many ranks (layerbraid.plan)", "",
-             f"One step of the 3D ConvBlock at 64^3, batch 4, measured here: {step:.3f} s "
-             f"(VJP {vjp:.3f} s, with parameter gradients {vjp_p:.3f} s). A mode \"branch\" "
-             "coarse step (restrict, the layer on the coarse grid, interpolate), measured: "
-             + ", ".join(f"level {lv}: {f:.3f} s (VJP {b:.3f} s)"
-                         for lv, (f, b) in zip((1, 2), branch))
-             + f"; the model scales levels 1 and 2 by the larger of the two ratios, "
-             f"{scale_b[1]:.3f} and {scale_b[2]:.3f}, and their messages stay fine. "
-             "Mode \"state\": 1/8 and 1/64 for steps and messages. N = 128 steps, 3 levels, "
-             "cfactor 4, 2 forward / 1 backward iterations. Network assumed: 2 us, 25 GB/s. "
-             "Work only; the accuracy of each mode is in the table above.", "",
-             "| ranks | no spatial coarsening | branch | state |", "|---|---|---|---|"]
+             "N = 128 steps of the 3D ConvBlock at 64^3, 3 levels, cfactor 4, FCF, 2 forward / "
+             "1 backward iterations; step costs measured here (one thread). Mode \"branch\": "
+             "the measured cost of its coarse steps (restrict, the layer on the coarse grid, "
+             "interpolate; forward and adjoint as the module runs them) relative to a fine step, "
+             "the larger of the forward and adjoint ratios per level; its messages stay fine. "
+             "Mode \"state\": steps and messages 1/8 and 1/64 of the fine ones. Network "
+             "assumed: 2 us, 25 GB/s. Work only; the accuracy of each mode is in the tables "
+             "above: \"state\" is not usable at 2/1 iterations on these networks."]
     fwd = MGRITOptions(max_levels=3, cfactor=4, max_iters=2, nrelax=1,
                        skip_first_downcycle=True)
     bwd = MGRITOptions(max_levels=3, cfactor=4, max_iters=1, nrelax=1,
                        skip_first_downcycle=True)
-    net = dict(message_bytes=4 * 4 * 64 ** 3 * 4, latency=2e-6, bandwidth=25e9)
-    costs = [plan.Costs(step, vjp, vjp_p, **net),
-             plan.Costs(step, vjp, vjp_p, level_scale=scale_b, message_scale=(1.0,), **net),
-             plan.Costs(step, vjp, vjp_p, level_scale=plan.spatial_scale((1, 2), 3), **net)]
-    for p in (1, 4, 16, 32, 64, 128):
-        lines.append(f"| {p} | " + " | ".join(f"{plan.predict(128, p, fwd, bwd, c).speedup:.2f}x"
-                                                for c in costs) + " |")
+    for m in measured:
+        step, vjp, vjp_p, branch = m["step"], m["vjp"], m["vjp_p"], m["branch"]
+        scale_b = (1.0,) + tuple(max(f / step, b / vjp) for f, b in branch)
+        lines += ["", f"**{m['channels']} channels, batch {m['batch']}**: a fine step "
+                  f"{step:.3f} s (VJP {vjp:.3f} s, with parameter gradients {vjp_p:.3f} s); "
+                  "a branch coarse step "
+                  + ", ".join(f"on level {lv}: {f:.3f} s (adjoint {b:.3f} s)"
+                              for lv, (f, b) in zip((1, 2), branch))
+                  + f"; scales {scale_b[1]:.2f} and {scale_b[2]:.2f}.", "",
+                  "| ranks | no spatial coarsening | branch | state |", "|---|---|---|---|"]
+        net = dict(message_bytes=m["batch"] * m["channels"] * 64 ** 3 * 4, latency=2e-6,
+                   bandwidth=25e9)
+        costs = [plan.Costs(step, vjp, vjp_p, **net),
+                 plan.Costs(step, vjp, vjp_p, level_scale=scale_b, message_scale=(1.0,), **net),
+                 plan.Costs(step, vjp, vjp_p, level_scale=plan.spatial_scale((1, 2), 3), **net)]
+        for p in (1, 4, 16, 32, 64, 128):
+            lines.append(f"| {p} | " + " | ".join(
+                f"{plan.predict(128, p, fwd, bwd, c).speedup:.2f}x" for c in costs) + " |")
     return lines
 
 
 CONFIGS = [(32, 32, 2), (32, 128, 2), (64, 32, 1), (64, 128, 1)]  # size, steps, repeats
+CONVERGENCE_CONFIGS = [(32, 32, 8), (32, 128, 8)]  # size, steps, iterations
+RESULTS = ROOT / "docs" / "bench_spatial.json"
 
 
-def main():
+def _launch(code, ranks, *args):
     script = ROOT / "bench" / "_spatial_worker.py"
-    script.write_text(WORKER)
-    rows = []
+    script.write_text(code)
     try:
-        for size, steps, repeats in CONFIGS:
-            for ranks in (1, 2):
-                out = subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, str(script),
-                                      str(size), str(steps), str(repeats)], check=True,
-                                     capture_output=True, text=True, cwd=ROOT)
-                for line in out.stdout.strip().splitlines():
-                    rows.append(json.loads(line))
-                    print(line, flush=True)
+        out = subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, str(script),
+                              *map(str, args)], check=True, capture_output=True, text=True,
+                             cwd=ROOT)
     finally:
         script.unlink()
+    rows = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
+def report(data):
+    """docs/bench_spatial.md from the measurements."""
     lines = ["# Spatial coarsening on 3D volumes", "", (__doc__ or "").split("\n\n", 1)[1].strip(),
-             "", "Generated by `python bench/bench_spatial.py`.", "",
+             "", "Generated by `python bench/bench_spatial.py` (raw numbers: "
+             "docs/bench_spatial.json; `--report` rewrites this file from them).", "",
+             "## Time per batch and accuracy (2 forward / 1 backward iterations)", "",
              "| size | N | ranks | spatial coarsening | s/batch | PyTorch s/batch | ratio | "
              "fwd residual | output err | input-grad err | param-grad err |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in data["timing"]:
         res = r["fwd_residuals"][-1] if r["fwd_residuals"] else float("nan")
         lines.append(f"| {r['size']}^3 | {r['steps']} | {r['ranks']} | {r['mode']} | "
                      f"{r['seconds']:.2f} | {r['serial_seconds']:.2f} | "
                      f"{r['seconds'] / r['serial_seconds']:.2f}x | {res:.1e} | "
                      f"{r['err_output']:.1e} | {r['err_input_grad']:.1e} | "
                      f"{r['err_param_grad']:.1e} |")
-    lines += ["", FINDING] + project()
+    lines += ["", "## MGRIT iterations", "",
+              "Forward solves in float64 on one rank (batch 1, same network and settings, tol 0): "
+              "the residual after each iteration relative to the first, the mean reduction per "
+              "iteration, and the output error after the last.", "",
+              "| size | N | spatial coarsening | residual / first, iterations 2..last | "
+              "mean factor | output err |", "|---|---|---|---|---|---|"]
+    for r in data["convergence"]:
+        res = r["residuals"]
+        hist = " ".join(f"{v / res[0]:.0e}" for v in res[1:])
+        factor = (res[-1] / res[0]) ** (1 / (len(res) - 1)) if res[-1] > 0 else 0.0
+        lines.append(f"| {r['size']}^3 | {r['steps']} | {r['mode']} | {hist} | {factor:.2f} | "
+                     f"{r['err_output']:.1e} |")
+    if data.get("training"):
+        lines += ["", "## Training (examples/volumes3d.py)", "",
+                  "`mpiexec -n 2 python examples/volumes3d.py " + " ".join(TRAINING) + " ...`: "
+                  "synthetic 3D shapes (4 classes, 512 training and 256 test volumes), Adam; "
+                  "2/1 iterations, spatial coarsening on levels 1 and 2.  Per epoch:", "",
+                  "| run | ranks | train loss | test accuracy | s/batch |", "|---|---|---|---|---|"]
+        for r in data["training"]:
+            lines.append(f"| {r['mode']} | {r['ranks']} | "
+                         + ", ".join(f"{v:.3f}" for v in r["train_loss"]) + " | "
+                         + ", ".join(f"{100 * v:.1f}%" for v in r["test_accuracy"]) + " | "
+                         + ", ".join(f"{v:.2f}" for v in r["seconds_per_batch"]) + " |")
+    lines += ["", FINDING] + projection_lines(data["costs"])
     (ROOT / "docs" / "bench_spatial.md").write_text("\n".join(lines) + "\n")
     print("wrote docs/bench_spatial.md")
 
 
+TRAINING = ["--size", "16", "--steps", "32", "--channels", "4", "--epochs", "2", "--train-size",
+            "512", "--lp-levels", "3", "--lp-cfactor", "4", "--lp-relax", "FCF",
+            "--log-interval", "1000"]
+
+
+def training(tmp):
+    """examples/volumes3d.py on 2 ranks without / with spatial coarsening (both modes), and as
+    plain PyTorch: test accuracy and loss per epoch."""
+    runs = [("plain PyTorch", ["--serial"], 1), ("none", ["--lp-sc-levels"], 2),
+            ("branch", ["--lp-sc-mode", "branch"], 2), ("state", ["--lp-sc-mode", "state"], 2)]
+    out = []
+    for name, flags, ranks in runs:
+        d = Path(tmp) / name.replace(" ", "_")
+        subprocess.run(["mpiexec", "-n", str(ranks), sys.executable,
+                        str(ROOT / "examples" / "volumes3d.py"), *TRAINING, *flags,
+                        "--out-dir", str(d)], check=True, capture_output=True, text=True, cwd=ROOT)
+        hist = json.loads((d / "metrics.json").read_text())["history"]
+        out.append(dict(mode=name, ranks=ranks, test_accuracy=[h["test_accuracy"] for h in hist],
+                        train_loss=[h["train_loss"] for h in hist],
+                        seconds_per_batch=[h["seconds_per_batch"] for h in hist]))
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def main():
+    data = {"timing": [], "convergence": []}
+    for size, steps, repeats in CONFIGS:
+        for ranks in (1, 2):
+            data["timing"] += _launch(WORKER, ranks, size, steps, repeats)
+    for size, steps, iters in CONVERGENCE_CONFIGS:
+        data["convergence"] += _launch(CONVERGENCE, 1, size, steps, iters)
+    data["costs"] = [measure_costs(4, 4), measure_costs(16, 2)]
+    RESULTS.write_text(json.dumps(data, indent=1) + "\n")
+    report(data)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--project-only"]:  # append the projection to an existing report
-        doc = ROOT / "docs" / "bench_spatial.md"
-        text = doc.read_text().split("\n## Projection")[0].rstrip("\n")
-        doc.write_text(text + "\n" + "\n".join(project()) + "\n")
+    if sys.argv[1:] == ["--report"]:
+        report(json.loads(RESULTS.read_text()))
+    elif sys.argv[1:] == ["--costs"]:  # measure the step costs of the projection again
+        data = json.loads(RESULTS.read_text())
+        data["costs"] = [measure_costs(4, 4), measure_costs(16, 2)]
+        RESULTS.write_text(json.dumps(data, indent=1) + "\n")
+        report(data)
+    elif sys.argv[1:] == ["--training"]:  # add the training runs to the measurements
+        import tempfile
+
+        data = json.loads(RESULTS.read_text())
+        with tempfile.TemporaryDirectory() as tmp:
+            data["training"] = training(tmp)
+        RESULTS.write_text(json.dumps(data, indent=1) + "\n")
+        report(data)
     else:
         main()

@@ -452,12 +452,8 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         if level > 0 and self._branch(level):
             # The transpose of x + P^k (Phi(R^k x) - R^k x), linearized at the fine state.
             layer = self.layers[str(s)]
-            with torch.enable_grad():
-                xr = xg.detach().requires_grad_(True)
-                yr = self.spatial.branch_step(
-                    lambda x: self.step_rule(layer, x, t1 - t0, s), xr, level)
-                gx, = torch.autograd.grad(yr, xr, w, allow_unused=True)
-            return gx if gx is not None else torch.zeros_like(w)
+            return self.spatial.branch_adjoint(
+                lambda x: self.step_rule(layer, x, t1 - t0, s), xg, w, level)
         if level > 0 and self.spatial is not None and self.spatial.factor(level) > 0:
             # A coarse grid in space: linearize at the fine state restricted to that grid.
             with torch.enable_grad():

@@ -86,6 +86,27 @@ def test_branch_step_computes_the_increment_on_the_coarse_grid():
                                step(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("transfers", [("full-weighting", "linear"), ("average", "nearest"),
+                                       ("inject", "linear")])
+def test_branch_adjoint_is_the_transpose_of_the_branch_step(transfers):
+    """The adjoint step (explicit for the transfer pairs with R = 2^-d P^T, autograd otherwise)
+    equals the VJP of branch_step, differentiated through everything by autograd."""
+    sp = SpatialCoarsening(levels=[1, 2], restrict=transfers[0], interpolate=transfers[1],
+                           mode="branch")
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 3, 16, 8, generator=g), torch.randn(2, 3, 16, 8, generator=g)
+    conv = nn.Conv2d(3, 3, 3, padding=1).double()
+
+    def step(v):
+        return v + 0.3 * torch.tanh(conv(v))
+
+    for level in (1, 2):
+        xr = x.clone().requires_grad_(True)
+        expected, = torch.autograd.grad(sp.branch_step(step, xr, level), xr, w)
+        torch.testing.assert_close(sp.branch_adjoint(step, x, w, level), expected,
+                                   rtol=ROUNDOFF, atol=ROUNDOFF)
+
+
 def test_other_transfers_and_levels_that_stay_fine():
     sp = SpatialCoarsening(levels=[2], restrict="average", interpolate="nearest")
     x = torch.arange(16.0).view(1, 1, 4, 4)
