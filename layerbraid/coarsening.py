@@ -28,8 +28,8 @@ Transfers (d = number of spatial dimensions):
   (the tests check this); "average": 2^d-point averaging; "inject": every other point.
 - any callable ``f(x, level)`` for either.
 The adjoint (backward) solve uses the transposes: in mode "state", P^T to restrict gradients and
-R^T to interpolate their corrections; in mode "branch", the VJP of the coarse step through R and
-P.  Both by autograd, so that user functions work too.
+R^T to interpolate their corrections (by autograd, so that user functions work too); in mode
+"branch", the transpose of the coarse step (see :meth:`SpatialCoarsening.branch_adjoint`).
 """
 from typing import Callable, Iterable, Union
 

@@ -455,7 +455,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
             return self.spatial.branch_adjoint(
                 lambda x: self.step_rule(layer, x, t1 - t0, s), xg, w, level)
         if level > 0 and self.spatial is not None and self.spatial.factor(level) > 0:
-            # A coarse grid in space: linearize at the fine state restricted to that grid.
+            # Mode "state", a grid coarse in space: linearize at the fine state restricted to it.
             with torch.enable_grad():
                 xr = self.spatial.to_level(xg.detach(), level).requires_grad_(True)
                 yr = self.step_rule(self.layers[str(s)], xr, t1 - t0, s)
