@@ -151,14 +151,15 @@ class SpatialCoarsening:
             e = self.interpolate(e, lv)
         return e
 
-    def branch_adjoint(self, step, x, w, level):
+    def branch_adjoint(self, step, x, w, level, cache=None):
         """Mode "branch"'s adjoint step: the transpose of branch_step's linearization at the fine
         state x, applied to w (``step`` as for branch_step, differentiable).
 
         With R = 2^-d P^T (the default transfers, and "average" with "nearest") the transposes
         cancel their scalings and the adjoint step has the forward one's form,
         ``w + P^k (J(R^k x)^T R^k w - R^k w)`` with J the step's Jacobian on `level`'s grid: only
-        the step is differentiated.  Other transfers are differentiated by autograd too."""
+        the step is differentiated.  Other transfers are differentiated by autograd too.
+        ``cache``: a dict kept with x, to restrict x only once over an adjoint solve."""
         pair = (self._restrict, self._interpolate) in (("full-weighting", "linear"),
                                                        ("average", "nearest"))
         with torch.enable_grad():
@@ -167,7 +168,12 @@ class SpatialCoarsening:
                 y = self.branch_step(step, xr, level)
                 g, = torch.autograd.grad(y, xr, w, allow_unused=True)
                 return g if g is not None else torch.zeros_like(w)
-            xc = self.to_level(x.detach(), level).requires_grad_(True)
+            xc = cache.get("x") if cache is not None else None
+            if xc is None:
+                xc = self.to_level(x.detach(), level)
+                if cache is not None:
+                    cache["x"] = xc
+            xc = xc.detach().requires_grad_(True)
             wc = self.to_level(w, level)
             g, = torch.autograd.grad(step(xc), xc, wc, allow_unused=True)
         return w + self.from_level(g - wc, level) if g is not None else \

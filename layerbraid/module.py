@@ -48,6 +48,7 @@ class _Run:
         self.shape = self.dtype = self.device = None
         self.record = False
         self.graphs: Dict[int, tuple] = {}  # step index -> (input leaf, output) of the done pass
+        self.coarse_x: Dict[tuple, torch.Tensor] = {}  # (step, level) -> R^k x, for mode "branch"
         self.output = None
         self.param_grads: Dict[int, torch.Tensor] = {}
 
@@ -418,6 +419,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
             self.backward_stats, states = self._solve(self._bwd, run)
         finally:
             run.graphs.clear()
+            run.coarse_x.clear()
         logger.debug("adjoint MGRIT: %s", self.backward_stats)
         if self.warm_start:
             self._bwd_warm = {i: s for i, s in states.items() if i > 0}
@@ -453,7 +455,8 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
             # The transpose of x + P^k (Phi(R^k x) - R^k x), linearized at the fine state.
             layer = self.layers[str(s)]
             return self.spatial.branch_adjoint(
-                lambda x: self.step_rule(layer, x, t1 - t0, s), xg, w, level)
+                lambda x: self.step_rule(layer, x, t1 - t0, s), xg, w, level,
+                cache=run.coarse_x.setdefault((s, level), {}))
         if level > 0 and self.spatial is not None and self.spatial.factor(level) > 0:
             # Mode "state", a grid coarse in space: linearize at the fine state restricted to it.
             with torch.enable_grad():

@@ -105,6 +105,11 @@ def test_branch_adjoint_is_the_transpose_of_the_branch_step(transfers):
         expected, = torch.autograd.grad(sp.branch_step(step, xr, level), xr, w)
         torch.testing.assert_close(sp.branch_adjoint(step, x, w, level), expected,
                                    rtol=ROUNDOFF, atol=ROUNDOFF)
+        cache = {}
+        for _ in range(2):  # the second call restricts x from the cache
+            torch.testing.assert_close(sp.branch_adjoint(step, x, w, level, cache=cache),
+                                       expected, rtol=ROUNDOFF, atol=ROUNDOFF)
+        assert ("x" in cache) == (transfers[0] != "inject")
 
 
 def test_other_transfers_and_levels_that_stay_fine():
