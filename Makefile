@@ -31,4 +31,4 @@ bench: $(STAMP)
 	$(PY) bench/report_resnet.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info layerbraid/*.so
+	rm -rf $(VENV) build dist *.egg-info layerbraid/*.so

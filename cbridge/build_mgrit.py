@@ -133,9 +133,22 @@ def _mpicc_flags():
                 runtime_library_dirs=rpath, extra_link_args=extra)
 
 
+# Note [finding libmpi at run time]
+# The extension needs libmpi.so.N but must not remember where the build found it: a wheel is
+# built in one (often temporary) environment and installed in another.  So no absolute RUNPATH.
+# Loading works because (1) layerbraid._bridge imports mpi4py.MPI before the extension, and
+# mpi4py locates and loads the MPI library itself; the dynamic loader then satisfies our
+# DT_NEEDED entry with the library already in the process, matched by its soname, without a
+# path search; and (2) as a fallback for a bare import of the extension, RUNPATH holds
+# $ORIGIN/../../.., which from <prefix>/lib/pythonX.Y/site-packages/layerbraid/ is <prefix>/lib,
+# where the pip `mpich` wheel puts libmpi in the same environment.  A system MPI is found in
+# the system's library path.
+_RUNPATH = ["$ORIGIN/../../.."]
+
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 _flags = _mpicc_flags()
+_flags["runtime_library_dirs"] = _RUNPATH
 ffibuilder.set_source(
     "layerbraid._mgrit_core",
     '#include "mgrit.h"\n',

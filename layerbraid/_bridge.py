@@ -13,7 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._mgrit_core import ffi, lib
+# mpi4py first: it loads the MPI library, which the extension then links to by soname (Note
+# [finding libmpi at run time] in cbridge/build_mgrit.py).
+from mpi4py import MPI as _MPI  # noqa: F401
+
+from ._mgrit_core import ffi, lib  # noqa: E402
 from .errors import DivergenceError, MGRITError, RemoteRankError
 
 __all__ = []
