@@ -1,17 +1,18 @@
 """layerbraid: layer-parallel multigrid (MGRIT) training for PyTorch."""
 from .errors import DivergenceError, MGRITError, RemoteRankError
+from .launch import abort_on_exception, check_launch
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions
 
 __all__ = ["MGRIT", "MGRITResult", "MGRITOptions", "LayerParallelModule", "SolveStats",
            "SpatialCoarsening", "ProcessGrid", "shard_batches", "MGRITError", "RemoteRankError",
-           "DivergenceError"]
+           "DivergenceError", "clip_grad_norm_", "check_launch", "abort_on_exception"]
 __version__ = "0.1.0"
 
 # The names that need torch load on first use, so that the general solver works (and imports
 # fast) without it.
-_LAZY = {"LayerParallelModule": "module", "SolveStats": "module", "ProcessGrid": "grid",
-         "shard_batches": "grid", "SpatialCoarsening": "coarsening"}
+_LAZY = {"LayerParallelModule": "module", "SolveStats": "stats", "ProcessGrid": "grid",
+         "shard_batches": "grid", "SpatialCoarsening": "coarsening", "clip_grad_norm_": "clip"}
 
 
 def __getattr__(name):

@@ -68,15 +68,18 @@ def add_lp_arguments(parser, *, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1, r
 
 
 def add_training_arguments(parser, *, steps=8, channels=8, t_final=1.0, batch_size=64,
-                           epochs=1, lr=0.05, optimizer="sgd", seed=0, log_interval=50):
-    """Adds the network, training, data and checkpoint flags."""
+                           epochs=1, lr=0.05, optimizer="sgd", seed=0, log_interval=50,
+                           ode=True):
+    """Adds the network, training, data and checkpoint flags.  ``ode=False`` leaves out the
+    ODE-network flags (``--steps``, ``--channels``, ``--t-final``), e.g. for an RNN script."""
     g = parser.add_argument_group("network and training")
-    g.add_argument("--steps", type=_positive_int, default=steps,
-                   help=f"residual steps (layers) of the ODE network (default {steps})")
-    g.add_argument("--channels", type=_positive_int, default=channels,
-                   help=f"channels of the state (default {channels})")
-    g.add_argument("--t-final", type=_positive_float, default=t_final,
-                   help=f"final time T; the step size is T / steps (default {t_final})")
+    if ode:
+        g.add_argument("--steps", type=_positive_int, default=steps,
+                       help=f"residual steps (layers) of the ODE network (default {steps})")
+        g.add_argument("--channels", type=_positive_int, default=channels,
+                       help=f"channels of the state (default {channels})")
+        g.add_argument("--t-final", type=_positive_float, default=t_final,
+                       help=f"final time T; the step size is T / steps (default {t_final})")
     g.add_argument("--batch-size", type=_positive_int, default=batch_size,
                    help=f"training batch size (default {batch_size})")
     g.add_argument("--epochs", type=_positive_int, default=epochs,

@@ -23,6 +23,10 @@ class ProcessGrid:
     def __init__(self, comm=None, data_parallel: int = 1):
         from mpi4py import MPI
 
+        from .launch import _enter
+
+        _enter()
+
         comm = MPI.COMM_WORLD if comm is None else comm
         size = comm.Get_size()
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) \

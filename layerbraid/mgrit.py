@@ -59,6 +59,10 @@ class MGRIT:
                  store_all: bool = True):
         from mpi4py import MPI
 
+        from .launch import _enter
+
+        _enter()
+
         from ._bridge import _Core
 
         if not callable(step) or not callable(init):

@@ -3,8 +3,7 @@ import dataclasses
 import logging
 import re
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -13,6 +12,7 @@ from torch import nn
 from ._autograd import _BroadcastFn, _ChainFn, _ToFirstFn
 from .nn import _solve_state
 from .options import MGRITOptions
+from .stats import SolveStats
 
 __all__ = ["LayerParallelModule", "SolveStats"]
 
@@ -20,24 +20,6 @@ logger = logging.getLogger(__name__)
 
 _WEIGHT_TAG = 7301
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
-
-
-@dataclass
-class SolveStats:
-    """One MGRIT solve (forward or adjoint) on this rank.
-
-    Attributes:
-        iterations, residual_norms: as XBraid counts and prints them.
-        seconds: the whole solve; step_seconds: inside the steps (layers or VJPs);
-        comm_seconds: in the core's MPI calls, waiting for other ranks included.  The rest is
-        the MGRIT bookkeeping (vector sums, norms, packing).
-    """
-
-    iterations: int = 0
-    residual_norms: List[float] = field(default_factory=list)
-    seconds: float = 0.0
-    step_seconds: float = 0.0
-    comm_seconds: float = 0.0
 
 
 class _Run:
@@ -91,6 +73,12 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
             shape between stages (see examples/tiny_imagenet.py).
         spatial: a :class:`layerbraid.SpatialCoarsening`: coarse MGRIT levels also coarse in
             space (convolutional step layers then run on the coarse grid).
+        check_inputs: every forward checks that each rank of the layer group was given the same
+            input as the first rank (a fingerprint rides on the broadcast the forward does
+            anyway) and raises ``ValueError`` on every rank if not.  Ranks that pass a 0-d
+            tensor or None (e.g. the placeholder of an earlier stage) are not checked.  The
+            labels are not seen by the model: the loss's gradient is taken on the last rank, so
+            its labels must be the batch's (``layerbraid.data.LayerParallelLoader`` does both).
 
     Both solves always finish with an FC relaxation (``final_fc_relax`` is forced on): that is
     when each layer runs once more to record the graph that backward differentiates.
@@ -99,9 +87,14 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
     def __init__(self, num_steps: int, t_final: float = 1.0, comm=None, *,
                  forward_options: Optional[MGRITOptions] = None,
                  backward_options: Optional[MGRITOptions] = None,
-                 warm_start: bool = False, output: str = "all", spatial=None):
+                 warm_start: bool = False, output: str = "all", spatial=None,
+                 check_inputs: bool = True):
         super().__init__()
         from mpi4py import MPI
+
+        from .launch import _enter
+
+        _enter()
 
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
@@ -124,6 +117,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         self.backward_options = dataclasses.replace(
             backward_options or MGRITOptions(max_levels=1), final_fc_relax=True)
         self.warm_start = bool(warm_start)
+        self.check_inputs = bool(check_inputs)
         if output not in ("all", "next"):
             raise ValueError(f"output must be 'all' or 'next', got {output!r}")
         self.output = output
@@ -248,14 +242,23 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         big = rem * (quo + 1)
         return step // (quo + 1) if step < big else rem + (step - big) // quo
 
+    def _counted_parameters(self):
+        """The parameters whose gradient this rank alone holds: its step layers, the open layer
+        on the first rank, the close layer on the last (for clip_grad_norm_)."""
+        first, last = self._rank == 0, self._rank == self._size - 1
+        return [p for k, p in self.named_parameters()
+                if _LAYER_KEY.match(k) or (k.startswith("open.") and first)
+                or (k.startswith("close.") and last)]
+
     def owned_steps(self):
         """``[(global step index, step module)]`` for the steps this rank owns, in order."""
         return [(i, self.layers[str(i)]) for i in self._owned]
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Collective over the layer group.  ``x`` is used on the first rank (the others may pass
-        the same batch, or anything); returns the close layer's output on every rank."""
+        """Collective over the layer group.  ``x`` is used on the first rank; every rank passes
+        the same batch (checked, see ``check_inputs``), or None / a 0-d tensor off the first
+        rank.  Returns the close layer's output on every rank."""
         comm, first, last = self._comm, self._rank == 0, self._rank == self._size - 1
         h0, meta, error = None, None, None
         if first:
@@ -268,12 +271,27 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
                 error = exc
                 meta = ("error", f"{type(exc).__name__}: {exc}", tuple(getattr(x, "shape", ())))
         if self._size > 1:
-            meta = comm.bcast(meta, root=0)
+            mine = _fingerprint(x) if self.check_inputs else None
+            gathered = comm.allgather((meta, mine) if first else mine)
+            meta, ref = gathered[0]
         if meta[0] == "error":
             if error is not None:
                 raise error
             raise ValueError(f"the layer-parallel forward failed on rank 0, where the input of "
                              f"shape {meta[2]} went through the open layer: {meta[1]}")
+        if self._size > 1 and self.check_inputs and ref is not None:
+            bad = [(r, fp) for r, fp in enumerate(gathered[1:], 1)
+                   if fp is not None and not _same_input(fp, ref)]
+            if bad:
+                r, fp = bad[0]
+                raise ValueError(
+                    f"layer-parallel ranks were given different inputs: rank {r} got shape "
+                    f"{fp[0]} (fingerprint {fp[2]:.6g}, {fp[3]:.6g}), rank 0 got shape {ref[0]} "
+                    f"(fingerprint {ref[2]:.6g}, {ref[3]:.6g}); {len(bad)} rank(s) differ: "
+                    f"{[b[0] for b in bad]}.  Every rank of a layer group must be fed the same "
+                    "batch (the first rank reads the input, the last the labels): use "
+                    "layerbraid.data.LayerParallelLoader, or seed every rank's shuffling alike. "
+                    "(check_inputs=False turns this check off.)")
         shape, dtype, device = meta
         device = torch.device(device)
         if self.spatial is not None:  # the same check, and error, on every rank
@@ -505,13 +523,21 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         return full
 
     def to_serial(self) -> nn.Module:
-        """An ordinary nn.Module computing the same function in one process (collective)."""
-        import copy
+        """An ordinary, self-contained nn.Module computing the same function in one process
+        (collective: it gathers every layer's weights).
+
+        It holds no communicator, core or reference to this model, so it pickles, deep-copies
+        and runs anywhere; layer-parallel batch norms become plain ``nn.BatchNorm*`` with the
+        same state.  A custom ``step_rule`` is called with the serial network as ``self``: it
+        should depend only on its arguments."""
+        from .nn import _plain_copy, plain_modules
 
         full = self._gather_state()
         layers = nn.ModuleList(self._make_layer(i, self._layer_seed) for i in range(self.num_steps))
-        serial = _SerialChain(copy.deepcopy(self.open), layers, copy.deepcopy(self.close),
-                              self.dt, self.step_rule)
+        rule = type(self).step_rule
+        serial = _SerialChain(_plain_copy(self.open), plain_modules(layers),
+                              _plain_copy(self.close), self.dt,
+                              None if rule is LayerParallelModule.step_rule else rule)
         serial.load_state_dict(full)
         return serial
 
@@ -591,20 +617,48 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
 
 
 class _SerialChain(nn.Module):
-    """The serial network a LayerParallelModule computes: open, N steps, close."""
+    """The serial network a LayerParallelModule computes: open, N steps, close.  ``rule`` is
+    None (forward Euler) or a subclass's ``step_rule`` function, called with this module as
+    ``self`` (a plain function: pickled by reference, like the module classes)."""
 
-    def __init__(self, open, layers, close, dt, rule):
+    def __init__(self, open, layers, close, dt, rule=None):
         super().__init__()
         self.open, self.layers, self.close = open, layers, close
         self.dt = dt
-        self._rule = rule
+        self.rule = rule
 
     def forward(self, x):
         if self.open is not None:
             x = self.open(x)
         for i, layer in enumerate(self.layers):
-            x = self._rule(layer, x, self.dt, i)
+            if self.rule is None:
+                fx = layer(x)
+                _check_shape(fx, x, i)
+                x = x + self.dt * fx
+            else:
+                x = self.rule(self, layer, x, self.dt, i)
         return self.close(x) if self.close is not None else x
+
+
+def _fingerprint(x):
+    """(shape, dtype, sum, position-weighted sum) of an input batch; None for what is not a
+    batch (None, a 0-d placeholder).  The weights (1, 2, ...) over the samples make a reordered
+    batch differ; a different batch differs in both sums."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return None
+    with torch.no_grad():
+        per_sample = x.detach().reshape(x.shape[0], -1).to(torch.float64).sum(1)
+        pos = torch.arange(1, x.shape[0] + 1, dtype=torch.float64, device=per_sample.device)
+        total, weighted = float(per_sample.sum()), float((per_sample * pos).sum())
+    return (tuple(x.shape), str(x.dtype), total, weighted)
+
+
+def _same_input(a, b):
+    """Fingerprints equal, up to the summation order's round-off (ranks on other devices)."""
+    if a[0] != b[0] or a[1] != b[1]:
+        return False
+    scale = 1e-9 * max(1, int(np.prod(a[0])))
+    return all(abs(u - v) <= 1e-7 * (abs(u) + abs(v)) + scale for u, v in zip(a[2:], b[2:]))
 
 
 def _check_shape(fx, x, index):

@@ -360,6 +360,9 @@ def main(argv=None):
     print(f"N = {args.steps} steps, {args.levels} levels, cfactor {args.cfactor}, "
           f"{args.fwd_iters} forward / {args.bwd_iters} backward iterations, "
           f"{args.data_parallel} data-parallel group(s)")
+    print(f"network assumed: {1e6 * args.latency:g} us per message, "
+          f"{args.bandwidth / 1e9:g} GB/s per link (--latency, --bandwidth); "
+          f"messages of {message_bytes / 1e6:.3g} MB")
     print(f"{'ranks':>6} {'s/batch':>10} {'speedup':>8} {'efficiency':>10} {'steps/rank':>11}")
     for pr in sweep(args.steps, args.ranks, fwd, bwd, costs, args.data_parallel):
         print(f"{pr.ranks:>6} {pr.seconds:>10.4f} {pr.speedup:>8.2f} {pr.efficiency:>10.2f} "

@@ -185,7 +185,7 @@ def test_a_grid_too_small_for_the_levels_is_a_clear_error_on_every_rank():
     model = Net(WORLD, 6, 2, forward_options=opts, backward_options=opts,
                 spatial=SpatialCoarsening(levels=[1, 2]))
     with pytest.raises(ValueError, match=r"spatial shape \(6, 6\)"):
-        model(torch.randn(2, 1, 6, 6))
+        model(torch.ones(2, 1, 6, 6))
     with pytest.raises(TypeError, match="SpatialCoarsening"):
         Net(WORLD, 6, 2, spatial=[1, 2])
 

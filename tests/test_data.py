@@ -102,3 +102,19 @@ def test_tiny_imagenet_folder_layout(tmp_path):
 def test_tiny_imagenet_missing_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match="no package"):
         load_tiny_imagenet(tmp_path)
+
+
+def test_tiny_imagenet_dataset_reads_each_image_when_it_is_accessed(tmp_path):
+    from PIL import Image
+
+    from layerbraid.data import TinyImageNet
+
+    make_tiny_imagenet(tmp_path)
+    ds = TinyImageNet(tmp_path, "train")
+    x, y, _ = load_tiny_imagenet(tmp_path, "train")
+    assert len(ds) == len(x) and torch.equal(ds[3][0], x[3]) and int(ds[3][1]) == int(y[3])
+    # replace an image on disk after the dataset was built: the item follows the file
+    Image.new("RGB", (64, 64), (7, 8, 9)).save(ds.files[3], format="PNG")
+    image, _ = ds[3]
+    assert image.shape == (3, 64, 64) and image.dtype == torch.uint8
+    assert image[:, 0, 0].tolist() == [7, 8, 9]

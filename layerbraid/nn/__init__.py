@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["ConvBlock", "LPBatchNorm1d", "LPBatchNorm2d", "LPBatchNorm3d", "LayerParallelGRU",
-           "LayerParallelLSTM"]
+           "LayerParallelLSTM", "plain_modules"]
 
 
 class _SolveState(threading.local):
@@ -101,6 +101,39 @@ class LPBatchNorm2d(_LayerParallelBatchNorm, nn.BatchNorm2d):
 class LPBatchNorm3d(_LayerParallelBatchNorm, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` for use inside layer-parallel step layers (same arguments, and
     ``sync_comm`` to share batch statistics across data groups)."""
+
+
+def plain_modules(module: nn.Module) -> nn.Module:
+    """``module`` with every layer-parallel batch norm replaced, in place, by the plain
+    ``nn.BatchNorm1d/2d/3d`` with the same arguments and state (no communicator); returns it."""
+    if isinstance(module, _LayerParallelBatchNorm):
+        return _plain_batch_norm(module)
+    for name, child in list(module.named_children()):
+        setattr(module, name, plain_modules(child))
+    return module
+
+
+def _plain_copy(module):
+    """A deep copy of ``module`` (or None) with plain batch norms and no communicator."""
+    if module is None:
+        return None
+    import copy
+
+    memo = {id(m.sync_comm): None for m in module.modules()
+            if isinstance(m, _LayerParallelBatchNorm) and m.sync_comm is not None}
+    return plain_modules(copy.deepcopy(module, memo))
+
+
+def _plain_batch_norm(bn):
+    kind = next(c for c in type(bn).__mro__ if c in (nn.BatchNorm1d, nn.BatchNorm2d,
+                                                       nn.BatchNorm3d))
+    ref = bn.weight if bn.weight is not None else bn.running_mean
+    plain = kind(bn.num_features, eps=bn.eps, momentum=bn.momentum, affine=bn.affine,
+                 track_running_stats=bn.track_running_stats,
+                 device=None if ref is None else ref.device, dtype=None if ref is None else ref.dtype)
+    plain.load_state_dict(bn.state_dict())
+    plain.train(bn.training)
+    return plain
 
 
 class ConvBlock(nn.Module):

@@ -15,8 +15,12 @@ the VJP (coarse steps add the one at their end point, an approximation that conv
 removes).  VJPs reuse the graph of ``cell(x_t, h) - h`` kept from the forward's final relaxation
 (as Note [Euler graphs] in module.py).
 """
+import time
+
 import torch
 from torch import nn
+
+from ..stats import SolveStats
 
 from ..options import MGRITOptions
 
@@ -50,6 +54,10 @@ class _LayerParallelRNN(nn.Module):
         super().__init__()
         from mpi4py import MPI
 
+        from ..launch import _enter
+
+        _enter()
+
         if coarse_rule not in ("cell", "euler"):
             raise ValueError(f"coarse_rule must be 'cell' or 'euler', got {coarse_rule!r}")
         self.coarse_rule = coarse_rule
@@ -77,6 +85,11 @@ class _LayerParallelRNN(nn.Module):
         self._cores = {}
         self.forward_stats = []
         self.backward_stats = []
+
+    def _counted_parameters(self):
+        """Shared weights: their gradients are summed over the layer group, so every rank holds
+        the same; the first rank counts them (for clip_grad_norm_)."""
+        return list(self.parameters()) if self.comm.Get_rank() == 0 else []
 
     # ------------------------------------------------------------------ helpers
     def _to_seq(self, s):
@@ -171,13 +184,15 @@ class _LayerParallelRNN(nn.Module):
         run.record = torch.is_grad_enabled() or any(p.requires_grad for p in params)
         run.x_requires_grad = x.requires_grad
         self._run = run
+        t0 = time.perf_counter()
         try:
             with torch.no_grad():
                 it, norms = fwd.solve()
             states = fwd.states()
         finally:
             self._run = None
-        self.forward_stats.append((it, norms))
+        self.forward_stats.append(SolveStats(it, norms, time.perf_counter() - t0,
+                                             fwd.step_seconds, fwd.comm_seconds()))
         # every rank gets the whole sequence of states (points 1..seq)
         mine = {i: s.detach().cpu() for i, s in states.items() if i >= 1}
         everyone = self.comm.allgather(mine) if self.comm.Get_size() > 1 else [mine]
@@ -217,6 +232,7 @@ class _LayerParallelRNN(nn.Module):
         run.gx = torch.zeros_like(run.x) if run.x_requires_grad else None
         run.gp = [torch.zeros_like(p) if p.requires_grad else None for p in run.params]
         self._run = run
+        t0 = time.perf_counter()
         try:
             with torch.no_grad():
                 it, norms = bwd.solve()
@@ -224,7 +240,8 @@ class _LayerParallelRNN(nn.Module):
         finally:
             self._run = None
             run.graphs = {}
-        self.backward_stats.append((it, norms))
+        self.backward_stats.append(SolveStats(it, norms, time.perf_counter() - t0,
+                                              bwd.step_seconds, bwd.comm_seconds()))
         comm = self.comm
         # gradient for h0: the adjoint at forward point 0, on rank 0
         gh0 = states.get(seq) if comm.Get_rank() == 0 else None

@@ -1,0 +1,119 @@
+"""Batches that agree across a layer group: a DataLoader whose sampler every rank draws alike.
+
+Note [who reads the batch]: in a layer-parallel forward the input is used on the first rank of
+the layer group and the labels on the last (the loss's gradient enters the adjoint solve there).
+Each rank must therefore be handed the same batch, and under data parallelism each data group its
+own shard of the epoch.  A plain shuffled ``DataLoader`` draws a different order on every rank
+and trains silently on mismatched inputs and labels.
+"""
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ..launch import _enter
+
+__all__ = ["LayerParallelLoader", "GroupSampler"]
+
+
+def _group_of(comm):
+    """(world communicator, data_rank, data_size) for a ProcessGrid, a LayerParallelModule (or
+    anything with a ``comm``), or an mpi4py communicator (one data group)."""
+    from mpi4py import MPI
+
+    if comm is None:
+        return MPI.COMM_WORLD, 0, 1
+    grid = getattr(comm, "_grid", None)  # a LayerParallelModule built on a grid
+    if grid is not None:
+        comm = grid
+    if hasattr(comm, "layer_comm") and hasattr(comm, "data_rank"):  # a ProcessGrid
+        return comm.world, comm.data_rank, comm.data_size
+    inner = getattr(comm, "comm", None)
+    if inner is not None and not isinstance(comm, MPI.Comm):
+        comm = inner
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"comm must be an mpi4py communicator, a ProcessGrid or a layer-parallel "
+                        f"module, got {type(comm).__name__}")
+    return comm, 0, 1
+
+
+def _agree_seed(world, seed):
+    """One seed on every rank: rank 0 draws it when ``seed`` is None; a given seed must be the
+    same everywhere (else every rank raises)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an int or None, got {seed!r}")
+    if world.Get_size() == 1:
+        return int(torch.empty((), dtype=torch.int64).random_().item()) if seed is None else seed
+    seeds = world.allgather(seed)
+    if seed is None and all(s is None for s in seeds):
+        drawn = int(torch.empty((), dtype=torch.int64).random_().item()) \
+            if world.Get_rank() == 0 else None
+        return world.bcast(drawn, root=0)
+    if len(set(seeds)) != 1:
+        raise ValueError(f"the ranks were given different loader seeds {seeds}: pass the same "
+                         "seed on every rank, or seed=None everywhere to draw one")
+    return seeds[0]
+
+
+class GroupSampler(DistributedSampler):
+    """``DistributedSampler`` across data groups: every rank of a layer group draws the same
+    indices, and data group ``data_rank`` of ``data_size`` gets its shard of each epoch.
+
+    Unlike ``DistributedSampler`` the epoch advances by itself each time an epoch's iteration
+    starts (``set_epoch`` still sets it, e.g. on resume), so forgetting ``set_epoch`` does not
+    repeat the first epoch's order.
+    """
+
+    def __init__(self, dataset, data_rank=0, data_size=1, *, shuffle=True, seed=0,
+                 drop_last=False):
+        super().__init__(dataset, num_replicas=data_size, rank=data_rank, shuffle=shuffle,
+                         seed=seed, drop_last=drop_last)
+        self._next_epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._next_epoch = epoch
+
+    def __iter__(self):
+        self.epoch = self._next_epoch
+        self._next_epoch += 1
+        return super().__iter__()
+
+
+class LayerParallelLoader(DataLoader):
+    """A ``torch.utils.data.DataLoader`` that yields the same batches on every rank of a layer
+    group and each data group its own shard (collective at construction: the ranks agree on the
+    shuffling seed over MPI).
+
+    Args:
+        dataset: any map-style dataset (e.g. ``TensorDataset(x, y)``).
+        batch_size: samples per batch of one data group (with ``ProcessGrid(data_parallel=D)``
+            the global batch is ``D * batch_size``, as with DistributedDataParallel).
+        comm: a ``ProcessGrid``, a layer-parallel module, or an mpi4py communicator (default
+            ``COMM_WORLD``: one data group).
+        shuffle: reshuffle every epoch (the same order on every rank of a layer group).
+        seed: the shuffling seed; ``None`` draws one on rank 0 and shares it.
+        drop_last: drop the tail that does not divide evenly over the data groups.
+        **kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ``collate_fn``,
+            ...); ``sampler``, ``batch_sampler`` and ``shuffle`` are this class's.
+
+    Each ``iter(loader)`` starts the next epoch's order; ``loader.set_epoch(e)`` sets it.
+    """
+
+    def __init__(self, dataset, batch_size=1, *, comm=None, shuffle=True, seed=None,
+                 drop_last=False, **kwargs):
+        for bad in ("sampler", "batch_sampler"):
+            if kwargs.get(bad) is not None:
+                raise ValueError(f"LayerParallelLoader chooses its own sampler; got {bad}=")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        world, data_rank, data_size = _group_of(comm)
+        _enter()
+        seed = _agree_seed(world, seed)
+        sampler = GroupSampler(dataset, data_rank, data_size, shuffle=shuffle, seed=seed,
+                               drop_last=drop_last)
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                         **kwargs)
+        self.seed = seed
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch whose order the next iteration yields."""
+        self.sampler.set_epoch(epoch)

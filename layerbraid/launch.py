@@ -1,0 +1,139 @@
+"""What every multi-rank job needs before its first collective: the right launcher, and an
+uncaught exception on one rank ending the whole job.
+
+Both run by themselves when a layer-parallel model, a ProcessGrid, an MGRIT solver or a
+LayerParallelLoader is built; call them directly to get them earlier.
+"""
+import os
+import sys
+import threading
+import time
+
+__all__ = ["check_launch", "abort_on_exception"]
+
+# Variables through which launchers promise a number of processes.  A job started by one
+# launcher whose MPI library belongs to another (torchrun, or Open MPI's mpiexec with MPICH's
+# libmpi) runs N independent one-rank jobs: each sees COMM_WORLD of size 1.
+_PROMISES = [
+    ("WORLD_SIZE", "torchrun / torch.distributed"),
+    ("PMI_SIZE", "an MPICH-style launcher (PMI)"),
+    ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpiexec"),
+    ("PMIX_SIZE", "a PMIx launcher"),
+    ("MV2_COMM_WORLD_SIZE", "MVAPICH's launcher"),
+]
+
+_checked = False
+_hook_installed = False
+_ENV_ABORT = "LAYERBRAID_ABORT_ON_EXCEPTION"
+
+
+def _promised():
+    """[(variable, launcher, processes)] that the environment promises."""
+    out = []
+    env = os.environ
+    for var, who in _PROMISES:
+        v = env.get(var, "")
+        if v.strip().isdigit():
+            out.append((var, who, int(v)))
+    # srun sets the step's task count in every task; SLURM_NTASKS alone is also set inside a
+    # batch script that may well start a smaller mpiexec, so it promises nothing.
+    if env.get("SLURM_PROCID") is not None and env.get("SLURM_STEP_NUM_TASKS", "").isdigit():
+        out.append(("SLURM_STEP_NUM_TASKS", "srun", int(env["SLURM_STEP_NUM_TASKS"])))
+    return out
+
+
+def check_launch(world=None):
+    """Raises ``RuntimeError`` if the environment promises more processes than the MPI world has.
+
+    ``torchrun --nproc_per_node 2 train.py`` (or a launcher from another MPI than mpi4py's)
+    starts processes that each see a world of one rank: they would silently train separate
+    copies and overwrite each other's files.  Launch with ``mpiexec -n N`` / ``mpirun`` from
+    the MPI that mpi4py uses (``.venv/bin/mpiexec`` with the pip ``mpich`` wheel), or
+    ``srun --mpi=pmi2`` / ``--mpi=pmix`` on Slurm.
+    """
+    global _checked
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD if world is None else world
+    size = world.Get_size()
+    bad = [(var, who, n) for var, who, n in _promised() if n > size]
+    if bad:
+        var, who, n = bad[0]
+        raise RuntimeError(
+            f"this process was started by {who} ({var}={n}) but its MPI world has {size} "
+            f"rank(s): the processes are not one MPI job and would each train alone.  Launch "
+            f"with the MPI that mpi4py uses, e.g. `mpiexec -n {n} python script.py` (with the "
+            f"pip mpich wheel: `.venv/bin/mpiexec`), or `srun --mpi=pmi2 ...` on Slurm; not "
+            f"with torchrun.")
+    _checked = True
+
+
+def abort_on_exception(enabled: bool = True):
+    """Makes an uncaught exception on any rank end the whole job (on by default in a job of 2+
+    ranks, installed with the first model, grid, solver or loader).
+
+    The hook prints the traceback (as Python would), then calls ``MPI.COMM_WORLD.Abort(1)``, so
+    the other ranks do not wait forever in a collective that this rank will never join.  Turn
+    it off with ``abort_on_exception(False)`` or ``LAYERBRAID_ABORT_ON_EXCEPTION=0`` (e.g. when
+    the program runs under a launcher that already does this, like ``python -m mpi4py``).
+    """
+    global _hook_installed, _switched_off
+    _switched_off = not enabled
+    if not enabled:
+        if _hook_installed:
+            sys.excepthook = _previous["sys"]
+            threading.excepthook = _previous["threading"]
+            _hook_installed = False
+        return
+    if _hook_installed:
+        return
+    _previous["sys"], _previous["threading"] = sys.excepthook, threading.excepthook
+    sys.excepthook = _abort_hook
+    threading.excepthook = _abort_thread_hook
+    _hook_installed = True
+
+
+_previous = {}
+_switched_off = False
+
+
+def _abort(code=1):
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # The launcher forwards each rank's output through a pipe; an abort tears the job down
+        # at once and can drop the traceback still in transit.  A moment lets it through.
+        time.sleep(0.3)
+    finally:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.COMM_WORLD.Abort(code)
+
+
+def _abort_hook(exc_type, exc, tb):
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() and not MPI.Is_finalized() else "?"
+    _previous["sys"](exc_type, exc, tb)
+    print(f"layerbraid: uncaught {exc_type.__name__} on rank {rank}: aborting every rank of the "
+          f"job", file=sys.stderr, flush=True)
+    _abort(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+
+
+def _abort_thread_hook(args):
+    _previous["threading"](args)
+    if args.exc_type is not SystemExit:
+        _abort(1)
+
+
+def _enter():
+    """Called by every entry point that starts collectives: the launch check, once, and the
+    abort hook in a job of 2+ ranks (unless switched off)."""
+    from mpi4py import MPI
+
+    if not _checked:
+        check_launch(MPI.COMM_WORLD)
+    if (MPI.COMM_WORLD.Get_size() > 1 and os.environ.get(_ENV_ABORT, "1") != "0"
+            and not _hook_installed and not _switched_off):
+        abort_on_exception(True)
