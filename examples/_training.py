@@ -5,15 +5,15 @@ MGRIT iterations and last residuals of the forward and adjoint solves; at the en
 and a training-curve PNG; checkpoint after every epoch and resume.
 """
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from layerbraid import shard_batches
+from layerbraid.data import LayerParallelLoader
 
 
 def check_launch(parser, args, comm, steps_note=""):
@@ -22,6 +22,9 @@ def check_launch(parser, args, comm, steps_note=""):
         parser.error("--serial trains in one process: run it without mpiexec")
     if args.serial and args.dp_size > 1:
         parser.error("--serial and --dp-size > 1 do not go together")
+    if args.batch_size % args.dp_size:
+        parser.error(f"--batch-size {args.batch_size} does not split evenly over --dp-size "
+                     f"{args.dp_size} data groups")
     layer_ranks = comm.size // args.dp_size
     if not args.serial and args.steps < layer_ranks:
         parser.error(f"--steps {args.steps}{steps_note} is smaller than the number of "
@@ -38,35 +41,78 @@ def make_optimizer(args, params):
     return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
 
 
-def evaluate(model, x, y, device, batch_size=500, prepare=None):
+def evaluate(model, dataset, device, batch_size=500, prepare=None):
+    """Accuracy on ``dataset``, read in order (the same batches on every rank)."""
     model.eval()
     correct = 0
     with torch.no_grad():
-        for k in range(0, len(x), batch_size):
-            xb = x[k:k + batch_size]
+        for xb, yb in DataLoader(dataset, batch_size):
             xb = prepare(xb) if prepare else xb
             out = model(xb.to(device))
-            correct += int((out.argmax(1).cpu() == y[k:k + batch_size]).sum())
+            correct += int((out.argmax(1).cpu() == yb).sum())
     model.train()
-    return correct / max(len(x), 1)
+    return correct / max(len(dataset), 1)
+
+
+def _datasets(data):
+    """(train, test) datasets from {"train", "test"} datasets or {"train_x", ...} tensors."""
+    if "train" in data:
+        return data["train"], data["test"]
+    return (TensorDataset(data["train_x"], data["train_y"]),
+            TensorDataset(data["test_x"], data["test_y"]))
+
+
+def _last_stats(model):
+    """(forward, backward) SolveStats of the last solves of the first layer-parallel part of
+    ``model`` (an RNN keeps one per layer: the last layer's)."""
+    for m in model.modules():
+        f, b = getattr(m, "forward_stats", None), getattr(m, "backward_stats", None)
+        if isinstance(f, list):
+            f, b = (f[-1] if f else None), (b[-1] if b else None)
+        if f is not None:
+            return f, b
+    return None, None
+
+
+def _relative(stats):
+    """The last residual over the first of one solve (None with fewer than two)."""
+    if stats is None or len(stats.residual_norms) < 2 or stats.residual_norms[0] == 0:
+        return None
+    return stats.residual_norms[-1] / stats.residual_norms[0]
 
 
 def _stats(model):
-    f = getattr(model, "forward_stats", None)
-    b = getattr(model, "backward_stats", None)
+    f, b = _last_stats(model)
     if f is None:
         return {}
-    return {"fwd_iters": f.iterations,
-            "fwd_residual": f.residual_norms[-1] if f.residual_norms else None,
-            "bwd_iters": b.iterations,
-            "bwd_residual": b.residual_norms[-1] if b.residual_norms else None}
+    out = {"fwd_iters": f.iterations,
+           "fwd_residual": f.residual_norms[-1] if f.residual_norms else None,
+           "fwd_residual_rel": _relative(f)}
+    if b is not None:
+        out.update({"bwd_iters": b.iterations,
+                    "bwd_residual": b.residual_norms[-1] if b.residual_norms else None,
+                    "bwd_residual_rel": _relative(b)})
+    return out
+
+
+def _mgrit_line(s):
+    """'MGRIT fwd 2 it (residual 3.1e-02 of its first), bwd 1 it' for the epoch line."""
+    def part(name):
+        if f"{name}_iters" not in s:
+            return None
+        rel = s.get(f"{name}_residual_rel")
+        return f"{name} {s[f'{name}_iters']} it" + (
+            f" (residual {rel:.1e} of its first)" if rel is not None else "")
+    parts = [p for p in (part("fwd"), part("bwd")) if p]
+    return " | MGRIT " + ", ".join(parts) if parts else ""
 
 
 def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False, grid=None):
-    """Trains ``model`` on ``data`` = {"train_x", "train_y", "test_x", "test_y"}; every rank runs
-    this same loop.  ``prepare`` maps a raw batch of images to the network's input.  With a
-    ProcessGrid, each data group trains on its shard of every batch."""
-    data_rank, data_size = (grid.data_rank, grid.data_size) if grid is not None else (0, 1)
+    """Trains ``model`` on ``data`` = {"train", "test"} datasets (or {"train_x", "train_y",
+    "test_x", "test_y"} tensors); every rank runs this same loop.  ``prepare`` maps a raw batch
+    of images to the network's input.  With a ProcessGrid, each data group trains on its shard
+    of every batch."""
+    data_size = grid.data_size if grid is not None else 1
     device = torch.device(args.device)
     optimizer = make_optimizer(args, model.parameters())
     history, start_epoch = [], 0
@@ -79,8 +125,12 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     out_dir = Path(args.out_dir or f"runs/{name}")
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-    n = len(data["train_x"])
-    per_epoch = math.ceil(n / args.batch_size)
+    # Every rank of a layer group gets the same batches, each data group its shard of every
+    # global batch of --batch-size.
+    train_set, test_set = _datasets(data)
+    loader = LayerParallelLoader(train_set, max(args.batch_size // data_size, 1),
+                                 comm=grid if grid is not None else comm, seed=args.seed)
+    per_epoch = len(loader)
     if args.max_batches:
         per_epoch = min(per_epoch, args.max_batches)
     for epoch in range(start_epoch, args.epochs):
@@ -91,11 +141,10 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             bar = tqdm(total=per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch",
                        dynamic_ncols=True, leave=True, mininterval=0.5 if sys.stderr.isatty() else 10)
         losses, t0 = [], time.perf_counter()
-        for b, idx in enumerate(shard_batches(n, args.batch_size, data_rank, data_size,
-                                              seed=args.seed, epoch=epoch)):
+        loader.set_epoch(epoch)
+        for b, (xb, yb) in enumerate(loader):
             if b >= per_epoch:
                 break
-            xb, yb = data["train_x"][idx], data["train_y"][idx]
             xb = prepare(xb) if prepare else xb
             xb, yb = xb.to(device), yb.to(device)
             optimizer.zero_grad()
@@ -114,8 +163,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
         seconds = time.perf_counter() - t0
         if bar is not None:
             bar.close()
-        m = args.test_limit or len(data["test_x"])
-        acc = evaluate(model, data["test_x"][:m], data["test_y"][:m], device, prepare=prepare)
+        m = min(args.test_limit or len(test_set), len(test_set))
+        acc = evaluate(model, Subset(test_set, range(m)), device, prepare=prepare)
         w = args.log_interval
         curve = [(epoch + (k + len(losses[k:k + w])) / per_epoch,
                   sum(losses[k:k + w]) / len(losses[k:k + w])) for k in range(0, len(losses), w)]
@@ -126,14 +175,13 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
         history.append(record)
         if rank == 0:
             s = record
-            mg = ""
-            if "fwd_iters" in s:
-                fr = f"{s['fwd_residual']:.2e}" if s["fwd_residual"] is not None else "-"
-                br = f"{s['bwd_residual']:.2e}" if s["bwd_residual"] is not None else "-"
-                mg = (f" | MGRIT fwd {s['fwd_iters']} it (res {fr}), "
-                      f"bwd {s['bwd_iters']} it (res {br})")
             print(f"epoch {s['epoch']}: loss {s['train_loss']:.4f} | test accuracy "
-                  f"{100 * acc:.2f}% | {1000 * s['seconds_per_batch']:.1f} ms/batch{mg}", flush=True)
+                  f"{100 * acc:.2f}% | {1000 * s['seconds_per_batch']:.1f} ms/batch"
+                  f"{_mgrit_line(s)}", flush=True)
+            if epoch == start_epoch and s.get("fwd_residual_rel") is not None:
+                print("  (an MGRIT residual 'of its first' is the last iteration's residual over "
+                      "the first's: below 1e-2 the solve has converged well; near 1 it has "
+                      "barely moved, and more iterations or levels would help)", flush=True)
         if args.checkpoint:
             if hasattr(model, "save_checkpoint"):
                 model.save_checkpoint(args.checkpoint, optimizer,
@@ -168,7 +216,7 @@ def _plot(history, path, name, synthetic):
     epochs = [h["epoch"] for h in history]
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
     curve = [pt for h in history for pt in h.get("loss_curve", [])]
-    ax[0].plot([c[0] for c in curve], [c[1] for c in curve], "-")
+    ax[0].plot([c[0] for c in curve], [c[1] for c in curve], "o-", markersize=3)
     ax[0].set_xlabel("epoch")
     ax[0].set_ylabel("training loss (window mean)")
     ax[0].set_yscale("log")

@@ -58,15 +58,18 @@ def synthetic(n, length, channels=6, classes=6, seed=0):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_training_arguments(parser, steps=28, channels=32, batch_size=64, epochs=1, lr=2e-3,
-                               optimizer="adam")
+    cli.add_training_arguments(parser, batch_size=64, epochs=1, lr=2e-3, optimizer="adam",
+                               ode=False)
     cli.add_lp_arguments(parser, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1)
     parser.add_argument("--task", choices=["rows", "pixels", "synthetic"], default="rows",
                         help="rows (default), pixels or synthetic (see above)")
     parser.add_argument("--cell", choices=["gru", "lstm"], default="gru")
+    parser.add_argument("--hidden", type=int, default=32, help="hidden size (default 32)")
     parser.add_argument("--length", type=int, default=200,
                         help="sequence length of --task synthetic (default 200)")
     args = cli.parse_args(parser, argv)
+    if args.hidden < 1:
+        parser.error(f"--hidden must be a positive integer, got {args.hidden}")
     comm = MPI.COMM_WORLD
     if args.task == "rows":
         args.steps = 28
@@ -90,12 +93,12 @@ def main(argv=None):
         features, classes = shape[1], 10
     fwd, bwd = cli.mgrit_options(args)
     if args.serial:
-        rnn = (nn.LSTM if args.cell == "lstm" else nn.GRU)(features, args.channels,
+        rnn = (nn.LSTM if args.cell == "lstm" else nn.GRU)(features, args.hidden,
                                                           batch_first=True)
     else:
         cls = LayerParallelLSTM if args.cell == "lstm" else LayerParallelGRU
-        rnn = cls(features, args.channels, comm=comm, forward_options=fwd, backward_options=bwd)
-    model = Classifier(rnn, args.channels, classes).to(args.device)
+        rnn = cls(features, args.hidden, comm=comm, forward_options=fwd, backward_options=bwd)
+    model = Classifier(rnn, args.hidden, classes).to(args.device)
     if not args.serial:  # the head is replicated: start every rank from rank 0's weights
         with torch.no_grad():
             for p in model.head.parameters():
@@ -103,7 +106,7 @@ def main(argv=None):
     if comm.rank == 0:
         print(f"task {args.task}: {len(data['train_x'])} sequences of {args.steps} steps x "
               f"{features} features, {classes} classes; {args.cell.upper()} with "
-              f"{args.channels} hidden; "
+              f"{args.hidden} hidden; "
               f"{'serial PyTorch' if args.serial else f'layer-parallel over {comm.size} rank(s)'}",
               flush=True)
     train(args, model, data, comm=comm, rank=comm.rank, name=f"sequence_{args.task}")

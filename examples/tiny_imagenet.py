@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 from torch import nn
+from torch.utils.data import TensorDataset
 
 import layerbraid
 from layerbraid import cli
-from layerbraid.data import load_tiny_imagenet
+from layerbraid.data import TinyImageNet
 from layerbraid.nn import ConvBlock, LPBatchNorm2d
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -88,12 +89,19 @@ class StagedNet(nn.Module):
         return nn.Sequential(*[s.to_serial() for s in self.stages])
 
 
-def prepare(images):
-    """uint8 (n, 3, 64, 64) -> normalized float32, with random horizontal flips."""
-    x = images.float().div_(255)
-    flip = torch.rand(len(x)) < 0.5
-    x[flip] = x[flip].flip(-1)
-    return (x - MEAN) / STD
+class Prepare:
+    """uint8 (n, 3, 64, 64) -> normalized float32, with random horizontal flips.  The flips
+    come from a generator of their own, seeded alike on every rank, so that every rank of a
+    layer group prepares the same input."""
+
+    def __init__(self, seed):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, images):
+        x = images.float().div_(255)
+        flip = torch.rand(len(x), generator=self.generator) < 0.5
+        x[flip] = x[flip].flip(-1)
+        return (x - MEAN) / STD
 
 
 def main(argv=None):
@@ -116,18 +124,20 @@ def main(argv=None):
     if args.synthetic:
         g = torch.Generator().manual_seed(args.seed)
         n = args.batch_size * (args.max_batches or 20)
-        data = {"train_x": torch.randint(0, 256, (n, 3, 64, 64), generator=g, dtype=torch.uint8),
-                "train_y": torch.randint(0, 200, (n,), generator=g),
-                "test_x": torch.randint(0, 256, (200, 3, 64, 64), generator=g, dtype=torch.uint8),
-                "test_y": torch.randint(0, 200, (200,), generator=g)}
+        data = {"train": TensorDataset(
+                    torch.randint(0, 256, (n, 3, 64, 64), generator=g, dtype=torch.uint8),
+                    torch.randint(0, 200, (n,), generator=g)),
+                "test": TensorDataset(
+                    torch.randint(0, 256, (200, 3, 64, 64), generator=g, dtype=torch.uint8),
+                    torch.randint(0, 200, (200,), generator=g))}
     else:
         if args.data_dir is None:
             parser.error("Tiny-ImageNet ships in no package: pass --data-dir "
                          "/path/to/tiny-imagenet-200 (or --synthetic for a timing-only run on "
                          "random data)")
-        x, y, _ = load_tiny_imagenet(args.data_dir, "train", args.max_per_class)
-        xv, yv, _ = load_tiny_imagenet(args.data_dir, "val")
-        data = {"train_x": x, "train_y": y, "test_x": xv, "test_y": yv}
+        # Lazy: the file list is read now, each image when its batch is drawn.
+        data = {"train": TinyImageNet(args.data_dir, "train", args.max_per_class),
+                "test": TinyImageNet(args.data_dir, "val")}
     fwd, bwd = cli.mgrit_options(args)
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
     model = StagedNet(MPI.COMM_SELF if args.serial else grid, args.stages, args.steps,
@@ -137,12 +147,12 @@ def main(argv=None):
     model.to(args.device)
     if comm.rank == 0:
         source = "SYNTHETIC random data (timing only)" if args.synthetic else args.data_dir
-        print(f"tiny-imagenet from {source}: {len(data['train_x'])} training, "
-              f"{len(data['test_x'])} validation images; {args.stages} stages x {args.steps} "
+        print(f"tiny-imagenet from {source}: {len(data['train'])} training, "
+              f"{len(data['test'])} validation images; {args.stages} stages x {args.steps} "
               f"steps, {args.channels} base channels; "
               f"{'serial PyTorch' if args.serial else f'{args.dp_size} data x {comm.size // args.dp_size} layer-parallel ranks'}",
               flush=True)
-    train(args, model, data, comm=comm, rank=comm.rank, name="tiny_imagenet", prepare=prepare,
+    train(args, model, data, comm=comm, rank=comm.rank, name="tiny_imagenet", prepare=Prepare(args.seed),
           synthetic=args.synthetic, grid=grid)
 
 
