@@ -1,4 +1,4 @@
-"""Time per training batch on data x layer process grids, split into its parts (issue 5).
+"""Time per training batch on data x layer process grids, split into its parts.
 
     python bench/bench_grid.py        (runs every grid with mpiexec; writes docs/bench_grid.md)
 

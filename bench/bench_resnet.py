@@ -145,7 +145,7 @@ def main():
                       bwd_iterations=model.backward_stats.iterations)
         if args.serial:
             result["serial_seconds"] = statistics.median(serial_times)
-            result["ratio"] = lp_time / result["serial_seconds"]
+            result["speedup"] = result["serial_seconds"] / lp_time
             # serial cost of one step forward and one VJP, for the work model
             from layerbraid.plan import measure_step
 

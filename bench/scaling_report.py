@@ -1,4 +1,4 @@
-"""The scaling report (issue 8): predicted speedup and efficiency at up to 4096 ranks.
+"""The scaling report: predicted speedup and efficiency at up to 4096 ranks.
 
     python bench/scaling_report.py       (writes docs/scaling.md and docs/scaling_*.png)
 

@@ -1,8 +1,8 @@
-"""Holds layerbraid.plan to measurements: predicted vs measured seconds per batch (issue 8).
+"""Holds layerbraid.plan to measurements: predicted vs measured seconds per batch.
 
     python bench/validate_plan.py        (writes docs/plan_validation.md)
 
-For each N and rank count, bench/bench_resnet.py trains the ODE-ResNet of issue 3 (8 channels,
+For each N and rank count, bench/bench_resnet.py trains the benchmark ODE-ResNet (8 channels,
 28x28, batch 10 here, float32) with 2 levels, cfactor 4, 2 forward / 1 backward iterations, and
 measures the seconds per forward+backward, the cost of one step / VJP of its layer, and the steps
 each rank ran (from the core's trace).  The planner predicts the seconds from those costs alone
