@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
+import layerbraid
 from layerbraid.data import LayerParallelLoader
 
 
@@ -117,8 +118,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     optimizer = make_optimizer(args, model.parameters())
     history, start_epoch = [], 0
     if args.resume:
-        extra = model.load_checkpoint(args.resume, optimizer) if hasattr(model, "load_checkpoint") \
-            else _load_serial(model, optimizer, args.resume)
+        extra = layerbraid.load_checkpoint(model, args.resume, optimizer)
         start_epoch, history = extra["epoch"], extra["history"]
         if rank == 0:
             print(f"resumed from {args.resume} after epoch {start_epoch}")
@@ -182,13 +182,9 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                 print("  (an MGRIT residual 'of its first' is the last iteration's residual over "
                       "the first's: below 1e-2 the solve has converged well; near 1 it has "
                       "barely moved, and more iterations or levels would help)", flush=True)
-        if args.checkpoint:
-            if hasattr(model, "save_checkpoint"):
-                model.save_checkpoint(args.checkpoint, optimizer,
-                                      extra={"epoch": epoch + 1, "history": history})
-            else:
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                            "extra": {"epoch": epoch + 1, "history": history}}, args.checkpoint)
+        if args.checkpoint:  # one file, atomic, loadable on any number of ranks
+            layerbraid.save_checkpoint(model, args.checkpoint, optimizer,
+                                       extra={"epoch": epoch + 1, "history": history})
     if rank == 0:
         meta = {"example": name, "ranks": comm.Get_size() if comm is not None else 1,
                 "data_parallel": data_size,
@@ -198,13 +194,6 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
         _plot(history, out_dir / "training_curve.png", name, synthetic)
         print(f"wrote {out_dir / 'metrics.json'} and {out_dir / 'training_curve.png'}")
     return history
-
-
-def _load_serial(model, optimizer, path):
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    return ckpt["extra"]
 
 
 def _plot(history, path, name, synthetic):

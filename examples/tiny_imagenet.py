@@ -74,17 +74,6 @@ class StagedNet(nn.Module):
             x = stage(x)
         return x
 
-    # One checkpoint file per stage; each holds that stage's weights and optimizer state.
-    def save_checkpoint(self, path, optimizer=None, extra=None):
-        for k, stage in enumerate(self.stages):
-            stage.save_checkpoint(f"{path}.stage{k}", optimizer, extra)
-
-    def load_checkpoint(self, path, optimizer=None):
-        extra = None
-        for k, stage in enumerate(self.stages):
-            extra = stage.load_checkpoint(f"{path}.stage{k}", optimizer)
-        return extra
-
     def to_serial(self):
         return nn.Sequential(*[s.to_serial() for s in self.stages])
 

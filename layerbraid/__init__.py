@@ -6,13 +6,16 @@ from .options import MGRITOptions
 
 __all__ = ["MGRIT", "MGRITResult", "MGRITOptions", "LayerParallelModule", "SolveStats",
            "SpatialCoarsening", "ProcessGrid", "shard_batches", "MGRITError", "RemoteRankError",
-           "DivergenceError", "clip_grad_norm_", "check_launch", "abort_on_exception"]
+           "DivergenceError", "clip_grad_norm_", "check_launch", "abort_on_exception",
+           "save_checkpoint", "load_checkpoint", "CheckpointError"]
 __version__ = "0.1.0"
 
 # The names that need torch load on first use, so that the general solver works (and imports
 # fast) without it.
 _LAZY = {"LayerParallelModule": "module", "SolveStats": "stats", "ProcessGrid": "grid",
-         "shard_batches": "grid", "SpatialCoarsening": "coarsening", "clip_grad_norm_": "clip"}
+         "shard_batches": "grid", "SpatialCoarsening": "coarsening", "clip_grad_norm_": "clip",
+         "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint",
+         "CheckpointError": "checkpoint"}
 
 
 def __getattr__(name):

@@ -243,12 +243,9 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         return step // (quo + 1) if step < big else rem + (step - big) // quo
 
     def _counted_parameters(self):
-        """The parameters whose gradient this rank alone holds: its step layers, the open layer
-        on the first rank, the close layer on the last (for clip_grad_norm_)."""
-        first, last = self._rank == 0, self._rank == self._size - 1
-        return [p for k, p in self.named_parameters()
-                if _LAYER_KEY.match(k) or (k.startswith("open.") and first)
-                or (k.startswith("close.") and last)]
+        """The parameters whose gradient this rank alone holds (see _holds_key), for
+        clip_grad_norm_."""
+        return [p for k, p in self.named_parameters() if self._holds_key(k)]
 
     def owned_steps(self):
         """``[(global step index, step module)]`` for the steps this rank owns, in order."""
@@ -506,12 +503,8 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
     # ------------------------------------------------------------------ serial view, state
     def _gather_state(self, root=None):
         """{serial state_dict key: CPU tensor} of the whole network, on every rank (or root)."""
-        mine = {}
-        first, last = self._rank == 0, self._rank == self._size - 1
-        for k, v in super().state_dict().items():
-            m = _LAYER_KEY.match(k)
-            if m or (k.startswith("open.") and first) or (k.startswith("close.") and last):
-                mine[k] = v.detach().cpu()
+        mine = {k: v.detach().cpu() for k, v in super().state_dict().items()
+                if self._holds_key(k)}
         if self._size == 1:
             return mine
         parts = self._comm.allgather(mine) if root is None else self._comm.gather(mine, root=root)
@@ -552,68 +545,29 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
             keep[k] = v
         return super().load_state_dict(keep, strict=strict, assign=assign)
 
-    def _param_names(self):
-        names = {}
-        first, last = self._rank == 0, self._rank == self._size - 1
-        for k, p in self.named_parameters():
-            if _LAYER_KEY.match(k) or (k.startswith("open.") and first) \
-                    or (k.startswith("close.") and last):
-                names[id(p)] = k
-        return names
+    def _holds_key(self, key):
+        """Whether this rank holds the state_dict entry ``key``: a step layer's on its owner,
+        the open layer's on the first rank, the close layer's on the last, the rest on the
+        first."""
+        if _LAYER_KEY.match(key):
+            return True  # only the owned layers exist here
+        if key.startswith("close."):
+            return self._rank == self._size - 1
+        return self._rank == 0
 
     def save_checkpoint(self, path, optimizer=None, extra=None):
-        """Writes one file (from rank 0) that any number of ranks can resume from (collective).
+        """Writes one file that any number of ranks can resume from (collective); see
+        :func:`layerbraid.save_checkpoint`."""
+        from .checkpoint import save_checkpoint
 
-        Holds the serial state_dict, the optimizer's per-parameter state keyed by parameter name,
-        its hyper-parameters, and ``extra`` (anything picklable, e.g. the epoch)."""
-        full = self._gather_state(root=0)
-        opt_state = {}
-        if optimizer is not None:
-            names = self._param_names()
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if id(p) in names and p in optimizer.state:
-                        opt_state[names[id(p)]] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
-                                                   for k, v in optimizer.state[p].items()}
-            parts = self._comm.gather(opt_state, root=0) if self._size > 1 else [opt_state]
-        if self._rank == 0:
-            ckpt = {"format": "layerbraid-checkpoint-1", "num_steps": self.num_steps,
-                    "t_final": self.t_final, "model": full, "extra": extra}
-            if optimizer is not None:
-                merged = {}
-                for p in parts:
-                    merged.update(p)
-                ckpt["optimizer"] = {
-                    "state": merged,
-                    "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                     for g in optimizer.param_groups]}
-            torch.save(ckpt, path)
-        self._comm.Barrier()
+        save_checkpoint(self, path, optimizer, extra)
 
     def load_checkpoint(self, path, optimizer=None):
-        """Resumes from :meth:`save_checkpoint`'s file on any number of ranks; returns ``extra``."""
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        if ckpt.get("format") != "layerbraid-checkpoint-1":
-            raise ValueError(f"{path} is not a layerbraid checkpoint")
-        if ckpt["num_steps"] != self.num_steps:
-            raise ValueError(f"{path} holds a network of {ckpt['num_steps']} steps; this model "
-                             f"has num_steps={self.num_steps}")
-        self.load_state_dict(ckpt["model"])
-        if optimizer is not None and "optimizer" in ckpt:
-            names = self._param_names()
-            sd = optimizer.state_dict()
-            flat = [p for g in optimizer.param_groups for p in g["params"]]
-            state = {}
-            for pid, p in enumerate(flat):
-                name = names.get(id(p))
-                if name is not None and name in ckpt["optimizer"]["state"]:
-                    state[pid] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
-                                  for k, v in ckpt["optimizer"]["state"][name].items()}
-            groups = []
-            for g, saved in zip(sd["param_groups"], ckpt["optimizer"]["param_groups"]):
-                groups.append({**saved, "params": g["params"]})
-            optimizer.load_state_dict({"state": state, "param_groups": groups})
-        return ckpt.get("extra")
+        """Resumes from :meth:`save_checkpoint`'s file on any number of ranks; returns ``extra``
+        (see :func:`layerbraid.load_checkpoint`)."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, optimizer)
 
 
 class _SerialChain(nn.Module):

@@ -1,0 +1,234 @@
+"""Checkpoints of any model that holds layer-parallel parts: one file, any number of ranks.
+
+The file holds the serial network's ``state_dict`` (every layer, whichever rank owned it), the
+optimizer's per-parameter state keyed by parameter name, its hyper-parameters, and ``extra``.
+
+Note [checkpoint file]: ``LAYERBRAID-CHECKPOINT 1\\n`` + the SHA-256 of the payload in hex +
+``\\n`` + the payload, which is ``torch.save`` of plain containers and tensors only.  Saving
+writes a temporary file in the target's directory, fsyncs it, renames it over the target and
+fsyncs the directory: a crash at any moment leaves the old checkpoint or the new one, never a
+torn file.  Loading checks the header and the checksum before unpickling, and unpickles with
+``weights_only=True``, so a file can neither run code nor load silently corrupted.
+"""
+import hashlib
+import io
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "CheckpointError"]
+
+_MAGIC = b"LAYERBRAID-CHECKPOINT 1\n"
+_FORMAT = "layerbraid-checkpoint-2"
+
+
+class CheckpointError(ValueError):
+    """A file that is not a readable layerbraid checkpoint; the message names the file."""
+
+
+# ---------------------------------------------------------------- which rank holds what
+def _parts(model):
+    """[(prefix, layer-parallel module)], outermost first, and the layer communicator."""
+    from .module import LayerParallelModule
+
+    parts = [(name, m) for name, m in model.named_modules() if isinstance(m, LayerParallelModule)]
+    comm = parts[0][1].comm if parts else None
+    for _, m in parts[1:]:
+        if m.comm.Get_size() != comm.Get_size():
+            raise ValueError("a checkpoint needs every layer-parallel part on one layer group")
+    return parts, comm
+
+
+def _under(key, prefix):
+    return prefix == "" or key.startswith(prefix + ".")
+
+
+def _strip(key, prefix):
+    return key if prefix == "" else key[len(prefix) + 1:]
+
+
+def _local_keys(model, keys, parts, rank):
+    """The keys of ``keys`` whose value this rank holds: a layer-parallel part's on the rank
+    that owns them, everything else (replicated on every rank) on the first rank."""
+    out = []
+    for k in keys:
+        owner = next((m for prefix, m in parts if _under(k, prefix)), None)
+        prefix = next((p for p, m in parts if m is owner), None)
+        if owner is None:
+            if rank == 0:
+                out.append(k)
+        elif owner._holds_key(_strip(k, prefix)):
+            out.append(k)
+    return out
+
+
+def _world(model, comm):
+    """(writer?, the communicator to wait on): one rank of the whole job writes."""
+    parts, _ = _parts(model)
+    grid = parts[0][1]._grid if parts else None
+    if grid is not None:
+        return grid.world.Get_rank() == 0, grid.world
+    if comm is not None:
+        return comm.Get_rank() == 0, comm
+    return True, None
+
+
+# ---------------------------------------------------------------- saving
+def save_checkpoint(model, path, optimizer=None, extra=None):
+    """Writes ``model``'s checkpoint to ``path`` (collective over the job).
+
+    Args:
+        model: a ``LayerParallelModule``, an ``nn.Module`` holding such parts (for instance
+            stages of a staged network), or a plain module.
+        path: the file; written atomically (see Note [checkpoint file]).
+        optimizer: optional ``torch.optim`` optimizer over ``model.parameters()``.
+        extra: tensors and plain containers (dict, list, str, numbers, None), e.g. the epoch.
+    """
+    parts, comm = _parts(model)
+    rank = comm.Get_rank() if comm is not None else 0
+    state = model.state_dict()
+    mine = {k: state[k].detach().cpu() for k in _local_keys(model, list(state), parts, rank)}
+    names = {id(p): k for k, p in model.named_parameters()}
+    local_params = set(_local_keys(model, list(names.values()), parts, rank))
+    opt_state = {}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                name = names.get(id(p))
+                if name in local_params and p in optimizer.state:
+                    opt_state[name] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
+                                       for k, v in optimizer.state[p].items()}
+    if comm is not None and comm.Get_size() > 1:
+        gathered = comm.gather((mine, opt_state), root=0)
+    else:
+        gathered = [(mine, opt_state)]
+    writer, world = _world(model, comm)
+    error = None
+    if writer:
+        try:
+            full, merged = {}, {}
+            for m, o in gathered:
+                full.update(m)
+                merged.update(o)
+            ckpt = {"format": _FORMAT, "model": full, "extra": extra}
+            for _, m in parts[:1]:
+                ckpt["num_steps"], ckpt["t_final"] = m.num_steps, m.t_final
+            if optimizer is not None:
+                ckpt["optimizer"] = {
+                    "state": merged,
+                    "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                     for g in optimizer.param_groups]}
+            _write_atomic(path, _encode(ckpt))
+        except Exception as exc:  # every rank learns of it below
+            error = exc
+    if world is not None and world.Get_size() > 1:
+        failed = world.allreduce(error is not None)
+        if failed and error is None:
+            raise RuntimeError(f"writing the checkpoint {path} failed on the writing rank (see "
+                               "its error)")
+    if error is not None:
+        raise error
+
+
+def _encode(ckpt):
+    buf = io.BytesIO()
+    torch.save(ckpt, buf)
+    payload = buf.getvalue()
+    return _MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
+def _write_atomic(path, data):
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # the rename itself is durable once the directory is synced
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+# ---------------------------------------------------------------- loading
+def read_checkpoint(path):
+    """The checkpoint's contents (plain containers and tensors), checked: raises
+    :class:`CheckpointError` naming the file and what is wrong with it."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from exc
+    if not data:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): its write did not finish")
+    if not data.startswith(_MAGIC):
+        raise CheckpointError(f"{path} is not a layerbraid checkpoint (it does not start with "
+                              f"{_MAGIC.strip().decode()!r}; {len(data)} bytes)")
+    rest = data[len(_MAGIC):]
+    digest, sep, payload = rest.partition(b"\n")
+    if not sep or len(digest) != 64:
+        raise CheckpointError(f"checkpoint {path} is truncated: its header is incomplete")
+    if hashlib.sha256(payload).hexdigest().encode() != digest:
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: the SHA-256 of its "
+                              f"{len(payload)}-byte payload does not match the one stored in it")
+    try:
+        ckpt = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path} holds something other than tensors and plain "
+                              f"containers, which layerbraid does not load: {exc}") from exc
+    if not isinstance(ckpt, dict) or ckpt.get("format") != _FORMAT:
+        raise CheckpointError(f"checkpoint {path} has an unknown format "
+                              f"{ckpt.get('format') if isinstance(ckpt, dict) else type(ckpt)}")
+    return ckpt
+
+
+def load_checkpoint(model, path, optimizer=None):
+    """Resumes ``model`` (and ``optimizer``) from :func:`save_checkpoint`'s file on any number of
+    ranks; returns its ``extra``.  Each rank reads the file and keeps what it holds."""
+    ckpt = read_checkpoint(path)
+    parts, _ = _parts(model)
+    for _, m in parts[:1]:
+        if ckpt.get("num_steps") is not None and ckpt["num_steps"] != m.num_steps:
+            raise ValueError(f"{path} holds a network of {ckpt['num_steps']} steps; this model "
+                             f"has num_steps={m.num_steps}")
+    full = ckpt["model"]
+    for prefix, m in parts:
+        m.load_state_dict({_strip(k, prefix): v for k, v in full.items() if _under(k, prefix)})
+    if not any(p == "" for p, _ in parts):
+        rest = {k: v for k, v in full.items() if not any(_under(k, p) for p, _ in parts)}
+        result = model.load_state_dict(rest, strict=False)
+        missing = [k for k in result.missing_keys if not any(_under(k, p) for p, _ in parts)]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"{path} does not match this model: missing {missing[:5]}, "
+                             f"unexpected {result.unexpected_keys[:5]}")
+    if optimizer is not None and "optimizer" in ckpt:
+        names = {id(p): k for k, p in model.named_parameters()}
+        saved = ckpt["optimizer"]["state"]
+        flat = [p for g in optimizer.param_groups for p in g["params"]]
+        state = {}
+        for pid, p in enumerate(flat):
+            name = names.get(id(p))
+            if name is not None and name in saved:
+                state[pid] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
+                              for k, v in saved[name].items()}
+        groups = [{**s, "params": g["params"]} for g, s in
+                  zip(optimizer.state_dict()["param_groups"], ckpt["optimizer"]["param_groups"])]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return ckpt.get("extra")

@@ -1,0 +1,183 @@
+"""Checkpoints: any model with layer-parallel parts, any rank count, atomic, checked, never
+executed."""
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+import layerbraid
+from layerbraid.checkpoint import CheckpointError, _encode, read_checkpoint
+from layerbraid.nn import ConvBlock
+from nets import ODEResNet, batch
+
+WORLD = MPI.COMM_WORLD
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def _all_float64(float64):
+    pass
+
+
+def shared_dir():
+    return WORLD.bcast(tempfile.mkdtemp() if WORLD.rank == 0 else None)
+
+
+class Stage(layerbraid.LayerParallelModule):
+    def __init__(self, comm, steps, channels, open_layer, close_layer, output):
+        super().__init__(num_steps=steps, comm=comm, output=output)
+        self.channels, self.open, self.close = channels, open_layer, close_layer
+
+    def step_layer(self, index):
+        return ConvBlock(self.channels)
+
+
+def staged(comm):
+    """Two layer-parallel stages and a head that runs on every rank."""
+    s1 = Stage(comm, 4, 3, nn.Conv2d(1, 3, 3, padding=1), None, "next")
+    s2 = Stage(comm, 4, 6, nn.Conv2d(3, 6, 3, stride=2, padding=1),
+               nn.Sequential(nn.Flatten(), nn.Linear(6 * 4 * 4, 5)), "all")
+    return nn.Sequential(s1, s2, nn.Tanh(), nn.Linear(5, 3))
+
+
+def step(model, opt, seed):
+    opt.zero_grad()
+    x, y = batch(seed=seed)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_staged_model_saved_on_many_ranks_resumes_on_one():
+    torch.manual_seed(0)
+    model = staged(WORLD)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    step(model, opt, 0)
+    path = os.path.join(shared_dir(), "staged.ckpt")
+    layerbraid.save_checkpoint(model, path, opt, extra={"epoch": 1, "note": "x"})
+    ref = [step(model, opt, k) for k in (1, 2)]
+    if WORLD.rank == 0:
+        torch.manual_seed(7)
+        alone = staged(MPI.COMM_SELF)
+        opt2 = torch.optim.Adam(alone.parameters(), lr=0.5)
+        assert layerbraid.load_checkpoint(alone, path, opt2) == {"epoch": 1, "note": "x"}
+        losses = [step(alone, opt2, k) for k in (1, 2)]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-10,
+                                   atol=1e-10)
+    WORLD.Barrier()
+
+
+def test_a_plain_module_round_trips(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    layerbraid.save_checkpoint(model, tmp_path / "m.ckpt", opt, extra=[1, 2.5, None])
+    other = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt2 = torch.optim.SGD(other.parameters(), lr=0.3)
+    assert layerbraid.load_checkpoint(other, tmp_path / "m.ckpt", opt2) == [1, 2.5, None]
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+    assert opt2.state_dict()["state"][0]["momentum_buffer"].equal(
+        opt.state_dict()["state"][0]["momentum_buffer"])
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    bomb = _RunsCode()
+    bomb.marker = marker
+    model = ODEResNet(MPI.COMM_SELF, num_steps=2)
+    # With a valid header and checksum: the payload itself must not be unpickled into code.
+    (tmp_path / "a.ckpt").write_bytes(_encode({"format": "layerbraid-checkpoint-2",
+                                               "model": {}, "extra": bomb}))
+    with pytest.raises(CheckpointError, match="a.ckpt holds something other than tensors"):
+        model.load_checkpoint(tmp_path / "a.ckpt")
+    # A plain torch.save / pickle file (what older checkpoints and attackers write).
+    with open(tmp_path / "b.ckpt", "wb") as f:
+        pickle.dump({"model": bomb}, f)
+    with pytest.raises(CheckpointError, match="b.ckpt is not a layerbraid checkpoint"):
+        model.load_checkpoint(tmp_path / "b.ckpt")
+    assert not marker.exists()
+
+
+@pytest.mark.parallel([1, 2])
+def test_bad_files_are_clear_errors_naming_the_file_on_every_rank():
+    d = shared_dir()
+    model = ODEResNet(WORLD, num_steps=4)
+    good = os.path.join(d, "good.ckpt")
+    model.save_checkpoint(good, extra={"epoch": 1})
+    data = Path(good).read_bytes()
+    cases = {"empty.ckpt": (b"", "is empty"),
+             "truncated.ckpt": (data[:len(data) // 2], "corrupt or truncated"),
+             "header.ckpt": (data[:30], "truncated"),
+             "random.ckpt": (os.urandom(4096), "is not a layerbraid checkpoint"),
+             "flipped.ckpt": (data[:-200] + bytes(b ^ 0xFF for b in data[-200:-136])
+                              + data[-136:], "SHA-256")}
+    if WORLD.rank == 0:
+        for name, (content, _) in cases.items():
+            Path(d, name).write_bytes(content)
+    WORLD.Barrier()
+    for name, (_, why) in cases.items():
+        with pytest.raises(CheckpointError, match=why) as info:
+            model.load_checkpoint(os.path.join(d, name))
+        assert name in str(info.value)
+    with pytest.raises(CheckpointError, match="cannot read checkpoint .*missing.ckpt"):
+        model.load_checkpoint(os.path.join(d, "missing.ckpt"))
+    other = ODEResNet(WORLD, num_steps=6)
+    with pytest.raises(ValueError, match="network of 4 steps; this model has num_steps=6"):
+        other.load_checkpoint(good)
+
+
+def test_a_failed_write_leaves_the_old_checkpoint_and_no_litter(tmp_path, monkeypatch):
+    model = ODEResNet(MPI.COMM_SELF, num_steps=2)
+    path = tmp_path / "c.ckpt"
+    model.save_checkpoint(path, extra={"epoch": 1})
+
+    def broken(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken)
+    with pytest.raises(OSError, match="No space"):
+        model.save_checkpoint(path, extra={"epoch": 2})
+    monkeypatch.undo()
+    assert read_checkpoint(path)["extra"] == {"epoch": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt"]
+
+
+def test_sigkill_during_a_save_never_loses_the_checkpoint(tmp_path):
+    """A process killed at any moment of a save leaves the old file or the new one."""
+    path = tmp_path / "k.ckpt"
+    code = ("import sys, torch, layerbraid; from torch import nn\n"
+            "m = nn.Linear(2, 2)\n"
+            "for k in range(1000):\n"
+            "    layerbraid.save_checkpoint(m, sys.argv[1], extra={'k': k, 'big': "
+            "torch.zeros(8_000_000)})\n"
+            "    print(k, flush=True)\n")
+    for delay in (0.5, 1.5, 2.5):
+        proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE,
+                                text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if path.exists():
+            ckpt = read_checkpoint(path)
+            assert ckpt["extra"]["big"].shape == (8_000_000,)
+    assert path.exists(), "no save finished in 4.5 s of trying"
