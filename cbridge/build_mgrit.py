@@ -4,6 +4,7 @@ The compiler and link flags come from ``$MPICC`` or the ``mpicc`` on PATH (``mpi
 that the core and mpi4py use one MPI.  Nothing is downloaded.
 """
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -14,82 +15,27 @@ from cffi import FFI
 HERE = Path(__file__).resolve().parent
 SOURCES = sorted(str(p.relative_to(HERE.parent)) for p in (HERE / "src").glob("*.c"))
 
-CDEF = """
-typedef int64_t mgrit_vec;
-typedef ... MPI_Comm;
-typedef struct { int32_t level; int32_t op; int64_t index; int32_t peer; int32_t done; }
-    mgrit_trace_entry;
-typedef struct {
-  int (*init)(void *, double, int64_t, mgrit_vec *);
-  int (*clone)(void *, mgrit_vec, mgrit_vec *);
-  int (*free)(void *, mgrit_vec);
-  int (*sum)(void *, double, mgrit_vec, double, mgrit_vec);
-  int (*norm)(void *, mgrit_vec, double *);
-  int (*step)(void *, mgrit_vec, double, double, int, int64_t, int, mgrit_vec *);
-  int (*bufsize)(void *, mgrit_vec, int64_t *);
-  int (*pack)(void *, mgrit_vec, void *, int64_t);
-  int (*unpack)(void *, void *, int64_t, mgrit_vec *);
-  int (*coarsen)(void *, mgrit_vec, int, mgrit_vec *);
-  int (*refine)(void *, mgrit_vec, int, mgrit_vec *);
-} mgrit_callbacks;
-typedef struct mgrit_core mgrit_core;
+HEADER = HERE / "include" / "mgrit.h"
 
-#define MGRIT_OK 0
-#define MGRIT_ERR_ARG 1
-#define MGRIT_ERR_CALLBACK 2
-#define MGRIT_ERR_REMOTE 3
-#define MGRIT_ERR_NAN 4
-#define MGRIT_ERR_MPI 5
-#define MGRIT_ERR_NOMEM 6
-#define MGRIT_ERR_MISMATCH 7
-#define MGRIT_CYCLE_V 0
-#define MGRIT_CYCLE_F 1
 
-int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
-                 const mgrit_callbacks *callbacks, void *app, mgrit_core **out);
-int mgrit_destroy(mgrit_core *core);
-int mgrit_create_virtual(int64_t num_steps, double tstart, double tstop, int rank, int size,
-                         mgrit_core **out);
-int mgrit_set_max_levels(mgrit_core *core, int max_levels);
-int mgrit_set_cfactors(mgrit_core *core, int n, const int *cfactors);
-int mgrit_set_nrelax(mgrit_core *core, int n, const int *nrelax);
-int mgrit_set_max_iters(mgrit_core *core, int max_iters);
-int mgrit_set_tol(mgrit_core *core, double tol);
-int mgrit_set_skip(mgrit_core *core, int skip);
-int mgrit_set_cycle(mgrit_core *core, int cycle);
-int mgrit_set_min_coarse(mgrit_core *core, int64_t min_coarse);
-int mgrit_set_final_fc(mgrit_core *core, int final_fc);
-int mgrit_set_trace(mgrit_core *core, int on);
-int mgrit_set_store_all(mgrit_core *core, int store_all);
-int mgrit_set_mirror(mgrit_core *core, int mirror);
-int mgrit_setup(mgrit_core *core);
-int mgrit_solve(mgrit_core *core);
-int mgrit_num_levels(const mgrit_core *core);
-int mgrit_iterations(const mgrit_core *core);
-int mgrit_num_norms(const mgrit_core *core);
-const double *mgrit_norms(const mgrit_core *core);
-void mgrit_owned(const mgrit_core *core, int level, int64_t *lo, int64_t *hi);
-mgrit_vec mgrit_state(const mgrit_core *core, int64_t index);
-int64_t mgrit_level_points(const mgrit_core *core, int level);
-int64_t mgrit_level_stride(const mgrit_core *core, int level);
-int mgrit_failed_rank(const mgrit_core *core);
-double mgrit_comm_seconds(const mgrit_core *core);
-const char *mgrit_error_message(const mgrit_core *core);
-int64_t mgrit_trace_length(const mgrit_core *core);
-const mgrit_trace_entry *mgrit_trace(const mgrit_core *core);
+def cdef_from_header(text):
+    """The cffi declarations of mgrit.h, taken from the header itself: its constants, types and
+    functions (comments and preprocessor lines dropped, MPI_Comm opaque), and one
+    ``extern "Python"`` function per field of ``mgrit_callbacks``, named ``_lb_<field>``."""
+    body = text.split('extern "C" {', 1)[1]
+    body = body[body.index("#endif") + len("#endif"):body.rindex("#ifdef __cplusplus")]
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    lines = [ln for ln in body.splitlines()
+             if ln.strip() and (not ln.lstrip().startswith("#") or re.match(
+                 r"#define\s+MGRIT_\w+\s+-?\d+\s*$", ln.strip()))]
+    callbacks = re.search(r"typedef struct mgrit_callbacks \{(.*?)\} mgrit_callbacks;", body,
+                          flags=re.S).group(1)
+    externs = [f'extern "Python" int _lb_{name}({args});'
+               for name, args in re.findall(r"int \(\*(\w+)\)\(([^)]*)\);", callbacks)]
+    return "\n".join(["typedef ... MPI_Comm;"] + lines + externs) + "\n"
 
-extern "Python" int _lb_init(void *, double, int64_t, mgrit_vec *);
-extern "Python" int _lb_clone(void *, mgrit_vec, mgrit_vec *);
-extern "Python" int _lb_free(void *, mgrit_vec);
-extern "Python" int _lb_sum(void *, double, mgrit_vec, double, mgrit_vec);
-extern "Python" int _lb_norm(void *, mgrit_vec, double *);
-extern "Python" int _lb_step(void *, mgrit_vec, double, double, int, int64_t, int, mgrit_vec *);
-extern "Python" int _lb_bufsize(void *, mgrit_vec, int64_t *);
-extern "Python" int _lb_pack(void *, mgrit_vec, void *, int64_t);
-extern "Python" int _lb_unpack(void *, void *, int64_t, mgrit_vec *);
-extern "Python" int _lb_coarsen(void *, mgrit_vec, int, mgrit_vec *);
-extern "Python" int _lb_refine(void *, mgrit_vec, int, mgrit_vec *);
-"""
+
+CDEF = cdef_from_header(HEADER.read_text())
 
 
 def _mpicc_flags():

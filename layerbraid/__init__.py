@@ -1,13 +1,13 @@
 """layerbraid: layer-parallel multigrid (MGRIT) training for PyTorch."""
-from .errors import DivergenceError, MGRITError, RemoteRankError
-from .launch import abort_on_exception, check_launch
+from .errors import DivergenceError, MGRITError, RemoteRankError, StallError
+from .launch import abort_on_exception, check_launch, set_timeout
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions
 
 __all__ = ["MGRIT", "MGRITResult", "MGRITOptions", "LayerParallelModule", "SolveStats",
            "SpatialCoarsening", "ProcessGrid", "shard_batches", "MGRITError", "RemoteRankError",
-           "DivergenceError", "clip_grad_norm_", "check_launch", "abort_on_exception",
-           "save_checkpoint", "load_checkpoint", "CheckpointError"]
+           "DivergenceError", "StallError", "set_timeout", "clip_grad_norm_", "check_launch",
+           "abort_on_exception", "save_checkpoint", "load_checkpoint", "CheckpointError"]
 __version__ = "0.1.0"
 
 # The names that need torch load on first use, so that the general solver works (and imports

@@ -8,6 +8,8 @@ autograd reaches ``_ChainFn.backward`` everywhere.
 """
 import torch
 
+from ._transport import bcast_tensor, recv_tensor, send_tensor
+
 __all__ = []
 
 
@@ -31,53 +33,58 @@ class _ChainFn(torch.autograd.Function):
 
 
 class _BroadcastFn(torch.autograd.Function):
-    """The root's tensor on every rank of comm; backward keeps the root's gradient (every rank
-    computes the same loss from the same output, so counting it once is right)."""
+    """The root's tensor (of a known shape and dtype) on every rank of comm; backward keeps the
+    root's gradient (every rank computes the same loss from the same output, so counting it
+    once is right)."""
 
     @staticmethod
-    def forward(ctx, comm, root, y):
+    def forward(ctx, comm, root, y, shape, dtype):
         ctx.root, ctx.is_root = root, comm.Get_rank() == root
         ctx.dummy_shape, ctx.dtype, ctx.device = y.shape, y.dtype, y.device
         if comm.Get_size() == 1:
             return y.clone()
-        payload = y.detach().cpu() if ctx.is_root else None
-        payload = comm.bcast(payload, root=root)
-        return payload.to(y.device) if not ctx.is_root else y.clone()
+        out = bcast_tensor(comm, y if ctx.is_root else None, shape, dtype, y.device, root)
+        return y.clone() if ctx.is_root else out
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.is_root:
-            return None, None, grad
-        return None, None, torch.zeros(ctx.dummy_shape, dtype=ctx.dtype, device=ctx.device)
+            return None, None, grad, None, None
+        return None, None, torch.zeros(ctx.dummy_shape, dtype=ctx.dtype, device=ctx.device), \
+            None, None
 
 
 class _ToFirstFn(torch.autograd.Function):
-    """The last rank's tensor on the first rank (a dummy elsewhere), to feed another
-    layer-parallel stage; backward sends the first rank's gradient back to the last rank."""
+    """The last rank's tensor (of a known shape and dtype) on the first rank (a dummy
+    elsewhere), to feed another layer-parallel stage; backward sends the first rank's gradient
+    back to the last rank."""
 
     TAG = 7302
 
     @staticmethod
-    def forward(ctx, comm, y):
+    def forward(ctx, comm, y, shape, dtype):
         size, rank = comm.Get_size(), comm.Get_rank()
         ctx.comm, ctx.first, ctx.last = comm, rank == 0, rank == size - 1
         ctx.shape, ctx.dtype, ctx.device = y.shape, y.dtype, y.device
         if size == 1:
             return y.clone()
         if ctx.last:
-            comm.send(y.detach().cpu(), dest=0, tag=_ToFirstFn.TAG)
+            send_tensor(comm, y, 0, _ToFirstFn.TAG)
             return torch.zeros((), dtype=y.dtype, device=y.device)
         if ctx.first:
-            return comm.recv(source=size - 1, tag=_ToFirstFn.TAG).to(y.device)
+            ctx.out_shape, ctx.out_dtype = shape, dtype
+            return recv_tensor(comm, shape, dtype, y.device, size - 1, _ToFirstFn.TAG)
         return torch.zeros((), dtype=y.dtype, device=y.device)
 
     @staticmethod
     def backward(ctx, grad):
         comm = ctx.comm
         if comm.Get_size() == 1:
-            return None, grad
+            return None, grad, None, None
         if ctx.first:
-            comm.send(grad.detach().cpu(), dest=comm.Get_size() - 1, tag=_ToFirstFn.TAG)
+            g = grad if grad is not None else torch.zeros(ctx.out_shape, dtype=ctx.out_dtype)
+            send_tensor(comm, g.to(ctx.out_dtype), comm.Get_size() - 1, _ToFirstFn.TAG)
         if ctx.last:
-            return None, comm.recv(source=0, tag=_ToFirstFn.TAG).to(ctx.device)
-        return None, torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+            return None, recv_tensor(comm, ctx.shape, ctx.dtype, ctx.device, 0,
+                                     _ToFirstFn.TAG), None, None
+        return None, torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device), None, None

@@ -6,8 +6,7 @@ exception into a nonzero return code: the core then stops computing, tells the o
 returns, and `_Core.solve` re-raises the original exception on this rank (Note [poisoned messages]
 in cbridge/src/comm.c).
 """
-import struct
-import sys
+import re
 import time
 from dataclasses import dataclass
 
@@ -15,14 +14,19 @@ import numpy as np
 
 # mpi4py first: it loads the MPI library, which the extension then links to by soname (Note
 # [finding libmpi at run time] in cbridge/build_mgrit.py).
-from mpi4py import MPI as _MPI  # noqa: F401
+from mpi4py import MPI as _MPI
 
 from ._mgrit_core import ffi, lib  # noqa: E402
-from .errors import DivergenceError, MGRITError, RemoteRankError
+from ._states import _as_state, _clone, _from_bytes, _header, _is_torch, _norm, _raw_bytes
+from .errors import DivergenceError, MGRITError, RemoteRankError, StallError
+from .launch import timeout
 
 __all__ = []
 
-_OPS = ("fstep", "cstep", "rstep", "gstep", "correct", "send", "recv", "norm", "init", "seqstep")
+# The trace's operation names, indexed by the header's MGRIT_OP_* codes.
+_OPS = tuple(name.lower() for name, code in sorted(
+    ((n[len("MGRIT_OP_"):], getattr(lib, n)) for n in dir(lib) if n.startswith("MGRIT_OP_")),
+    key=lambda item: item[1]))
 
 
 @dataclass(frozen=True)
@@ -34,86 +38,6 @@ class TraceEntry:
     index: int
     peer: int
     done: bool
-
-
-# ---------------------------------------------------------------- vector operations
-_NP_DTYPES = [np.dtype(t) for t in ("float64", "float32", "float16", "complex128", "complex64",
-                                    "int64", "int32", "int16", "int8", "uint8", "bool")]
-_TORCH_DTYPE_NAMES = ["float64", "float32", "float16", "bfloat16", "complex128", "complex64",
-                      "int64", "int32", "int16", "int8", "uint8", "bool"]
-
-
-def _torch():
-    """torch if the program imported it (a state can only be a tensor then), else None.  Keeps
-    numpy-only users from paying for torch's import."""
-    return sys.modules.get("torch")
-
-
-def _is_torch(x):
-    torch = _torch()
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _as_state(x):
-    """numpy scalars and Python numbers become 0-d arrays; arrays and tensors pass."""
-    if _is_torch(x) or isinstance(x, np.ndarray):
-        return x
-    if isinstance(x, (np.generic, int, float, complex)):
-        return np.asarray(x)
-    raise TypeError(f"an MGRIT state must be a numpy array or a torch tensor, got {type(x).__name__}")
-
-
-def _clone(x):
-    return x.clone() if _is_torch(x) else x.copy()
-
-
-def _norm(x):
-    if _is_torch(x):
-        torch = _torch()
-        return float(torch.linalg.vector_norm(x.detach().reshape(-1), dtype=torch.float64)
-                     if x.is_floating_point() else torch.linalg.vector_norm(x.double()))
-    return float(np.linalg.norm(np.asarray(x, dtype=np.complex128 if np.iscomplexobj(x)
-                                          else np.float64).reshape(-1)))
-
-
-def _header(x):
-    """kind, dtype code and shape, padded to a multiple of 8 bytes."""
-    if _is_torch(x):
-        kind, code = 1, _TORCH_DTYPE_NAMES.index(str(x.dtype).replace("torch.", ""))
-    else:
-        kind, code = 0, _NP_DTYPES.index(x.dtype)
-    head = struct.pack(f"<BBH{x.ndim}q", kind, code, x.ndim, *x.shape)
-    return head + b"\0" * (-len(head) % 8)
-
-
-def _raw_bytes(x):
-    """The state's bytes as a uint8 numpy array (CUDA tensors are staged through host memory)."""
-    if _is_torch(x):
-        torch = _torch()
-        flat = x.detach().reshape(-1)
-        if flat.device.type != "cpu":
-            flat = flat.cpu()
-        if flat.dtype == torch.bool:
-            flat = flat.to(torch.uint8)
-        return flat.contiguous().view(torch.uint8).numpy()
-    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-
-
-def _from_bytes(buf, device):
-    kind, code, ndim = struct.unpack_from("<BBH", buf, 0)
-    shape = struct.unpack_from(f"<{ndim}q", buf, 4)
-    off = 4 + 8 * ndim
-    off += -off % 8
-    payload = np.frombuffer(buf, dtype=np.uint8, offset=off).copy()
-    if kind == 0:
-        return payload.view(_NP_DTYPES[code]).reshape(shape)
-    import torch
-
-    dtype = getattr(torch, _TORCH_DTYPE_NAMES[code])
-    t = torch.from_numpy(payload)
-    t = t.to(torch.bool) if dtype == torch.bool else t.view(dtype)
-    t = t.reshape(shape)
-    return t.to(device) if device is not None and device.type != "cpu" else t
 
 
 # ---------------------------------------------------------------- the solver handle
@@ -132,10 +56,14 @@ class _Core:
         store_all: keep every fine point (else only what the cycles read again).
         mirror: give the extra steps (N % P) to the last ranks instead of the first, for a solve
             backward in time on the reversed communicator.
+        real_ranks: the rank each rank of ``comm`` is known by to the user (e.g. in the layer
+            group, for the adjoint's reversed communicator); errors name those.
+        owns_comm: free ``comm`` with the core (a communicator made for this core alone).
     """
 
     def __init__(self, comm, num_steps, t_start, t_stop, options, init, step, trace=False,
-                 mirror=False, coarsen=None, refine=None, store_all=True):
+                 mirror=False, coarsen=None, refine=None, store_all=True, real_ranks=None,
+                 owns_comm=False):
         from mpi4py import MPI
 
         self._init_fn, self._step_fn = init, step
@@ -146,7 +74,9 @@ class _Core:
         self._device = None
         self.step_seconds = 0.0
         self.comm = comm
+        self._owns_comm = bool(owns_comm)
         self.rank = comm.Get_rank()
+        self._real = list(real_ranks) if real_ranks is not None else list(range(comm.Get_size()))
         self._handle = ffi.new_handle(self)
         cbs = ffi.new("mgrit_callbacks *")
         cbs.init, cbs.clone, cbs.free = lib._lb_init, lib._lb_clone, lib._lb_free
@@ -156,16 +86,21 @@ class _Core:
             cbs.coarsen = lib._lb_coarsen
         if refine is not None:
             cbs.refine = lib._lb_refine
+        cbs.poll = lib._lb_poll
         self._cbs = cbs
         out = ffi.new("mgrit_core **")
         comm_ptr = ffi.cast("MPI_Comm *", MPI._addressof(comm))
         rc = lib.mgrit_create(comm_ptr, int(num_steps), float(t_start), float(t_stop), cbs,
                               self._handle, out)
         if rc != lib.MGRIT_OK:
+            why = ffi.string(lib.mgrit_create_error()).decode()
+            if rc == lib.MGRIT_ERR_MPI:
+                raise MGRITError(f"cannot create an MGRIT solver: {why}")
             raise ValueError(f"cannot create an MGRIT solver for num_steps={num_steps!r}, "
-                             f"t_start={t_start!r}, t_stop={t_stop!r}")
+                             f"t_start={t_start!r}, t_stop={t_stop!r}: {why}")
         self._core = out[0]
         self._set_options(options, trace)
+        self._check(lib.mgrit_set_timeout(self._core, timeout()))
         self._check(lib.mgrit_set_mirror(self._core, int(bool(mirror))))
         self._check(lib.mgrit_set_store_all(self._core, int(bool(store_all))))
 
@@ -177,9 +112,18 @@ class _Core:
         _configure(self._core, o, trace)
 
     def close(self):
+        """Frees the core, its duplicate of the communicator and (owns_comm) the communicator.
+        Safe to call twice, and after MPI has finalized (then nothing is freed: the process is
+        ending)."""
+        finalized = _MPI.Is_finalized()
         if getattr(self, "_core", None) is not None:
-            lib.mgrit_destroy(self._core)
+            if not finalized:
+                lib.mgrit_destroy(self._core)
             self._core = None
+        comm = getattr(self, "comm", None)
+        if self._owns_comm and comm is not None and not finalized and comm != _MPI.COMM_NULL:
+            comm.Free()
+        self.comm = None
         self._table.clear()
 
     def __del__(self):
@@ -201,14 +145,31 @@ class _Core:
     def _fail(self, exc, where):
         if self._error is None:
             if hasattr(exc, "add_note"):
-                exc.add_note(f"(raised on rank {self.rank} in the MGRIT {where} callback)")
+                exc.add_note(f"(raised on rank {self._real[self.rank]} in the MGRIT {where} "
+                             "callback)")
             self._error = exc
         return 1
 
     def _raise(self, rc):
         """Raise the error of status rc on this rank; with the failing rank's message on all."""
-        msg = ffi.string(lib.mgrit_error_message(self._core)).decode()
-        if rc in (lib.MGRIT_ERR_CALLBACK, lib.MGRIT_ERR_REMOTE):
+        # The core names ranks of its own communicator: say the ranks the user knows.
+        msg = re.sub(r"\brank (\d+)", lambda m: f"rank {self._real[int(m.group(1))]}"
+                     if int(m.group(1)) < len(self._real) else m.group(0),
+                     ffi.string(lib.mgrit_error_message(self._core)).decode())
+        if _escaped and self._error is None:  # Note [callback errors]
+            self._error = _escaped.pop()
+        _escaped.clear()
+        if rc == lib.MGRIT_ERR_INTERRUPT:  # the job ends: no rank is told
+            err, self._error = self._error, None
+            raise err if err is not None else KeyboardInterrupt(msg)
+        if rc == lib.MGRIT_ERR_TIMEOUT:
+            raise StallError(f"stalled: {msg}; LAYERBRAID_TIMEOUT or layerbraid.set_timeout "
+                             "sets the limit")
+        if rc == lib.MGRIT_ERR_MPI:
+            raise MGRITError(msg)
+        if rc == lib.MGRIT_ERR_NOMEM and self._error is None:
+            self._error = MemoryError(msg or "the MGRIT core ran out of memory")
+        if rc in (lib.MGRIT_ERR_CALLBACK, lib.MGRIT_ERR_REMOTE, lib.MGRIT_ERR_NOMEM):
             # Every rank knows the failing rank now: it tells the others what went wrong.
             failed = lib.mgrit_failed_rank(self._core)
             err, self._error = self._error, None
@@ -217,15 +178,16 @@ class _Core:
                 text = f"{type(err).__name__}: {err}"
             if 0 <= failed < self.comm.Get_size():
                 text = self.comm.bcast(text, root=failed)
-            if rc == lib.MGRIT_ERR_CALLBACK and err is not None:
+            if rc in (lib.MGRIT_ERR_CALLBACK, lib.MGRIT_ERR_NOMEM) and err is not None:
                 raise err
-            raise RemoteRankError(f"{msg}: {text}" if text else msg, failed)
+            real = self._real[failed] if 0 <= failed < len(self._real) else -1
+            msg = (f"a callback failed on rank {real}; rank {self._real[self.rank]} stopped"
+                   if real >= 0 else msg)
+            raise RemoteRankError(f"{msg}: {text}" if text else msg, real)
         if rc == lib.MGRIT_ERR_NAN:
             raise DivergenceError(msg)
         if rc in (lib.MGRIT_ERR_ARG, lib.MGRIT_ERR_MISMATCH):
             raise ValueError(msg)
-        if rc == lib.MGRIT_ERR_NOMEM:
-            raise MemoryError(msg or "the MGRIT core ran out of memory")
         raise MGRITError(msg or f"the MGRIT core failed with status {rc}")
 
     def set_trace(self, on):
@@ -338,133 +300,122 @@ def _configure(c, o, trace):
 
 
 # ---------------------------------------------------------------- callbacks
-@ffi.def_extern()
-def _lb_init(app, t, index, out):
-    self = ffi.from_handle(app)
-    try:
-        out[0] = self._put(self._init_fn(t, index))
-        return 0
-    except BaseException as exc:
-        return self._fail(exc, "init")
+# Note [callback errors]: every callback returns 0, or nonzero after storing its exception on its
+# core (_Core._fail), which the core then reports (Note [poisoned messages] in comm.c).  An
+# exception that escapes the body (a KeyboardInterrupt delivered between two bytecodes of the
+# wrapper) reaches cffi's onerror, which stores it too; the declared error value is 1, so it can
+# never pass for success.
+_escaped = []
 
 
-@ffi.def_extern()
-def _lb_clone(app, x, out):
-    self = ffi.from_handle(app)
-    try:
-        out[0] = self._put(_clone(self._table[x]))
-        return 0
-    except BaseException as exc:
-        return self._fail(exc, "clone")
+def _on_escape(exc_type, exc, tb):
+    _escaped.append(exc if exc is not None else exc_type())
 
 
-@ffi.def_extern()
-def _lb_free(app, x):
-    self = ffi.from_handle(app)
+def _callback(name, where):
+    def wrap(body):
+        def callback(app, *args):
+            self = ffi.from_handle(app)
+            try:
+                return body(self, *args)
+            except BaseException as exc:
+                return self._fail(exc, where)
+        return ffi.def_extern(name=name, error=1, onerror=_on_escape)(callback)
+    return wrap
+
+
+@_callback("_lb_init", "init")
+def _init_cb(self, t, index, out):
+    out[0] = self._put(self._init_fn(t, index))
+    return 0
+
+
+@_callback("_lb_clone", "clone")
+def _clone_cb(self, x, out):
+    out[0] = self._put(_clone(self._table[x]))
+    return 0
+
+
+@_callback("_lb_free", "free")
+def _free_cb(self, x):
     self._table.pop(x, None)
     return 0
 
 
-@ffi.def_extern()
-def _lb_sum(app, alpha, x, beta, y):
-    self = ffi.from_handle(app)
-    try:
-        tx, ty = self._table[x], self._table[y]
-        # Out of place: a step may return its input, so two ids can share one object.
-        if alpha == 1.0 and beta == 1.0:
-            self._table[y] = tx + ty
-        elif beta == 1.0:
-            self._table[y] = ty + alpha * tx
-        else:
-            self._table[y] = alpha * tx + beta * ty
-        return 0
-    except BaseException as exc:
-        return self._fail(exc, "sum")
+@_callback("_lb_sum", "sum")
+def _sum_cb(self, alpha, x, beta, y):
+    tx, ty = self._table[x], self._table[y]
+    # Out of place: a step may return its input, so two ids can share one object.
+    if alpha == 1.0 and beta == 1.0:
+        self._table[y] = tx + ty
+    elif beta == 1.0:
+        self._table[y] = ty + alpha * tx
+    else:
+        self._table[y] = alpha * tx + beta * ty
+    return 0
 
 
-@ffi.def_extern()
-def _lb_norm(app, x, out):
-    self = ffi.from_handle(app)
-    try:
-        out[0] = _norm(self._table[x])
-        return 0
-    except BaseException as exc:
-        return self._fail(exc, "norm")
+@_callback("_lb_norm", "norm")
+def _norm_cb(self, x, out):
+    out[0] = _norm(self._table[x])
+    return 0
 
 
-@ffi.def_extern()
-def _lb_step(app, u, tstart, tstop, level, index, done, out):
-    self = ffi.from_handle(app)
-    try:
-        x = self._table[u]
-        t0 = time.perf_counter()
-        y = _as_state(self._step_fn(x, tstart, tstop, level, index, bool(done)))
-        self.step_seconds += time.perf_counter() - t0
-        if y.shape != x.shape:
-            raise ValueError(f"the step at level {level}, fine index {index} (t={tstart:g} to "
-                             f"{tstop:g}) returned a state of shape {tuple(y.shape)}, but its "
-                             f"input has shape {tuple(x.shape)}: a step must keep the shape")
-        if y.dtype != x.dtype:
-            raise TypeError(f"the step at level {level}, fine index {index} returned dtype "
-                            f"{y.dtype}, but its input has dtype {x.dtype}: a step must keep "
-                            "the dtype")
-        out[0] = self._put(y)
-        return 0
-    except BaseException as exc:
-        return self._fail(exc, "step")
+@_callback("_lb_step", "step")
+def _step_cb(self, u, tstart, tstop, level, index, done, out):
+    x = self._table[u]
+    t0 = time.perf_counter()
+    y = _as_state(self._step_fn(x, tstart, tstop, level, index, bool(done)))
+    self.step_seconds += time.perf_counter() - t0
+    if y.shape != x.shape:
+        raise ValueError(f"the step at level {level}, fine index {index} (t={tstart:g} to "
+                         f"{tstop:g}) returned a state of shape {tuple(y.shape)}, but its "
+                         f"input has shape {tuple(x.shape)}: a step must keep the shape")
+    if y.dtype != x.dtype:
+        raise TypeError(f"the step at level {level}, fine index {index} returned dtype "
+                        f"{y.dtype}, but its input has dtype {x.dtype}: a step must keep "
+                        "the dtype")
+    out[0] = self._put(y)
+    return 0
 
 
-@ffi.def_extern()
-def _lb_bufsize(app, x, out):
-    self = ffi.from_handle(app)
-    try:
-        s = self._table[x]
-        out[0] = len(_header(s)) + s.nbytes if not _is_torch(s) else \
-            len(_header(s)) + s.numel() * s.element_size()
-        return 0
-    except BaseException as exc:
-        return self._fail(exc, "bufsize")
+@_callback("_lb_bufsize", "bufsize")
+def _bufsize_cb(self, x, out):
+    s = self._table[x]
+    out[0] = len(_header(s)) + (s.numel() * s.element_size() if _is_torch(s) else s.nbytes)
+    return 0
 
 
-@ffi.def_extern()
-def _lb_pack(app, x, buf, nbytes):
-    self = ffi.from_handle(app)
-    try:
-        s = self._table[x]
-        head = _header(s)
-        dst = np.frombuffer(ffi.buffer(buf, nbytes), dtype=np.uint8)
-        dst[:len(head)] = np.frombuffer(head, dtype=np.uint8)
-        dst[len(head):] = _raw_bytes(s)
-        return 0
-    except BaseException as exc:
-        return self._fail(exc, "pack")
+@_callback("_lb_pack", "pack")
+def _pack_cb(self, x, buf, nbytes):
+    s = self._table[x]
+    head = _header(s)
+    dst = np.frombuffer(ffi.buffer(buf, nbytes), dtype=np.uint8)
+    dst[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+    dst[len(head):] = _raw_bytes(s)
+    return 0
 
 
-@ffi.def_extern()
-def _lb_unpack(app, buf, nbytes, out):
-    self = ffi.from_handle(app)
-    try:
-        out[0] = self._put(_from_bytes(ffi.buffer(buf, nbytes), self._device))
-        return 0
-    except BaseException as exc:
-        return self._fail(exc, "unpack")
+@_callback("_lb_unpack", "unpack")
+def _unpack_cb(self, buf, nbytes, out):
+    out[0] = self._put(_from_bytes(ffi.buffer(buf, nbytes), self._device))
+    return 0
 
 
-@ffi.def_extern()
-def _lb_coarsen(app, x, level, out):
-    self = ffi.from_handle(app)
-    try:
-        out[0] = self._put(self._coarsen_fn(self._table[x], level))
-        return 0
-    except BaseException as exc:
-        return self._fail(exc, "coarsen")
+@_callback("_lb_coarsen", "coarsen")
+def _coarsen_cb(self, x, level, out):
+    out[0] = self._put(self._coarsen_fn(self._table[x], level))
+    return 0
 
 
-@ffi.def_extern()
-def _lb_refine(app, x, level, out):
-    self = ffi.from_handle(app)
-    try:
-        out[0] = self._put(self._refine_fn(self._table[x], level))
-        return 0
-    except BaseException as exc:
-        return self._fail(exc, "refine")
+@_callback("_lb_refine", "refine")
+def _refine_cb(self, x, level, out):
+    out[0] = self._put(self._refine_fn(self._table[x], level))
+    return 0
+
+
+@_callback("_lb_poll", "wait")
+def _poll_cb(self):
+    """Called while the core waits: a pending Ctrl-C is raised here (Python runs signal handlers
+    between bytecodes), stored, and stops the wait."""
+    return 0

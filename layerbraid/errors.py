@@ -1,6 +1,6 @@
 """Exceptions raised by layerbraid."""
 
-__all__ = ["MGRITError", "RemoteRankError", "DivergenceError"]
+__all__ = ["MGRITError", "RemoteRankError", "DivergenceError", "StallError"]
 
 
 class MGRITError(RuntimeError):
@@ -21,3 +21,9 @@ class RemoteRankError(MGRITError):
 
 class DivergenceError(MGRITError, FloatingPointError):
     """The residual norm became NaN or infinite."""
+
+
+class StallError(MGRITError, TimeoutError):
+    """A rank waited for another longer than the timeout (``layerbraid.set_timeout``, or the
+    environment variable ``LAYERBRAID_TIMEOUT``); the message says what it waited for and, for a
+    message, from which rank.  Uncaught, it ends the job (``layerbraid.abort_on_exception``)."""

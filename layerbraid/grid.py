@@ -2,10 +2,12 @@
 import numpy as np
 import torch
 
+from .launch import FreedOnExit
+
 __all__ = ["ProcessGrid", "shard_batches"]
 
 
-class ProcessGrid:
+class ProcessGrid(FreedOnExit):
     """Splits ``comm``'s P ranks into ``data_parallel`` groups of P / data_parallel
     layer-parallel ranks.
 
@@ -43,6 +45,15 @@ class ProcessGrid:
         self.layer_rank, self.data_rank = rank % layers, rank // layers
         self.layer_comm = comm.Split(self.data_rank, self.layer_rank)
         self.data_comm = comm.Split(self.layer_rank, self.data_rank)
+
+    def free(self):
+        """Frees the two communicators the grid made (also at the end of a ``with`` block)."""
+        from mpi4py import MPI
+
+        if not MPI.Is_finalized():
+            for c in (self.layer_comm, self.data_comm):
+                if c != MPI.COMM_NULL:
+                    c.Free()
 
     def __repr__(self):
         return (f"ProcessGrid(data_parallel={self.data_size}, layer_parallel={self.layer_size}, "

@@ -1,15 +1,16 @@
-"""What every multi-rank job needs before its first collective: the right launcher, and an
-uncaught exception on one rank ending the whole job.
+"""What every multi-rank job needs: the right launcher, an uncaught exception on one rank ending
+the whole job, and a stall timeout instead of a wait forever.
 
-Both run by themselves when a layer-parallel model, a ProcessGrid, an MGRIT solver or a
-LayerParallelLoader is built; call them directly to get them earlier.
+The launch check and the abort hook run by themselves when a layer-parallel model, a
+ProcessGrid, an MGRIT solver or a LayerParallelLoader is built; call them directly to get
+them earlier.
 """
 import os
 import sys
 import threading
 import time
 
-__all__ = ["check_launch", "abort_on_exception"]
+__all__ = ["check_launch", "abort_on_exception", "set_timeout"]
 
 # Variables through which launchers promise a number of processes.  A job started by one
 # launcher whose MPI library belongs to another (torchrun, or Open MPI's mpiexec with MPICH's
@@ -137,3 +138,74 @@ def _enter():
     if (MPI.COMM_WORLD.Get_size() > 1 and os.environ.get(_ENV_ABORT, "1") != "0"
             and not _hook_installed and not _switched_off):
         abort_on_exception(True)
+
+
+_DEFAULT_TIMEOUT = 600.0
+_timeout = [None]
+
+
+def set_timeout(seconds: float) -> None:
+    """Seconds a rank may wait for another, in layerbraid's collectives and in the MGRIT core's
+    waits, before it raises :class:`layerbraid.StallError` saying what it waited for (and, for
+    the core's messages, from which rank); uncaught, that ends the job.  The default is 600 s,
+    or the environment variable ``LAYERBRAID_TIMEOUT``; 0 waits forever.  Applies to solvers
+    built afterwards; every rank must use the same value."""
+    seconds = float(seconds)
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"the timeout must be a finite number of seconds >= 0, got {seconds!r}")
+    _timeout[0] = seconds
+
+
+def timeout() -> float:
+    """The stall timeout in seconds now in force (see :func:`set_timeout`)."""
+    if _timeout[0] is not None:
+        return _timeout[0]
+    text = os.environ.get("LAYERBRAID_TIMEOUT")
+    if text is None:
+        return _DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"LAYERBRAID_TIMEOUT must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def arrive(comm, what):
+    """Waits, polling, until every rank of ``comm`` has reached this point (a non-blocking
+    barrier), so that a rank that never comes is reported instead of waited for forever: after
+    the timeout, :class:`layerbraid.StallError` names ``what``.  Polling also lets Ctrl-C
+    through.  Costs one barrier."""
+    from .errors import StallError
+
+    if comm.Get_size() == 1:
+        return
+    req = comm.Ibarrier()
+    limit = timeout()
+    t0 = time.perf_counter()
+    spins, nap = 0, 1e-5
+    while not req.Test():
+        spins += 1
+        if spins > 100:
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+        waited = time.perf_counter() - t0
+        if limit and waited > limit:
+            rank = comm.Get_rank()
+            raise StallError(
+                f"stalled: rank {rank} waited {waited:.0f} s for every rank of its layer group "
+                f"to reach {what}; at least one never did (it stopped, or called model(x) or "
+                f"backward() a different number of times, or with another batch).  "
+                f"LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit")
+
+
+class FreedOnExit:
+    """``with obj:`` calls ``obj.free()`` at the end of the block (models, RNNs, grids)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+        return False

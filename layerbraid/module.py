@@ -11,6 +11,8 @@ from torch import nn
 
 from ._autograd import _BroadcastFn, _ChainFn, _ToFirstFn
 from .nn import _solve_state
+from .errors import RemoteRankError
+from .launch import FreedOnExit, arrive
 from .options import MGRITOptions
 from .stats import SolveStats
 
@@ -45,7 +47,7 @@ class _BuildStepsAfterInit(type(nn.Module)):
         return obj
 
 
-class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
+class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit):
     """A network ``open -> N residual steps -> close`` whose steps are solved by MGRIT.
 
     Subclass it, call ``super().__init__(...)``, set ``self.open`` and ``self.close`` (optional
@@ -79,6 +81,9 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
             tensor or None (e.g. the placeholder of an earlier stage) are not checked.  The
             labels are not seen by the model: the loss's gradient is taken on the last rank, so
             its labels must be the batch's (``layerbraid.data.LayerParallelLoader`` does both).
+        check_finite: raise ``FloatingPointError`` on every rank when the output (checked on
+            the last rank) or the input gradient and parameter gradients (checked after the
+            adjoint solve) hold NaN or Inf, in every mode, one level included.
 
     Both solves always finish with an FC relaxation (``final_fc_relax`` is forced on): that is
     when each layer runs once more to record the graph that backward differentiates.
@@ -88,7 +93,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
                  forward_options: Optional[MGRITOptions] = None,
                  backward_options: Optional[MGRITOptions] = None,
                  warm_start: bool = False, output: str = "all", spatial=None,
-                 check_inputs: bool = True):
+                 check_inputs: bool = True, check_finite: bool = True):
         super().__init__()
         from mpi4py import MPI
 
@@ -98,11 +103,15 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
 
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
-        if isinstance(t_final, bool) or not isinstance(t_final, (int, float)) or not t_final > 0:
-            raise ValueError(f"t_final must be a number > 0, got {t_final!r}")
+        if isinstance(t_final, bool) or not isinstance(t_final, (int, float)) or \
+                not 0 < t_final < float("inf"):
+            raise ValueError(f"t_final must be a finite number > 0, got {t_final!r}")
         comm = MPI.COMM_WORLD if comm is None else comm
         grid = comm if hasattr(comm, "layer_comm") else None  # a ProcessGrid
         comm = grid.layer_comm if grid is not None else comm
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"comm must be an mpi4py communicator or a ProcessGrid, got "
+                            f"{type(comm).__name__}")
         if num_steps < comm.Get_size():
             raise ValueError(f"num_steps={num_steps} is smaller than the number of layer-parallel "
                              f"ranks ({comm.Get_size()}): every rank needs at least one step")
@@ -118,6 +127,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
             backward_options or MGRITOptions(max_levels=1), final_fc_relax=True)
         self.warm_start = bool(warm_start)
         self.check_inputs = bool(check_inputs)
+        self.check_finite = bool(check_finite)
         if output not in ("all", "next"):
             raise ValueError(f"output must be 'all' or 'next', got {output!r}")
         self.output = output
@@ -171,14 +181,27 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         # Each layer is built from its own seed, drawn once on every rank: the same global index
         # gets the same initial weights whatever the number of ranks.
         base = int(torch.randint(0, 2**62, ()).item())
-        for i in self._owned:
-            self.layers[str(i)] = self._make_layer(i, base)
+        error = None
+        try:
+            for i in self._owned:
+                self.layers[str(i)] = self._make_layer(i, base)
+        except Exception as exc:  # every rank learns of it in the allgather below
+            error = exc
         self._layer_seed = base
         # Coarse forward steps inject the fine layer at the coarse step's start, which can belong
         # to a rank on the left: those weights are copied once per forward.
         needed = sorted({(i - 1) * m for (lo_l, hi_l, m) in levels[1:]
                          for i in range(max(lo_l, 1), hi_l + 1)} - set(self._owned))
-        everyone = comm.allgather(needed)
+        report = None if error is None else f"{type(error).__name__}: {error}"
+        everyone = comm.allgather((needed, report))
+        failed = [(r, msg) for r, (_, msg) in enumerate(everyone) if msg is not None]
+        if failed:
+            self._release()
+            if error is not None:
+                raise error
+            r, msg = failed[0]
+            raise RemoteRankError(f"building the step layers failed on rank {r}: {msg}", r)
+        everyone = [idx for idx, _ in everyone]
         mine = set(self._owned)
         self._weight_sends = {r: [i for i in idx if i in mine] for r, idx in enumerate(everyone)
                               if r != self._rank and any(i in mine for i in idx)}
@@ -197,7 +220,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         self._rev_comm = comm.Split(0, self._size - 1 - self._rank)
         self._bwd = _Core(self._rev_comm, self.num_steps, 0.0, self.t_final,
                           self.backward_options, init=self._bwd_init, step=self._bwd_step,
-                          mirror=True, coarsen=sp.restrict_adjoint if sp_state else None,
+                          mirror=True, real_ranks=list(range(self._size))[::-1], owns_comm=True, coarsen=sp.restrict_adjoint if sp_state else None,
                           refine=sp.interpolate_adjoint if sp_state else None)
         self._bwd.setup()
         self._bwd_strides = [m for (_, _, m) in self._bwd.level_info()]
@@ -220,6 +243,20 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         self._run = None
         self._fwd_warm, self._bwd_warm = {}, {}
         self._built = True
+
+    def free(self):
+        """Frees the communicator and the MGRIT cores this model created (MPICH allows about
+        2,000 communicators per process).  Also done when the model is garbage collected, and
+        at the end of a ``with`` block; the model cannot run afterwards.  (``close`` is the
+        close layer, hence the name.)"""
+        self._release()
+
+    def _release(self):
+        for name in ("_fwd", "_bwd"):
+            core = self.__dict__.get(name)
+            if core is not None:
+                core.close()
+        self.__dict__.pop("_rev_comm", None)  # freed with the adjoint core that owns it
 
     def _make_layer(self, index, base):
         with torch.random.fork_rng(devices=[]):
@@ -257,6 +294,9 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         the same batch (checked, see ``check_inputs``), or None / a 0-d tensor off the first
         rank.  Returns the close layer's output on every rank."""
         comm, first, last = self._comm, self._rank == 0, self._rank == self._size - 1
+        if self._fwd._core is None:
+            raise RuntimeError("this layer-parallel model was freed (model.free()): build a "
+                               "new one")
         h0, meta, error = None, None, None
         if first:
             try:
@@ -268,6 +308,7 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
                 error = exc
                 meta = ("error", f"{type(exc).__name__}: {exc}", tuple(getattr(x, "shape", ())))
         if self._size > 1:
+            arrive(comm, f"the forward of model(x) (layer-parallel rank {self._rank})")
             mine = _fingerprint(x) if self.check_inputs else None
             gathered = comm.allgather((meta, mine) if first else mine)
             meta, ref = gathered[0]
@@ -305,11 +346,34 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
         anchor = self._anchor.to(device) if self._anchor.device != device else self._anchor
         params = self._owned_params()
         out = _ChainFn.apply(self, h0, anchor, *params)
-        if last and self.close is not None:
-            out = self.close(out)
+        status, error = None, None
+        if last:
+            try:
+                if self.close is not None:
+                    out = self.close(out)
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"the close layer must return a tensor, got "
+                                    f"{type(out).__name__}")
+                status = ("ok", tuple(out.shape), out.dtype)
+                if self.check_finite and not bool(torch.isfinite(out.detach()).all()):
+                    status = ("nonfinite", tuple(out.shape), out.dtype)
+            except Exception as exc:  # tell every rank, then raise here
+                error, status = exc, ("error", f"{type(exc).__name__}: {exc}")
+        if self._size > 1:
+            status = comm.bcast(status, root=self._size - 1)
+        if status[0] == "error":
+            if error is not None:
+                raise error
+            raise RemoteRankError(f"the close layer failed on rank {self._size - 1}: "
+                                  f"{status[1]}", self._size - 1)
+        if status[0] == "nonfinite":
+            raise FloatingPointError(
+                f"the layer-parallel forward produced a non-finite output (NaN or Inf) on rank "
+                f"{self._size - 1}, shape {status[1]}: the input, the weights or the steps "
+                "overflowed (check_finite=False turns this check off)")
         if self.output == "next":
-            return _ToFirstFn.apply(comm, out)
-        return _BroadcastFn.apply(comm, self._size - 1, out)
+            return _ToFirstFn.apply(comm, out, status[1], status[2])
+        return _BroadcastFn.apply(comm, self._size - 1, out, status[1], status[2])
 
     def _owned_params(self):
         return [p for i in self._owned for p in self.layers[str(i)].parameters() if p.requires_grad]
@@ -410,12 +474,16 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
                 return u + (t1 - t0) * fx.detach()
             with torch.enable_grad():
                 y = self.step_rule(layer, xg, t1 - t0, index)
+            _check_shape(y, u, index)
             run.graphs[index] = (xg, y)
             return y.detach()
         if level > 0 and self._branch(level):
             return self.spatial.branch_step(
                 lambda x: self.step_rule(layer, x, t1 - t0, index), u, level)
-        return self.step_rule(layer, u, t1 - t0, index)
+        y = self.step_rule(layer, u, t1 - t0, index)
+        if not self._euler:
+            _check_shape(y, u, index)
+        return y
 
     def _branch(self, level):
         """Whether `level`'s steps compute their increment on a grid coarse in space."""
@@ -424,6 +492,10 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
 
     # ------------------------------------------------------------------ backward
     def _backward_solve(self, run, grad_out):
+        if run is None:
+            raise RuntimeError("backward ran twice through the same layer-parallel forward: the "
+                               "forward's graphs are consumed by the first backward, so "
+                               "retain_graph=True is not supported; run the forward again")
         if not run.record:
             raise RuntimeError("backward through a layer-parallel forward that ran without grad")
         last = self._rank == self._size - 1
@@ -444,7 +516,25 @@ class LayerParallelModule(nn.Module, metaclass=_BuildStepsAfterInit):
             grad_h0 = torch.zeros(run.h0_shape, dtype=run.h0_dtype, device=run.device)
         else:
             grad_h0 = None
-        return grad_h0, [run.param_grads.get(id(p)) for p in params]
+        grads = [run.param_grads.get(id(p)) for p in params]
+        if self.check_finite:
+            self._check_finite_gradients(grad_h0 if self._rank == 0 else None, grads)
+        return grad_h0, grads
+
+    def _check_finite_gradients(self, grad_h0, grads):
+        """Raises on every rank if any rank's input or parameter gradients are not finite."""
+        from mpi4py import MPI
+
+        with torch.no_grad():
+            bad = any(g is not None and not bool(torch.isfinite(g).all())
+                      for g in [grad_h0] + grads)
+        first = self._comm.allreduce(self._rank if bad else self._size, op=MPI.MIN) \
+            if self._size > 1 else (0 if bad else 1)
+        if first < self._size:
+            raise FloatingPointError(
+                f"the layer-parallel backward produced non-finite gradients (NaN or Inf) on rank "
+                f"{first}: the loss, the weights or the steps overflowed (check_finite=False "
+                "turns this check off)")
 
     def _final_vjp(self, run, s, xg, y, cotangent):
         """The VJP of step s's kept graph for the state and, once, for its parameters."""
@@ -612,10 +702,14 @@ def _same_input(a, b):
     if a[0] != b[0] or a[1] != b[1]:
         return False
     scale = 1e-9 * max(1, int(np.prod(a[0])))
-    return all(abs(u - v) <= 1e-7 * (abs(u) + abs(v)) + scale for u, v in zip(a[2:], b[2:]))
+    return all(u == v or (u != u and v != v) or abs(u - v) <= 1e-7 * (abs(u) + abs(v)) + scale
+               for u, v in zip(a[2:], b[2:]))  # equal, both NaN, or round-off apart
 
 
 def _check_shape(fx, x, index):
+    if not isinstance(fx, torch.Tensor):
+        raise TypeError(f"step layer {index} returned {type(fx).__name__}, not a tensor: a step "
+                        "layer must return a tensor of the state's shape")
     if fx.shape != x.shape:
         raise ValueError(f"step layer {index} returned shape {tuple(fx.shape)} for a state of "
                          f"shape {tuple(x.shape)}: a step layer must keep the state's shape")

@@ -29,6 +29,8 @@ extern "C" {
 #define MGRIT_ERR_MPI 5      /* an MPI call failed */
 #define MGRIT_ERR_NOMEM 6
 #define MGRIT_ERR_MISMATCH 7 /* the ranks were not given the same problem and options */
+#define MGRIT_ERR_TIMEOUT 8  /* a wait for another rank passed the timeout (mgrit_set_timeout) */
+#define MGRIT_ERR_INTERRUPT 9 /* the poll callback asked to stop (e.g. Ctrl-C) */
 
 /* Cycles. */
 #define MGRIT_CYCLE_V 0
@@ -79,6 +81,11 @@ typedef struct mgrit_callbacks {
    * a correction of level `level` to level-1 (the interpolation). */
   int (*coarsen)(void *app, mgrit_vec x, int level, mgrit_vec *out);
   int (*refine)(void *app, mgrit_vec x, int level, mgrit_vec *out);
+  /* Optional (NULL: never called): called about every 50 ms while this rank waits for another
+   * (a message, an allreduce); nonzero stops the wait and the solve with MGRIT_ERR_INTERRUPT,
+   * without finishing the schedule (the job is expected to end).  This is where an application
+   * notices Ctrl-C while the core waits. */
+  int (*poll)(void *app);
 } mgrit_callbacks;
 
 typedef struct mgrit_core mgrit_core; /* opaque */
@@ -87,6 +94,9 @@ typedef struct mgrit_core mgrit_core; /* opaque */
  * steps over the ranks of *comm (which is duplicated).  Collective. */
 int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
                  const mgrit_callbacks *callbacks, void *app, mgrit_core **out);
+/* Why the last mgrit_create on this thread failed (e.g. MPI's message when the duplicate of the
+ * communicator could not be made). */
+const char *mgrit_create_error(void);
 int mgrit_destroy(mgrit_core *core);
 /* A virtual rank `rank` of `size`: no communicator, no application, states that are no-ops.
  * mgrit_solve on it records (mgrit_trace) exactly the schedule that rank would run, every
@@ -115,6 +125,11 @@ int mgrit_set_store_all(mgrit_core *core, int store_all);
  * first: a solve backward in time on the reversed communicator then gives each rank exactly the
  * steps it owns forward (the adjoint of training). */
 int mgrit_set_mirror(mgrit_core *core, int mirror);
+/* Seconds a rank may wait for another (a message, an allreduce) before the solve stops with
+ * MGRIT_ERR_TIMEOUT and a message naming what it waited for and from which rank; 0 (the
+ * default) waits forever.  The waits poll, so that a stalled job is noticed (see Note [polled
+ * waits] in comm.c). */
+int mgrit_set_timeout(mgrit_core *core, double seconds);
 
 /* Check that all ranks were given the same problem and options, and build the levels, so that
  * mgrit_owned and mgrit_level_stride can be asked before a solve.  Collective.  mgrit_solve does

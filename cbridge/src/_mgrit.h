@@ -35,6 +35,7 @@ typedef struct _mgrit_opts {
   int final_fc;
   int trace;
   int store_all; /* keep every level-0 point (default), or only what the cycles read again */
+  double timeout; /* seconds a wait may last; 0 = forever */
 } _mgrit_opts;
 
 typedef struct _mgrit_send {
@@ -61,7 +62,8 @@ struct mgrit_core {
   int built;  /* levels built for the current options */
   int nlevels;
   _mgrit_level *levels;
-  int err;         /* MGRIT_OK, or CALLBACK/REMOTE once this rank is poisoned */
+  int err;         /* MGRIT_OK, or CALLBACK/REMOTE/NOMEM once this rank is poisoned */
+  int abandoned;   /* a wait timed out or was interrupted: pending sends are never waited for */
   int failed_rank; /* set when a failure is known globally */
   int iterations;
   double comm_seconds; /* time spent in MPI calls (waiting included) during the last solve */
@@ -106,6 +108,16 @@ int _mgrit_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec 
 int _mgrit_wait_sends(mgrit_core *core);
 int _mgrit_allreduce_status(mgrit_core *core, double *sumsq);
 int _mgrit_tag(int l, int kind);
+
+int _mgrit_mpi_error(mgrit_core *core, int rc, const char *call);
+
+/* Checks an MPI return code (mpi4py sets MPI_ERRORS_RETURN): on failure, MGRIT_ERR_MPI with
+ * MPI's message. */
+#define _MGRIT_MPI(core, call)                                         \
+  do {                                                                 \
+    int _rc = (call);                                                  \
+    if (_rc != MPI_SUCCESS) return _mgrit_mpi_error((core), _rc, #call); \
+  } while (0)
 
 /* trace.c */
 void _mgrit_trace(mgrit_core *core, int l, int op, int64_t i, int peer, int done);

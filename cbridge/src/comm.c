@@ -4,18 +4,87 @@
  * failed (or that heard of a failure) stops computing but keeps the schedule: it still sends
  * every message, flagged and without payload, and still receives (and drops) every message.
  * The schedule never depends on the data, so every rank reaches the next collective, where the
- * failure becomes known everywhere.  MPI errors themselves keep MPI's default handler, which
- * aborts the whole job with MPI's message rather than leave ranks waiting. */
+ * failure becomes known everywhere.  MPI return codes are checked (mpi4py sets
+ * MPI_ERRORS_RETURN) and become MGRIT_ERR_MPI with MPI's message. */
 #include "_mgrit.h"
 
 #include <limits.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define HEADER ((int64_t)sizeof(int64_t))
 
+/* A message that carries only the poisoned flag, for a rank that cannot allocate a buffer. */
+static const int64_t poisoned_header = 1;
+
 int _mgrit_tag(int l, int kind) { return 16 + 2 * l + kind; }
+
+int _mgrit_mpi_error(mgrit_core *core, int rc, const char *call) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) snprintf(text, sizeof text, "code %d", rc);
+  snprintf(core->msg, sizeof core->msg, "MPI failed on rank %d in %.100s: %.300s", core->c.rank, call,
+           text);
+  core->abandoned = 1;
+  return MGRIT_ERR_MPI;
+}
+
+/* Out of memory where the schedule cannot be kept (a message that must be received): end the
+ * job with the cause rather than leave the other ranks waiting. */
+static void abort_nomem(mgrit_core *core, const char *what, size_t n) {
+  fprintf(stderr, "layerbraid MGRIT core: rank %d is out of memory (%zu bytes for %s); "
+                  "aborting the job\n", core->c.rank, n, what);
+  fflush(stderr);
+  MPI_Abort(core->c.comm, 1);
+}
+
+/* Note [polled waits]: every wait of the core tests its request (or probes) in a loop,
+ * yielding the core after a short spin (which oversubscribed ranks need), instead of blocking in
+ * MPI; about every 50 ms it asks the poll callback whether to stop (Ctrl-C) and checks the
+ * timeout.  A rank that stops this way abandons the schedule: the job is expected to end (the
+ * Python side raises, and the uncaught exception aborts the job).  `what`, `peer`, `l` and `i`
+ * name the wait in the timeout's message.  Returns 0 to keep waiting, else the status. */
+static int keep_waiting(mgrit_core *core, double t0, double *next, long *spins,
+                        const char *what, int peer, int l, int64_t i) {
+  if (++*spins > 200) sched_yield();
+  double now = MPI_Wtime();
+  if (now < *next) return MGRIT_OK;
+  *next = now + 0.05;
+  if (core->cb.poll && core->cb.poll(core->app) != 0) {
+    snprintf(core->msg, sizeof core->msg, "rank %d was interrupted while waiting for %s",
+             core->c.rank, what);
+    core->abandoned = 1;
+    return MGRIT_ERR_INTERRUPT;
+  }
+  if (core->o.timeout > 0 && now - t0 > core->o.timeout) {
+    if (peer >= 0)
+      snprintf(core->msg, sizeof core->msg,
+               "rank %d waited %.0f s for %s from rank %d (level %d, point %lld): rank %d has "
+               "not sent it (it stopped, or runs a different number of solves)",
+               core->c.rank, now - t0, what, peer, l, (long long)i, peer);
+    else
+      snprintf(core->msg, sizeof core->msg,
+               "rank %d waited %.0f s in %s: a rank of the communicator has not joined it "
+               "(it stopped, or runs a different number of solves)",
+               core->c.rank, now - t0, what);
+    core->abandoned = 1;
+    return MGRIT_ERR_TIMEOUT;
+  }
+  return MGRIT_OK;
+}
+
+static int poll_wait(mgrit_core *core, MPI_Request *req, const char *what) {
+  double t0 = MPI_Wtime(), next = t0 + 0.05;
+  long spins = 0;
+  for (;;) {
+    int done = 0, rc;
+    _MGRIT_MPI(core, MPI_Test(req, &done, MPI_STATUS_IGNORE));
+    if (done) return MGRIT_OK;
+    if ((rc = keep_waiting(core, t0, &next, &spins, what, -1, -1, -1))) return rc;
+  }
+}
 
 int _mgrit_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_vec x) {
   if (dest < 0) return MGRIT_OK;
@@ -29,26 +98,28 @@ int _mgrit_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_vec
              (long long)n);
     core->err = MGRIT_ERR_CALLBACK;
   }
-  char *buf = malloc((size_t)(HEADER + (core->err ? 0 : n)));
-  if (!buf) return MGRIT_ERR_NOMEM;
-  _MGRIT_CB(core, core->cb.pack(core->app, x, buf + HEADER, n));
-  int64_t flag = core->err ? 1 : 0;
-  if (flag) n = 0;
-  memcpy(buf, &flag, sizeof flag);
   _mgrit_comm *c = &core->c;
   if (c->npending == c->cap) {
     int cap = c->cap ? 2 * c->cap : 16;
     _mgrit_pending *p = realloc(c->pending, (size_t)cap * sizeof(*p));
-    if (!p) {
-      free(buf);
-      return MGRIT_ERR_NOMEM;
-    }
+    if (!p) abort_nomem(core, "the list of pending sends", (size_t)cap * sizeof(*p));
     c->pending = p;
     c->cap = cap;
   }
+  char *buf = malloc((size_t)(HEADER + (core->err ? 0 : n)));
+  if (!buf && !core->err) { /* poison this rank; the message still goes, flagged */
+    snprintf(core->msg, sizeof core->msg, "rank %d is out of memory (%lld bytes for a message)",
+             core->c.rank, (long long)(HEADER + n));
+    core->err = MGRIT_ERR_NOMEM;
+  }
+  if (buf) _MGRIT_CB(core, core->cb.pack(core->app, x, buf + HEADER, n));
+  int64_t flag = core->err ? 1 : 0;
+  if (flag) n = 0;
   _mgrit_pending *s = &c->pending[c->npending++];
-  s->buf = buf;
-  MPI_Isend(buf, (int)(HEADER + n), MPI_BYTE, dest, tag, c->comm, &s->req);
+  s->buf = buf; /* NULL: the static poisoned header is sent */
+  if (buf) memcpy(buf, &flag, sizeof flag);
+  _MGRIT_MPI(core, MPI_Isend(buf ? (void *)buf : (void *)&poisoned_header, (int)(HEADER + n),
+                             MPI_BYTE, dest, tag, c->comm, &s->req));
   return MGRIT_OK;
 }
 
@@ -61,13 +132,25 @@ int _mgrit_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec 
     return MGRIT_OK;
   }
   MPI_Status st;
-  int count = 0;
+  int count = 0, rc;
   double t0 = MPI_Wtime();
-  MPI_Probe(src, tag, core->c.comm, &st);
-  MPI_Get_count(&st, MPI_BYTE, &count);
+  /* Probe by polling (Note [polled waits]). */
+  double next = t0 + 0.05;
+  long spins = 0;
+  for (;;) {
+    int found = 0;
+    _MGRIT_MPI(core, MPI_Iprobe(src, tag, core->c.comm, &found, &st));
+    if (found) break;
+    if ((rc = keep_waiting(core, t0, &next, &spins, "a state", src, l, i))) return rc;
+  }
+  _MGRIT_MPI(core, MPI_Get_count(&st, MPI_BYTE, &count));
   char *buf = malloc((size_t)count);
-  if (!buf) return MGRIT_ERR_NOMEM;
-  MPI_Recv(buf, count, MPI_BYTE, src, tag, core->c.comm, MPI_STATUS_IGNORE);
+  if (!buf) abort_nomem(core, "a received state", (size_t)count);
+  rc = MPI_Recv(buf, count, MPI_BYTE, src, tag, core->c.comm, MPI_STATUS_IGNORE);
+  if (rc != MPI_SUCCESS) {
+    free(buf);
+    return _mgrit_mpi_error(core, rc, "MPI_Recv");
+  }
   core->comm_seconds += MPI_Wtime() - t0;
   _mgrit_trace(core, l, MGRIT_OP_RECV, i, src, 0);
   int64_t flag;
@@ -80,10 +163,13 @@ int _mgrit_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec 
 
 int _mgrit_wait_sends(mgrit_core *core) {
   _mgrit_comm *c = &core->c;
-  if (core->virt) return MGRIT_OK;
+  if (core->virt || core->abandoned) return MGRIT_OK; /* abandoned: never completes */
   double t0 = MPI_Wtime();
+  int rc = MGRIT_OK;
   for (int k = 0; k < c->npending; k++) {
-    MPI_Wait(&c->pending[k].req, MPI_STATUS_IGNORE);
+    if (rc == MGRIT_OK)
+      rc = poll_wait(core, &c->pending[k].req, "a receive of this rank's state");
+    if (rc != MGRIT_OK) return rc; /* the remaining buffers stay with their requests */
     free(c->pending[k].buf);
   }
   c->npending = 0;
@@ -92,18 +178,24 @@ int _mgrit_wait_sends(mgrit_core *core) {
 }
 
 /* Collective: sums *sumsq over the ranks and learns whether any rank failed (and the lowest
- * rank whose own callback failed).  Returns MGRIT_OK, or this rank's error status. */
+ * rank whose own callback failed, or that ran out of memory).  Returns MGRIT_OK, or this rank's
+ * error status. */
 int _mgrit_allreduce_status(mgrit_core *core, double *sumsq) {
   if (core->virt) return MGRIT_OK;
-  _mgrit_wait_sends(core);
+  int rc;
+  if ((rc = _mgrit_wait_sends(core))) return rc;
   double local[2] = {core->err ? 0.0 : *sumsq, core->err ? 1.0 : 0.0}, global[2];
   double t0 = MPI_Wtime();
-  MPI_Allreduce(local, global, 2, MPI_DOUBLE, MPI_SUM, core->c.comm);
+  MPI_Request req;
+  _MGRIT_MPI(core, MPI_Iallreduce(local, global, 2, MPI_DOUBLE, MPI_SUM, core->c.comm, &req));
+  if ((rc = poll_wait(core, &req, "the residual allreduce"))) return rc;
   core->comm_seconds += MPI_Wtime() - t0;
   *sumsq = global[0];
   if (global[1] == 0.0) return MGRIT_OK;
-  int mine = core->err == MGRIT_ERR_CALLBACK ? core->c.rank : core->c.size, first;
-  MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, core->c.comm);
+  int own = core->err == MGRIT_ERR_CALLBACK || core->err == MGRIT_ERR_NOMEM;
+  int mine = own ? core->c.rank : core->c.size, first;
+  _MGRIT_MPI(core, MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, core->c.comm, &req));
+  if ((rc = poll_wait(core, &req, "the failure allreduce"))) return rc;
   core->failed_rank = first;
   if (!core->err) core->err = MGRIT_ERR_REMOTE;
   return core->err;

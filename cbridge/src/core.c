@@ -31,15 +31,35 @@ static void defaults(mgrit_core *core, int64_t num_steps, double tstart, double 
   core->o.store_all = 1;
 }
 
+static char create_error[512];
+
+const char *mgrit_create_error(void) { return create_error; }
+
 int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
                  const mgrit_callbacks *callbacks, void *app, mgrit_core **out) {
   *out = NULL;
-  if (num_steps < 1 || !(tstop > tstart) || !callbacks) return MGRIT_ERR_ARG;
+  create_error[0] = 0;
+  if (num_steps < 1 || !(tstop > tstart) || !callbacks) {
+    snprintf(create_error, sizeof create_error,
+             "bad problem: num_steps=%lld, tstart=%g, tstop=%g", (long long)num_steps, tstart,
+             tstop);
+    return MGRIT_ERR_ARG;
+  }
   mgrit_core *core = calloc(1, sizeof *core);
   if (!core) return MGRIT_ERR_NOMEM;
-  MPI_Comm_dup(*comm, &core->c.comm);
-  MPI_Comm_rank(core->c.comm, &core->c.rank);
-  MPI_Comm_size(core->c.comm, &core->c.size);
+  int rc = MPI_Comm_dup(*comm, &core->c.comm);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(core->c.comm, &core->c.rank);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_size(core->c.comm, &core->c.size);
+  if (rc != MPI_SUCCESS) {
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) snprintf(text, sizeof text, "code %d", rc);
+    snprintf(create_error, sizeof create_error,
+             "MPI could not duplicate the communicator (too many communicators? free unused "
+             "models): %.300s", text);
+    free(core);
+    return MGRIT_ERR_MPI;
+  }
   defaults(core, num_steps, tstart, tstop, callbacks, app);
   *out = core;
   return MGRIT_OK;
@@ -52,7 +72,11 @@ int mgrit_destroy(mgrit_core *core) {
   free(core->c.pending);
   free(core->norms);
   free(core->trace);
-  if (!core->virt) MPI_Comm_free(&core->c.comm);
+  if (!core->virt) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&core->c.comm);
+  }
   free(core);
   return MGRIT_OK;
 }
@@ -73,7 +97,7 @@ static int v_unpack(void *a, void *b, int64_t n, mgrit_vec *o) { *o = 0; return 
 int mgrit_create_virtual(int64_t num_steps, double tstart, double tstop, int rank, int size,
                          mgrit_core **out) {
   static const mgrit_callbacks none = {v_init, v_clone, v_free, v_sum, v_norm, v_step,
-                                       v_bufsize, v_pack, v_unpack};
+                                       v_bufsize, v_pack, v_unpack, NULL, NULL, NULL};
   *out = NULL;
   if (num_steps < 1 || !(tstop > tstart) || size < 1 || rank < 0 || rank >= size)
     return MGRIT_ERR_ARG;
@@ -85,6 +109,12 @@ int mgrit_create_virtual(int64_t num_steps, double tstart, double tstop, int ran
   defaults(core, num_steps, tstart, tstop, &none, NULL);
   core->o.trace = 1;
   *out = core;
+  return MGRIT_OK;
+}
+
+int mgrit_set_timeout(mgrit_core *core, double seconds) {
+  if (!(seconds >= 0) || seconds > 1e9) BAD(core, "timeout must be >= 0 seconds, got %g", seconds);
+  core->o.timeout = seconds;
   return MGRIT_OK;
 }
 

@@ -69,23 +69,26 @@ static int finish(mgrit_core *core, int rc) {
 
 static int check_same_everywhere(mgrit_core *core) {
   /* A cheap fingerprint of the problem and the options, compared across ranks. */
-  double f[12 + 2 * 64] = {(double)core->nsteps, core->tstart, core->tstop,
-                           (double)core->o.max_levels, (double)core->o.max_iters, core->o.tol,
-                           (double)core->o.skip, (double)core->o.cycle,
-                           (double)core->o.min_coarse, (double)core->o.final_fc,
-                           (double)core->o.ncf, (double)core->o.nnr};
-  for (int k = 0; k < core->o.ncf; k++) f[12 + k] = core->o.cf[k];
-  for (int k = 0; k < core->o.nnr; k++) f[12 + 64 + k] = core->o.nrelax[k];
-  int n = 12 + 2 * 64;
-  double lo[12 + 2 * 64], hi[12 + 2 * 64];
-  MPI_Allreduce(f, lo, n, MPI_DOUBLE, MPI_MIN, core->c.comm);
-  MPI_Allreduce(f, hi, n, MPI_DOUBLE, MPI_MAX, core->c.comm);
-  static const char *names[12] = {"num_steps", "t_start", "t_stop", "max_levels", "max_iters",
-                                  "tol", "skip", "cycle", "min_coarse", "final_fc",
-                                  "cfactor", "nrelax"};
+#define NSCALAR 15
+  double f[NSCALAR + 2 * 64] = {(double)core->nsteps, core->tstart, core->tstop,
+                                (double)core->o.max_levels, (double)core->o.max_iters,
+                                core->o.tol, (double)core->o.skip, (double)core->o.cycle,
+                                (double)core->o.min_coarse, (double)core->o.final_fc,
+                                (double)core->o.ncf, (double)core->o.nnr, (double)core->mirror,
+                                (double)core->o.store_all, core->o.timeout};
+  for (int k = 0; k < core->o.ncf; k++) f[NSCALAR + k] = core->o.cf[k];
+  for (int k = 0; k < core->o.nnr; k++) f[NSCALAR + 64 + k] = core->o.nrelax[k];
+  int n = NSCALAR + 2 * 64;
+  double lo[NSCALAR + 2 * 64], hi[NSCALAR + 2 * 64];
+  _MGRIT_MPI(core, MPI_Allreduce(f, lo, n, MPI_DOUBLE, MPI_MIN, core->c.comm));
+  _MGRIT_MPI(core, MPI_Allreduce(f, hi, n, MPI_DOUBLE, MPI_MAX, core->c.comm));
+  static const char *names[NSCALAR] = {"num_steps", "t_start", "t_stop", "max_levels",
+                                       "max_iters", "tol", "skip", "cycle", "min_coarse",
+                                       "final_fc", "cfactor", "nrelax", "mirror", "store_all",
+                                       "timeout"};
   for (int k = 0; k < n; k++) {
     if (lo[k] != hi[k]) {
-      const char *name = k < 12 ? names[k] : k < 12 + 64 ? "cfactor" : "nrelax";
+      const char *name = k < NSCALAR ? names[k] : k < NSCALAR + 64 ? "cfactor" : "nrelax";
       snprintf(core->msg, sizeof core->msg,
                "the ranks were given different problems or options: %s ranges from %g to %g",
                name, lo[k], hi[k]);

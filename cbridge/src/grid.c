@@ -1,6 +1,7 @@
 /* grid.c -- the levels of the hierarchy and the block distribution of steps over ranks. */
 #include "_mgrit.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 
 /* Steps (not points) are distributed: step s moves fine point s to s+1 and belongs, with point
@@ -73,6 +74,7 @@ int _mgrit_build_levels(mgrit_core *core) {
   }
   core->nlevels = nl;
   core->levels[nl - 1].cf = 0;
+  for (int l = 0; l < nl; l++) core->levels[l].lo = 1, core->levels[l].hi = 0; /* none yet */
 
   int64_t flo, fhi;
   _mgrit_fine_range(core, core->c.rank, &flo, &fhi);
@@ -90,7 +92,12 @@ int _mgrit_build_levels(mgrit_core *core) {
       L->u = malloc(count * sizeof(mgrit_vec));
       L->v = malloc(count * sizeof(mgrit_vec));
       L->g = malloc(count * sizeof(mgrit_vec));
-      if (!L->u || !L->v || !L->g) return MGRIT_ERR_NOMEM;
+      if (!L->u || !L->v || !L->g) {
+        _mgrit_free_levels(core); /* frees what was allocated; the states are all NONE */
+        snprintf(core->msg, sizeof core->msg, "rank %d is out of memory building level %d",
+                 core->c.rank, l);
+        return MGRIT_ERR_NOMEM;
+      }
       for (size_t k = 0; k < count; k++) L->u[k] = L->v[k] = L->g[k] = MGRIT_NONE;
     }
   }
@@ -99,7 +106,7 @@ int _mgrit_build_levels(mgrit_core *core) {
 
 void _mgrit_free_level_states(mgrit_core *core, int l) {
   _mgrit_level *L = &core->levels[l];
-  if (L->lo > L->hi) return;
+  if (L->lo > L->hi || !L->u || !L->v || !L->g) return; /* nothing (or a failed build) */
   for (int64_t k = 0; k <= L->hi - L->lo; k++) {
     _mgrit_set(core, &L->u[k], MGRIT_NONE);
     _mgrit_set(core, &L->v[k], MGRIT_NONE);

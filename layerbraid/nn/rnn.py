@@ -20,6 +20,7 @@ import time
 import torch
 from torch import nn
 
+from ..launch import FreedOnExit, arrive
 from ..stats import SolveStats
 
 from ..options import MGRITOptions
@@ -45,7 +46,7 @@ class _RNNLayerFn(torch.autograd.Function):
         return (None, None, gx, gh0, *gparams)
 
 
-class _LayerParallelRNN(nn.Module):
+class _LayerParallelRNN(FreedOnExit, nn.Module):
     _gates = 0
     _lstm = False
 
@@ -85,6 +86,14 @@ class _LayerParallelRNN(nn.Module):
         self._cores = {}
         self.forward_stats = []
         self.backward_stats = []
+
+    def free(self):
+        """Frees the communicators and MGRIT cores made for each sequence length (also done
+        when the module is garbage collected, and at the end of a ``with`` block)."""
+        for fwd, bwd, _, _ in self._cores.values():
+            fwd.close()
+            bwd.close()
+        self._cores.clear()
 
     def _counted_parameters(self):
         """Shared weights: their gradients are summed over the layer group, so every rank holds
@@ -128,7 +137,8 @@ class _LayerParallelRNN(nn.Module):
             fwd = _Core(comm, seq, 0.0, float(seq), self.forward_options,
                         init=self._fwd_init, step=self._fwd_step)
             bwd = _Core(rev, seq, 0.0, float(seq), self.backward_options,
-                        init=self._bwd_init, step=self._bwd_step, mirror=True)
+                        init=self._bwd_init, step=self._bwd_step, mirror=True,
+                        real_ranks=list(range(size))[::-1], owns_comm=True)
             fwd.setup()
             bwd.setup()
             lo, hi, _ = fwd.level_info()[0]
@@ -164,6 +174,7 @@ class _LayerParallelRNN(nn.Module):
                                  f"{tuple(hx.shape)}")
             h0_all = hx
         self._cores_for(seq)
+        arrive(self.comm, "the forward of a layer-parallel RNN")
         self.forward_stats, self.backward_stats = [], []
         inp = x
         finals = []

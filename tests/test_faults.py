@@ -1,0 +1,181 @@
+"""Faults on one rank end every rank with their cause: no hang, no silent wrong answer."""
+import faults
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+import layerbraid
+from layerbraid import LayerParallelModule, MGRITOptions, RemoteRankError
+from layerbraid.nn import ConvBlock, LayerParallelGRU
+from nets import ODEResNet, batch
+
+WORLD = MPI.COMM_WORLD
+LAST = WORLD.size - 1
+
+
+@pytest.fixture(autouse=True)
+def _all_float64(float64):
+    pass
+
+
+class FailingClose(nn.Module):
+    def forward(self, x):
+        if WORLD.rank == LAST:
+            raise ZeroDivisionError("the close layer broke")
+        return x
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_a_close_layer_that_raises_ends_every_rank_with_its_cause():
+    model = ODEResNet(WORLD, num_steps=6)
+    model.close = FailingClose()
+    x, _ = batch()
+    if WORLD.rank == LAST:
+        with pytest.raises(ZeroDivisionError, match="the close layer broke"):
+            model(x)
+    else:
+        with pytest.raises(RemoteRankError, match="close layer failed on rank .*ZeroDivision") \
+                as info:
+            model(x)
+        assert info.value.rank == LAST
+
+
+class BadSteps(LayerParallelModule):
+    def __init__(self, comm, what):
+        super().__init__(num_steps=6, comm=comm)
+        self.what = what
+
+    def step_layer(self, index):
+        if index == 5:  # owned by the last rank
+            if self.what == "raise":
+                raise KeyError("no layer 5")
+            return None
+        return nn.Linear(4, 4)
+
+
+@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parametrize("what,error,text", [("raise", KeyError, "no layer 5"),
+                                             ("none", TypeError, "step_layer.5. must return")])
+def test_step_layer_failing_on_one_rank_is_an_error_on_every_rank(what, error, text):
+    if WORLD.rank == LAST:
+        with pytest.raises(error, match=text):
+            BadSteps(WORLD, what)
+    else:
+        with pytest.raises(RemoteRankError, match=f"building the step layers failed on rank "
+                                                  f"{LAST}: .*{text}"):
+            BadSteps(WORLD, what)
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_non_finite_outputs_and_gradients_are_errors_on_every_rank_with_one_level():
+    model = ODEResNet(WORLD, num_steps=6)  # one level: no residual check
+    x, y = batch()
+    with pytest.raises(FloatingPointError, match="non-finite output"):
+        model(x * float("inf"))
+    out = model(x)
+    with pytest.raises(FloatingPointError, match="non-finite gradients"):
+        (out.sum() * float("nan")).backward()
+    model.check_finite = False
+    assert not torch.isfinite(model(x * float("nan"))).all()
+
+
+class FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ArithmeticError("backward of layer 0 broke")
+
+
+class BackwardBreaks(ODEResNet):
+    def step_layer(self, index):
+        block = ConvBlock(self.channels)
+        if index == 0:
+            return nn.Sequential(block, _Apply(FailsInBackward))
+        return block
+
+
+class _Apply(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn.apply(x)
+
+
+@pytest.mark.parallel([2, 3])
+def test_backward_errors_name_the_real_rank():
+    model = BackwardBreaks(WORLD, num_steps=6)
+    x, y = batch()
+    loss = F.cross_entropy(model(x), y)
+    if WORLD.rank == 0:
+        with pytest.raises(ArithmeticError, match="backward of layer 0 broke") as info:
+            loss.backward()
+        assert "raised on rank 0" in " ".join(getattr(info.value, "__notes__", []))
+    else:
+        with pytest.raises(RemoteRankError, match="failed on rank 0; rank "
+                                                  f"{WORLD.rank} stopped") as info:
+            loss.backward()
+        assert info.value.rank == 0
+
+
+@pytest.mark.parallel([1, 2])
+def test_small_misuses_are_clear_errors():
+    model = ODEResNet(WORLD, num_steps=4)
+    x, y = batch()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True is not supported"):
+        loss.backward()
+    with pytest.raises(ValueError, match="t_final must be a finite number > 0, got inf"):
+        NoneStep(num_steps=4, t_final=float("inf"), comm=WORLD)
+    with pytest.raises(TypeError, match="comm must be an mpi4py communicator .* got str"):
+        NoneStep(num_steps=4, comm="world")
+
+
+class ReturnsNone(nn.Module):
+    def forward(self, x):
+        return None
+
+
+class NoneStep(LayerParallelModule):
+    def step_layer(self, index):
+        return ReturnsNone() if index == 2 else nn.Linear(3, 3)
+
+
+@pytest.mark.parallel([1, 2])
+def test_a_step_that_returns_none_names_its_index():
+    model = NoneStep(num_steps=4, comm=WORLD)
+    with pytest.raises((TypeError, RemoteRankError), match="step layer 2 returned NoneType"):
+        model(torch.ones(2, 3))
+
+
+def test_models_free_their_communicators():
+    """MPICH allows about 2,000 communicators per process: 2,100 models must not run out."""
+    opts = MGRITOptions(max_levels=1)
+    for k in range(1050):
+        with ODEResNet(WORLD, num_steps=2, forward_options=opts) as model:
+            pass
+        gru = LayerParallelGRU(2, 2, comm=WORLD)
+        gru(torch.ones(1, 2, 2))
+        gru.free()
+    with pytest.raises(RuntimeError, match="was freed"):
+        model(batch()[0])
+    layerbraid.ProcessGrid(WORLD).free()
+
+
+# ---------------------------------------------------------------- whole jobs
+@pytest.mark.parametrize("scenario", sorted(faults.SCENARIOS))
+def test_a_fault_ends_every_rank_of_the_job_with_its_cause(scenario):
+    """Each scenario of tests/faults.py on 2 ranks: the job ends (no hang), nonzero, with the
+    cause in its output, soon after the fault (the bound is for a loaded 2-core machine)."""
+    result = faults.run(scenario)
+    assert result["seconds"] is not None, result["output"][-3000:]
+    assert result["rc"] != 0, result["output"][-3000:]
+    assert result["cause"], result["output"][-3000:]
+    assert result["seconds"] < 30 + faults.TIMEOUT, f"{result['seconds']:.1f} s"
