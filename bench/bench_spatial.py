@@ -20,110 +20,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from harness import launch  # noqa: E402
 
-WORKER = r'''
-import json, sys, time
-import torch
-from mpi4py import MPI
-import layerbraid
-from layerbraid.nn import ConvBlock
-torch.set_num_threads(1)
-size, steps, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-comm = MPI.COMM_WORLD
-BATCH, CH = 2, 4
-class Net(layerbraid.LayerParallelModule):
-    def __init__(self, fwd, bwd, spatial):
-        super().__init__(num_steps=steps, comm=comm, forward_options=fwd, backward_options=bwd,
-                         spatial=spatial)
-    def step_layer(self, index):
-        return ConvBlock(CH, dims=3)
-o = lambda it: layerbraid.MGRITOptions(max_levels=3, cfactor=4, max_iters=it, nrelax=1, tol=0.0,
-                                       skip_first_downcycle=True)
-MODES = {"none": None, "state": layerbraid.SpatialCoarsening([1, 2], mode="state"),
-         "branch": layerbraid.SpatialCoarsening([1, 2], mode="branch")}
-x = torch.randn(BATCH, CH, size, size, size, generator=torch.Generator().manual_seed(1))
-
-def timed(fn):
-    comm.Barrier(); t0 = time.perf_counter(); r = fn()
-    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX), r
-
-def rel(a, b):  # relative 2-norm error over lists of tensors spread over the ranks
-    num = comm.allreduce(sum(float((p - q).pow(2).sum()) for p, q in zip(a, b)))
-    den = comm.allreduce(sum(float(q.pow(2).sum()) for q in b))
-    return (num / den) ** 0.5
-
-ref = None
-for name, sp in MODES.items():
-    torch.manual_seed(0)
-    model = Net(o(2), o(1), sp)
-    model(torch.randn(BATCH, CH, 8, 8, 8)).sum().backward()  # warm-up on a small grid
-    if ref is None:  # plain PyTorch on rank 0, once: the same weights for every mode
-        serial = model.to_serial()
-        def run_serial():
-            xs = x.clone().requires_grad_(True)
-            out = serial(xs); out.pow(2).mean().backward()
-            return out.detach(), xs.grad
-        if comm.rank == 0:
-            se = []
-            for k in range(repeats):
-                serial.zero_grad(); t0 = time.perf_counter(); out, gx = run_serial()
-                se.append(time.perf_counter() - t0)
-            ref = (out, gx, {i: [p.grad.clone() for p in layer.parameters()]
-                             for i, layer in enumerate(serial.layers)})
-        ref = comm.bcast(ref, root=0)
-        serial_seconds = comm.bcast(min(se) if comm.rank == 0 else None, root=0)
-        del serial
-    def run_lp():
-        xx = x.clone().requires_grad_(True)
-        out = model(xx); out.pow(2).mean().backward()
-        return out.detach(), xx.grad
-    lp = []
-    for k in range(repeats):
-        model.zero_grad()
-        t, (out, gx) = timed(run_lp)
-        lp.append(t)
-    mine = [i for i, _ in model.owned_steps()]
-    err_p = rel([p.grad for i, layer in model.owned_steps() for p in layer.parameters()],
-                [g for i in mine for g in ref[2][i]])
-    row = dict(size=size, steps=steps, ranks=comm.size, mode=name, seconds=min(lp),
-               serial_seconds=serial_seconds, repeats=repeats,
-               fwd_residuals=model.forward_stats.residual_norms,
-               err_output=float((out - ref[0]).norm() / ref[0].norm()),
-               err_input_grad=float((gx - ref[1]).norm() / ref[1].norm()) if gx is not None
-               else float("nan"),
-               err_param_grad=err_p)
-    if comm.rank == 0:
-        print(json.dumps(row), flush=True)
-'''
+WORKER = "spatial_timing"  # bench/workers/spatial_timing.py
 
 
-CONVERGENCE = r'''
-import json, sys
-import torch
-from mpi4py import MPI
-import layerbraid
-from layerbraid.nn import ConvBlock
-torch.set_num_threads(1)
-torch.set_default_dtype(torch.float64)
-size, steps, iters = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-class Net(layerbraid.LayerParallelModule):
-    def __init__(self, opts, spatial):
-        super().__init__(num_steps=steps, forward_options=opts, spatial=spatial)
-    def step_layer(self, index):
-        return ConvBlock(4, dims=3)
-opts = layerbraid.MGRITOptions(max_levels=3, cfactor=4, max_iters=iters, nrelax=1, tol=0.0,
-                               skip_first_downcycle=True)
-x = torch.randn(1, 4, size, size, size, generator=torch.Generator().manual_seed(1))
-for name, sp in (("none", None), ("branch", layerbraid.SpatialCoarsening([1, 2], mode="branch")),
-                 ("state", layerbraid.SpatialCoarsening([1, 2], mode="state"))):
-    torch.manual_seed(0)
-    model = Net(opts, sp)
-    with torch.no_grad():
-        out, ref = model(x), model.to_serial()(x)
-    print(json.dumps(dict(size=size, steps=steps, mode=name,
-                          residuals=model.forward_stats.residual_norms,
-                          err_output=float((out - ref).norm() / ref.norm()))), flush=True)
-'''
+CONVERGENCE = "spatial_convergence"  # bench/workers/spatial_convergence.py
 
 
 FINDING = """## What this shows
@@ -252,19 +155,8 @@ CONVERGENCE_CONFIGS = [(32, 32, 8), (32, 128, 8)]  # size, steps, iterations
 RESULTS = ROOT / "docs" / "bench_spatial.json"
 
 
-def _launch(code, ranks, *args):
-    script = ROOT / "bench" / "_spatial_worker.py"
-    script.write_text(code)
-    try:
-        out = subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, str(script),
-                              *map(str, args)], check=True, capture_output=True, text=True,
-                             cwd=ROOT)
-    finally:
-        script.unlink()
-    rows = [json.loads(line) for line in out.stdout.strip().splitlines()]
-    for r in rows:
-        print(json.dumps(r), flush=True)
-    return rows
+def _launch(worker, ranks, *args):
+    return launch(worker, ranks, *args)
 
 
 def report(data):
@@ -338,48 +230,7 @@ TRAINING = ["--size", "16", "--steps", "16", "--channels", "4", "--epochs", "6",
             "--log-interval", "1000"]
 
 
-TRAINED = r'''
-import json, sys
-import torch
-import torch.nn.functional as F
-from mpi4py import MPI
-sys.path.insert(0, "examples")
-import layerbraid
-from volumes3d import VolumeNet, make_volumes
-torch.set_num_threads(1)
-comm = MPI.COMM_WORLD
-checkpoint, steps, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-x, y = make_volumes(16, size, 7)
-for weights in ("initial", "trained"):
-    for iters in (2, 3, 4):
-        for mode in ("none", "branch", "state"):
-            o = layerbraid.MGRITOptions(max_levels=3, cfactor=4, max_iters=iters, nrelax=1,
-                                        tol=0.0, skip_first_downcycle=True)
-            torch.manual_seed(0)
-            sp = layerbraid.SpatialCoarsening([1, 2], mode=mode) if mode != "none" else None
-            m = VolumeNet(comm, steps, 4, o, o, sp, False)
-            if weights == "trained":
-                m.load_checkpoint(checkpoint)
-            s = m.to_serial()
-            out = m(x)
-            F.cross_entropy(out, y).backward()
-            ref = s(x)
-            F.cross_entropy(ref, y).backward()
-            pairs = [(p.grad, q.grad) for i, layer in m.owned_steps()
-                     for p, q in zip(layer.parameters(), s.layers[i].parameters())]
-            num = comm.allreduce(sum(float((a - b).pow(2).sum()) for a, b in pairs))
-            den = comm.allreduce(sum(float(b.pow(2).sum()) for _, b in pairs))
-            with torch.no_grad():  # how much the chain amplifies its state, serially
-                h = s.open(x)
-                first = float(h.norm())
-                for layer in s.layers:
-                    h = h + (1.0 / steps) * layer(h)
-            if comm.rank == 0:
-                print(json.dumps(dict(weights=weights, iters=iters, mode=mode,
-                                      state_growth=float(h.norm()) / first,
-                                      err_output=float((out - ref).norm() / ref.norm()),
-                                      err_param_grad=(num / den) ** 0.5)), flush=True)
-'''
+TRAINED = "spatial_trained"  # bench/workers/spatial_trained.py
 
 
 def trained_errors(tmp):

@@ -1,0 +1,51 @@
+"""Time per batch and its parts on one data x layer grid; args: dp batches (a worker of bench/bench_grid.py, run under mpiexec; prints JSON lines)."""
+import sys
+from pathlib import Path
+
+# The example this worker measures is imported by its file name.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+
+def main():
+    import json, sys, time, statistics
+    import torch, torch.nn.functional as F
+
+    from mpi4py import MPI
+    import layerbraid
+    from mnist import MNISTNet
+    torch.set_num_threads(1)
+    dp, batches = int(sys.argv[1]), int(sys.argv[2])
+    comm = MPI.COMM_WORLD
+    grid = layerbraid.ProcessGrid(comm, data_parallel=dp)
+    o = lambda it: layerbraid.MGRITOptions(max_levels=2, cfactor=4, max_iters=it, nrelax=0, tol=0.0,
+                                           skip_first_downcycle=True)
+    torch.manual_seed(0)
+    model = MNISTNet(grid, 8, 8, 1.0, o(2), o(1), False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for k in range(batches + 1):
+        x = torch.randn(64, 1, 28, 28, generator=g)
+        y = torch.randint(0, 10, (64,), generator=g)
+        idx = next(layerbraid.shard_batches(64, 64, grid.data_rank, dp, seed=k))
+        comm.Barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+        total = time.perf_counter() - t0
+        f, b = model.forward_stats, model.backward_stats
+        row = dict(total=total, steps=f.step_seconds + b.step_seconds, mpi=f.comm_seconds + b.comm_seconds,
+                   mgrit=(f.seconds + b.seconds) - (f.step_seconds + b.step_seconds) - (f.comm_seconds + b.comm_seconds))
+        row["other"] = total - row["steps"] - row["mpi"] - row["mgrit"]
+        if k > 0:
+            rows.append(row)
+    med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+    allm = comm.gather(med, root=0)
+    if comm.rank == 0:
+        slow = max(allm, key=lambda m: m["total"])
+        print(json.dumps(dict(ranks=comm.size, dp=dp, layer=comm.size // dp, **slow)))
+
+
+if __name__ == "__main__":
+    main()
