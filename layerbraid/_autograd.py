@@ -27,7 +27,8 @@ class _ChainFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         model, run = ctx.model, ctx.run
         grad_h0, param_grads = model._backward_solve(run, grad_out)
-        ctx.run = None  # the stored forward graphs are consumed
+        if not model.retain_graphs:
+            ctx.run = None  # the stored forward graphs are consumed
         assert len(param_grads) == ctx.num_params
         return (None, grad_h0, None, *param_grads)
 

@@ -85,6 +85,10 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             the last rank) or the input gradient and parameter gradients (checked after the
             adjoint solve) hold NaN or Inf, in every mode, one level included.
 
+    The attribute ``retain_graphs`` (default False) keeps the steps' graphs after a backward,
+    so that the same forward can be differentiated again (``retain_graph=True``,
+    ``torch.autograd.gradcheck``); by default the first backward frees them.
+
     Both solves always finish with an FC relaxation (``final_fc_relax`` is forced on): that is
     when each layer runs once more to record the graph that backward differentiates.
     """
@@ -128,6 +132,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         self.warm_start = bool(warm_start)
         self.check_inputs = bool(check_inputs)
         self.check_finite = bool(check_finite)
+        self.retain_graphs = False
         if output not in ("all", "next"):
             raise ValueError(f"output must be 'all' or 'next', got {output!r}")
         self.output = output
@@ -494,8 +499,9 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
     def _backward_solve(self, run, grad_out):
         if run is None:
             raise RuntimeError("backward ran twice through the same layer-parallel forward: the "
-                               "forward's graphs are consumed by the first backward, so "
-                               "retain_graph=True is not supported; run the forward again")
+                               "forward's graphs are freed by the first backward (to save "
+                               "memory); set model.retain_graphs = True before the forward to "
+                               "backward through it again (retain_graph=True, gradcheck)")
         if not run.record:
             raise RuntimeError("backward through a layer-parallel forward that ran without grad")
         last = self._rank == self._size - 1
@@ -505,8 +511,9 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         try:
             self.backward_stats, states = self._solve(self._bwd, run)
         finally:
-            run.graphs.clear()
-            run.coarse_x.clear()
+            if not self.retain_graphs:
+                run.graphs.clear()
+                run.coarse_x.clear()
         logger.debug("adjoint MGRIT: %s", self.backward_stats)
         if self.warm_start:
             self._bwd_warm = {i: s for i, s in states.items() if i > 0}
@@ -539,7 +546,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
     def _final_vjp(self, run, s, xg, y, cotangent):
         """The VJP of step s's kept graph for the state and, once, for its parameters."""
         params = [p for p in self.layers[str(s)].parameters() if p.requires_grad]
-        grads = torch.autograd.grad(y, [xg] + params, cotangent, allow_unused=True)
+        grads = torch.autograd.grad(y, [xg] + params, cotangent, allow_unused=True,
+                                    retain_graph=self.retain_graphs)
         for p, g in zip(params, grads[1:]):
             if g is not None:
                 run.param_grads[id(p)] = g

@@ -1,8 +1,10 @@
 """Small layer-parallel networks shared by the tests."""
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import layerbraid
+from layerbraid import shard_batches
 from layerbraid.nn import ConvBlock
 
 
@@ -24,3 +26,18 @@ def batch(n=6, size=8, classes=3, seed=0, dtype=torch.float64):
     x = torch.randn(n, 1, size, size, generator=g, dtype=dtype)
     y = torch.randint(0, classes, (n,), generator=g)
     return x, y
+
+
+def train(model, steps, data_rank=0, data_size=1):
+    """SGD steps on fixed batches (each data group its shard); returns the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for k in range(steps):
+        x, y = batch(n=8, seed=k)
+        idx = next(shard_batches(8, 8, data_rank, data_size, seed=k))
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

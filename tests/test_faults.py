@@ -130,8 +130,17 @@ def test_small_misuses_are_clear_errors():
     x, y = batch()
     loss = F.cross_entropy(model(x), y)
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="retain_graph=True is not supported"):
+    with pytest.raises(RuntimeError, match="set model.retain_graphs = True"):
         loss.backward()
+    model.retain_graphs = True
+    model.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    loss.backward()  # the same forward again: the same gradients
+    for a, p in zip(first, [p for p in model.parameters() if p.grad is not None]):
+        torch.testing.assert_close(p.grad, a, rtol=0, atol=0)
     with pytest.raises(ValueError, match="t_final must be a finite number > 0, got inf"):
         NoneStep(num_steps=4, t_final=float("inf"), comm=WORLD)
     with pytest.raises(TypeError, match="comm must be an mpi4py communicator .* got str"):

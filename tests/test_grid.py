@@ -1,14 +1,10 @@
-"""Data parallel x layer parallel (ProcessGrid) and layer-parallel batch norm."""
+"""Data parallel x layer parallel (ProcessGrid)."""
 import pytest
 import torch
-import torch.nn.functional as F
 from mpi4py import MPI
-from torch import nn
 
-from layerbraid import LayerParallelModule, MGRITOptions, ProcessGrid, shard_batches
-from layerbraid.nn import ConvBlock, LPBatchNorm2d
-from nets import ODEResNet, batch
-from tolerances import CONVERGED, ROUNDOFF
+from layerbraid import ProcessGrid, shard_batches
+from nets import ODEResNet, train
 
 WORLD = MPI.COMM_WORLD
 
@@ -53,20 +49,6 @@ def test_shards_split_every_batch_and_are_deterministic():
         list(shard_batches(n, 2, 0, 3))
 
 
-def train(model, steps, data_rank=0, data_size=1):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for k in range(steps):
-        x, y = batch(n=8, seed=k)
-        idx = next(shard_batches(8, 8, data_rank, data_size, seed=k))
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parallel([4])
 def test_two_by_two_training_matches_one_by_four_and_serial():
     torch.manual_seed(0)
@@ -85,88 +67,3 @@ def test_two_by_two_training_matches_one_by_four_and_serial():
                     or (name.startswith("close.") and model.comm.rank == model.comm.size - 1):
                 torch.testing.assert_close(p, ref[name], rtol=1e-10, atol=1e-10,
                                            msg=lambda m: f"{name}: {m}")
-
-
-class BNNet(LayerParallelModule):
-    def __init__(self, comm, steps=6, **kw):
-        super().__init__(num_steps=steps, comm=comm, **kw)
-        self.open = nn.Conv2d(1, 3, 3, padding=1)
-        self.close = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 3))
-
-    def step_layer(self, index):
-        return nn.Sequential(ConvBlock(3), LPBatchNorm2d(3))
-
-
-def serial_bn_copy(model):
-    """The same network with torch's own nn.BatchNorm2d, and the model's weights."""
-    ser = model.to_serial()
-    for layer in ser.layers:
-        bn = layer[1]
-        plain = nn.BatchNorm2d(3)
-        plain.load_state_dict(bn.state_dict())
-        layer[1] = plain
-    return ser
-
-
-def check_bn(model, tol):
-    ser = serial_bn_copy(model)
-    for k in range(3):  # three training batches, then eval
-        x, y = batch(seed=k)
-        xp, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        model.zero_grad()
-        ser.zero_grad()
-        out = model(xp)
-        F.cross_entropy(out, y).backward()
-        ref = ser(xs)
-        F.cross_entropy(ref, y).backward()
-        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-        for i, layer in model.owned_steps():
-            for p, q in zip(layer.parameters(), ser.layers[i].parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
-            for b, c in zip(layer.buffers(), ser.layers[i].buffers()):
-                torch.testing.assert_close(b, c, rtol=tol, atol=tol)  # running stats, count
-    model.eval()
-    ser.eval()
-    x, _ = batch(seed=9)
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), ser(x), rtol=tol, atol=tol)
-
-
-@pytest.mark.parallel([1, 2, 3, 4])
-def test_batch_norm_exact_mode_equals_serial_batch_norm():
-    torch.manual_seed(0)
-    check_bn(BNNet(WORLD), ROUNDOFF)
-
-
-@pytest.mark.parallel([1, 3])
-def test_batch_norm_multilevel_converges_to_serial():
-    torch.manual_seed(0)
-    opts = MGRITOptions(max_levels=2, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
-    check_bn(BNNet(WORLD, forward_options=opts, backward_options=opts), CONVERGED)
-
-
-class SyncBNNet(BNNet):
-    def __init__(self, comm, sync_comm, **kw):
-        self._sync = sync_comm  # read by step_layer, which runs after __init__
-        super().__init__(comm, **kw)
-
-    def step_layer(self, index):
-        return nn.Sequential(ConvBlock(3), LPBatchNorm2d(3, sync_comm=self._sync))
-
-
-@pytest.mark.parallel([4])
-def test_synchronized_batch_norm_over_data_groups_matches_the_whole_batch():
-    """2 x 2 with batch statistics shared across the data groups trains like 1 x 4 on the whole
-    batch (plain batch norm)."""
-    torch.manual_seed(0)
-    grid = ProcessGrid(WORLD, data_parallel=2)
-    dp = SyncBNNet(grid, grid.data_comm)
-    torch.manual_seed(0)
-    lp = BNNet(WORLD)
-    train(dp, 3, grid.data_rank, 2)
-    train(lp, 3)
-    full = lp._gather_state()
-    for name, t in dp.state_dict().items():
-        if name.startswith("layers."):
-            torch.testing.assert_close(t, full[name], rtol=1e-10, atol=1e-10,
-                                       msg=lambda m: f"{name}: {m}")
