@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ._autograd import _BroadcastFn, _ChainFn, _ToFirstFn
+from ._transport import bcast_into
 from .nn import _solve_state
 from .errors import RemoteRankError
 from .launch import FreedOnExit, arrive
@@ -240,9 +241,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             # The replicas in a data group start from rank 0's weights (as DDP does), then
             # average their gradients at the end of every backward.
             data = self._grid.data_comm
-            with torch.no_grad():
-                for t in list(self.parameters()) + list(self.buffers()):
-                    t.copy_(torch.as_tensor(data.bcast(t.detach().cpu(), root=0)))
+            bcast_into(data, list(self.parameters()) + list(self.buffers()))
             self._averager = _GradAverager(self.parameters(), data)
         self._anchor = torch.zeros((), requires_grad=True)
         self._run = None

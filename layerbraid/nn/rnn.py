@@ -20,6 +20,7 @@ import time
 import torch
 from torch import nn
 
+from .._transport import allgather_rows, bcast_into, bcast_tensor
 from ..launch import FreedOnExit, arrive
 from ..stats import SolveStats
 
@@ -80,9 +81,7 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         for name, p in ref.named_parameters():
             self.register_parameter(name, nn.Parameter(p.detach().clone()))
         self.bias = bias
-        with torch.no_grad():  # every rank holds rank 0's weights
-            for p in self.parameters():
-                p.copy_(torch.as_tensor(self.comm.bcast(p.detach().cpu(), root=0)))
+        bcast_into(self.comm, self.parameters())  # every rank holds rank 0's weights
         self._cores = {}
         self.forward_stats = []
         self.backward_stats = []
@@ -205,12 +204,10 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         self.forward_stats.append(SolveStats(it, norms, time.perf_counter() - t0,
                                              fwd.step_seconds, fwd.comm_seconds()))
         # every rank gets the whole sequence of states (points 1..seq)
-        mine = {i: s.detach().cpu() for i, s in states.items() if i >= 1}
-        everyone = self.comm.allgather(mine) if self.comm.Get_size() > 1 else [mine]
-        allstates = {}
-        for part in everyone:
-            allstates.update(part)
-        seq_states = torch.stack([self._to_seq(allstates[i]) for i in range(1, seq + 1)], dim=1)
+        # the owned points are one block per rank, in rank order (buffers, not pickles)
+        mine = torch.stack([states[i].detach() for i in sorted(states) if i >= 1])
+        rows = allgather_rows(self.comm, mine) if self.comm.Get_size() > 1 else mine
+        seq_states = torch.stack([self._to_seq(rows[i]) for i in range(seq)], dim=1)
         run.states = seq_states.to(x.device)
         run.owned = owned
         return run
@@ -257,7 +254,7 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         # gradient for h0: the adjoint at forward point 0, on rank 0
         gh0 = states.get(seq) if comm.Get_rank() == 0 else None
         if comm.Get_size() > 1:
-            gh0 = comm.bcast(gh0.cpu() if gh0 is not None else None, root=0).to(run.h0.device)
+            gh0 = bcast_tensor(comm, gh0, tuple(run.h0.shape), run.h0.dtype, run.h0.device, 0)
         # shared weights: sum over the ranks; input slices: disjoint, so a sum assembles them
         flat = [t for t in run.gp if t is not None] + ([run.gx] if run.gx is not None else [])
         if comm.Get_size() > 1 and flat:
