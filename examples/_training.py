@@ -101,9 +101,12 @@ def _mgrit_line(s):
     def part(name):
         if f"{name}_iters" not in s:
             return None
-        rel = s.get(f"{name}_residual_rel")
-        return f"{name} {s[f'{name}_iters']} it" + (
-            f" (residual {rel:.1e} of its first)" if rel is not None else "")
+        rel, last = s.get(f"{name}_residual_rel"), s.get(f"{name}_residual")
+        if rel is not None:
+            return f"{name} {s[f'{name}_iters']} it (residual {rel:.1e} of its first)"
+        if last is not None:  # one residual per solve (e.g. 2 iterations, the first skipped)
+            return f"{name} {s[f'{name}_iters']} it (one residual, {last:.1e}: no reduction to show)"
+        return f"{name} {s[f'{name}_iters']} it"
     parts = [p for p in (part("fwd"), part("bwd")) if p]
     return " | MGRIT " + ", ".join(parts) if parts else ""
 
