@@ -83,13 +83,15 @@ void _mgrit_free_levels(mgrit_core *core);
 double _mgrit_time(const mgrit_core *core, int l, int64_t i);
 int _mgrit_is_c(const mgrit_core *core, int l, int64_t i);
 
-/* relax.c */
-mgrit_vec _mgrit_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done, int op,
-                      int add_g);
+/* vec.c */
 void _mgrit_set(mgrit_core *core, mgrit_vec *slot, mgrit_vec x);
 mgrit_vec _mgrit_clone(mgrit_core *core, mgrit_vec x);
 mgrit_vec _mgrit_coarsen(mgrit_core *core, int l, mgrit_vec x);
 void _mgrit_sum(mgrit_core *core, double a, mgrit_vec x, double b, mgrit_vec y);
+
+/* relax.c */
+mgrit_vec _mgrit_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done, int op,
+                      int add_g);
 mgrit_vec _mgrit_before(const _mgrit_level *L, int64_t i);
 int _mgrit_fsweep(mgrit_core *core, int l, int done);
 int _mgrit_csweep(mgrit_core *core, int l, int done);
