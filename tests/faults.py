@@ -22,6 +22,7 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layerbraid  # noqa: E402
 from layerbraid.data import LayerParallelLoader  # noqa: E402
+from layerbraid.nn import LayerParallelGRU  # noqa: E402
 from nets import ODEResNet, batch  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -77,6 +78,10 @@ SCENARIOS = {
                       "StallError: stalled: rank 0 waited"),
     "sigint": ("Ctrl-C: SIGINT to mpiexec while training", "KeyboardInterrupt"),
     "kill": ("rank 1 is killed (SIGKILL) while training", "signal 9"),
+    "rnn": ("rank 1 raises before a layer-parallel GRU forward",
+            "InjectedFault: injected fault on rank 1"),
+    "grid": ("rank 1 raises before a data-parallel model broadcasts its weights",
+             "InjectedFault: injected fault on rank 1"),
 }
 TIMEOUT = 3  # LAYERBRAID_TIMEOUT for the stall scenarios
 
@@ -113,6 +118,15 @@ def run(scenario, ranks=2, limit=120):
 def main(scenario):
     torch.set_default_dtype(torch.float64)
     x, y = batch(n=16)
+    if scenario == "rnn":
+        gru = LayerParallelGRU(3, 4, comm=WORLD)
+        gru(torch.ones(2, 6, 3))[0].sum().backward()
+        fail_on(1, "a GRU forward")
+        gru(torch.ones(2, 6, 3))
+    if scenario == "grid":
+        grid = layerbraid.ProcessGrid(WORLD, data_parallel=WORLD.size)
+        fail_on(1, "a data-parallel model's weight broadcast")
+        ODEResNet(grid, num_steps=4)
     if scenario == "step-layer":
         BadStep(WORLD, num_steps=4)
     model = ODEResNet(WORLD, num_steps=4)
