@@ -76,8 +76,7 @@ def main():
     torch.manual_seed(0)
     model = Chain(comm, args.steps, args.channels, opts(args.fwd_iters), opts(args.bwd_iters),
                   args.warm)
-    model._fwd.set_trace(True)
-    model._bwd.set_trace(True)
+    model.set_trace(True)
     serial = model.to_serial()
     g = torch.Generator().manual_seed(1)
 
@@ -130,9 +129,9 @@ def main():
     err_in = comm.bcast(rel(gx, xs.grad) if comm.rank == 0 else None, root=0)
 
     # work model: steps (forward) and VJPs (backward) this rank ran in the last iteration
-    def count(core):
-        return sum(1 for e in core.trace() if e.op.endswith("step"))
-    work = comm.gather((count(model._fwd), count(model._bwd)), root=0)
+    def count(trace):
+        return sum(1 for e in trace if e.op.endswith("step"))
+    work = comm.gather(tuple(count(t) for t in model.trace()), root=0)
 
     result = None
     if comm.rank == 0:

@@ -1,36 +1,11 @@
-"""The autograd Functions of a layer-parallel forward: the MGRIT chain and the output broadcast.
-
-Note [every rank runs backward]: the adjoint solve is collective, so ``_ChainFn.backward`` must run
-on every rank of the layer group.  Its output always requires grad (an anchor tensor that requires
-grad is one of its inputs), and on ranks other than the last it is a dummy that feeds
-``_BroadcastFn``, whose output every rank uses; so whenever the loss depends on the model's output,
-autograd reaches ``_ChainFn.backward`` everywhere.
-"""
+"""The autograd Functions that move a layer-parallel chain's output: to every rank of the layer
+group (``_BroadcastFn``), or to its first rank for the next stage (``_ToFirstFn``).  The chain
+itself is ``_chain._ChainFn`` (see Note [every rank runs backward] there)."""
 import torch
 
 from ._transport import bcast_tensor, recv_tensor, send_tensor
 
 __all__ = []
-
-
-class _ChainFn(torch.autograd.Function):
-    """h0 (first rank) -> u_N (last rank) by a forward MGRIT solve; backward by an adjoint solve."""
-
-    @staticmethod
-    def forward(ctx, model, h0, anchor, *params):
-        run = model._forward_solve(h0)
-        ctx.model, ctx.run = model, run
-        ctx.num_params = len(params)
-        return run.output
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        model, run = ctx.model, ctx.run
-        grad_h0, param_grads = model._backward_solve(run, grad_out)
-        if not model.retain_graphs:
-            ctx.run = None  # the stored forward graphs are consumed
-        assert len(param_grads) == ctx.num_params
-        return (None, grad_h0, None, *param_grads)
 
 
 class _BroadcastFn(torch.autograd.Function):

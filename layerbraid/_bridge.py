@@ -48,8 +48,11 @@ class _Core:
         comm: an mpi4py communicator.
         num_steps, t_start, t_stop: the fine time grid.
         options: an MGRITOptions.
-        init: ``init(t, index) -> state``: the initial value at index 0, the guess elsewhere.
-        step: ``step(u, t_start, t_stop, level, index, done) -> state`` (must not modify u).
+        init: ``init(app, t, index) -> state``: the initial value at index 0, the guess
+            elsewhere.
+        step: ``step(app, u, t_start, t_stop, level, index, done) -> state`` (must not modify
+            u).  ``app`` is what ``solve(app)`` was given: the context of that one solve, as
+            XBraid hands its app to every callback.
         trace: record the schedule.
         coarsen, refine: optional spatial transfers ``coarsen(x, level)`` (level -> level+1)
             and ``refine(e, level)`` (level -> level-1).
@@ -67,6 +70,7 @@ class _Core:
         from mpi4py import MPI
 
         self._init_fn, self._step_fn = init, step
+        self._app = None
         self._coarsen_fn, self._refine_fn = coarsen, refine
         self._table = {}
         self._next = 0
@@ -209,11 +213,16 @@ class _Core:
         return out
 
     # solve
-    def solve(self):
-        """Runs the solve; returns (iterations, residual norms).  Raises on every rank on error."""
+    def solve(self, app=None):
+        """Runs the solve, handing ``app`` to the init and step callbacks; returns (iterations,
+        residual norms).  Raises on every rank on error."""
         self._error = None
         self.step_seconds = 0.0
-        rc = lib.mgrit_solve(self._core)
+        self._app = app
+        try:
+            rc = lib.mgrit_solve(self._core)
+        finally:
+            self._app = None
         if rc != lib.MGRIT_OK:
             self._raise(rc)
         n = lib.mgrit_num_norms(self._core)
@@ -326,7 +335,7 @@ def _callback(name, where):
 
 @_callback("_lb_init", "init")
 def _init_cb(self, t, index, out):
-    out[0] = self._put(self._init_fn(t, index))
+    out[0] = self._put(self._init_fn(self._app, t, index))
     return 0
 
 
@@ -365,7 +374,7 @@ def _norm_cb(self, x, out):
 def _step_cb(self, u, tstart, tstop, level, index, done, out):
     x = self._table[u]
     t0 = time.perf_counter()
-    y = _as_state(self._step_fn(x, tstart, tstop, level, index, bool(done)))
+    y = _as_state(self._step_fn(self._app, x, tstart, tstop, level, index, bool(done)))
     self.step_seconds += time.perf_counter() - t0
     if y.shape != x.shape:
         raise ValueError(f"the step at level {level}, fine index {index} (t={tstart:g} to "

@@ -79,8 +79,8 @@ class MGRIT:
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.num_steps = num_steps
         self._core = _Core(self.comm, num_steps, t_start, t_stop, options,
-                           init=lambda t, index: init(t),
-                           step=lambda u, t0, t1, level, index, done: step(u, t0, t1, level),
+                           init=lambda app, t, index: init(t),
+                           step=lambda app, u, t0, t1, level, index, done: step(u, t0, t1, level),
                            trace=trace, coarsen=coarsen, refine=refine, store_all=store_all)
         self._trace = trace
 

@@ -2,16 +2,16 @@
 import dataclasses
 import logging
 import re
-import time
-from typing import Dict, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from ._autograd import _BroadcastFn, _ChainFn, _ToFirstFn
+from ._autograd import _BroadcastFn, _ToFirstFn
+from ._chain import Run, _ChainFn
+from ._layer_steps import check_shape
 from ._transport import bcast_into
-from .nn import _solve_state
 from .errors import RemoteRankError
 from .launch import FreedOnExit, arrive
 from .options import MGRITOptions
@@ -21,21 +21,7 @@ __all__ = ["LayerParallelModule", "SolveStats"]
 
 logger = logging.getLogger(__name__)
 
-_WEIGHT_TAG = 7301
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
-
-
-class _Run:
-    """What one forward keeps for its backward."""
-
-    def __init__(self):
-        self.h0 = None
-        self.shape = self.dtype = self.device = None
-        self.record = False
-        self.graphs: Dict[int, tuple] = {}  # step index -> (input leaf, output) of the done pass
-        self.coarse_x: Dict[tuple, torch.Tensor] = {}  # (step, level) -> R^k x, for mode "branch"
-        self.output = None
-        self.param_grads: Dict[int, torch.Tensor] = {}
 
 
 class _BuildStepsAfterInit(type(nn.Module)):
@@ -145,8 +131,6 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         self.open = None
         self.close = None
         self.layers = nn.ModuleDict()
-        self.forward_stats = SolveStats()
-        self.backward_stats = SolveStats()
         object.__setattr__(self, "_comm", comm)
         object.__setattr__(self, "_grid", grid)
         self._built = False
@@ -160,7 +144,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         """One step of the chain; forward Euler by default.  Must return a new tensor of the same
         shape and dtype as ``x``.  Coarse MGRIT levels call it with a longer ``dt``."""
         fx = layer(x)
-        _check_shape(fx, x, index)
+        check_shape(fx, x, index)
         return x + dt * fx
 
     # ------------------------------------------------------------------ construction
@@ -170,70 +154,28 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         return self._comm
 
     def _build_steps(self):
-        from ._bridge import _Core
+        from ._chain import _Chain
+        from ._layer_steps import _LayerSteps
+        from ._ownership import _StepLayers, draw_seed
 
         comm = self._comm
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         sp = self.spatial
-        sp_state = sp is not None and sp.mode == "state"  # else states stay on the fine grid
-        self._fwd = _Core(comm, self.num_steps, 0.0, self.t_final, self.forward_options,
-                          init=self._fwd_init, step=self._fwd_step,
-                          coarsen=sp.restrict if sp_state else None,
-                          refine=sp.interpolate if sp_state else None)
-        self._fwd.setup()  # collective: options must agree across ranks
-        levels = self._fwd.level_info()
-        lo, hi, _ = levels[0]
-        self._owned = list(range(max(lo, 1) - 1, hi))
-        # Each layer is built from its own seed, drawn once on every rank: the same global index
-        # gets the same initial weights whatever the number of ranks.
-        base = int(torch.randint(0, 2**62, ()).item())
-        error = None
+        self._chain = _Chain(comm, self.num_steps, self.t_final, self.forward_options,
+                             self.backward_options, warm_start=self.warm_start,
+                             spatial=sp if sp is not None and sp.mode == "state" else None)
+        ref = next(self._ref_tensors(), None)
+        self._layer_seed = draw_seed()
         try:
-            for i in self._owned:
-                self.layers[str(i)] = self._make_layer(i, base)
-        except Exception as exc:  # every rank learns of it in the allgather below
-            error = exc
-        self._layer_seed = base
-        # Coarse forward steps inject the fine layer at the coarse step's start, which can belong
-        # to a rank on the left: those weights are copied once per forward.
-        needed = sorted({(i - 1) * m for (lo_l, hi_l, m) in levels[1:]
-                         for i in range(max(lo_l, 1), hi_l + 1)} - set(self._owned))
-        report = None if error is None else f"{type(error).__name__}: {error}"
-        everyone = comm.allgather((needed, report))
-        failed = [(r, msg) for r, (_, msg) in enumerate(everyone) if msg is not None]
-        if failed:
+            self._step_layers = _StepLayers(comm, self._chain.levels, self._chain.owned,
+                                            self.step_layer, self._layer_seed,
+                                            ref.device if ref is not None else None, self.layers)
+        except BaseException:
             self._release()
-            if error is not None:
-                raise error
-            r, msg = failed[0]
-            raise RemoteRankError(f"building the step layers failed on rank {r}: {msg}", r)
-        everyone = [idx for idx, _ in everyone]
-        mine = set(self._owned)
-        self._weight_sends = {r: [i for i in idx if i in mine] for r, idx in enumerate(everyone)
-                              if r != self._rank and any(i in mine for i in idx)}
-        self._copies = {}
-        for i in needed:
-            layer = self._make_layer(i, base)
-            for p in layer.parameters():
-                p.requires_grad_(False)
-            self._copies[i] = layer
-        owners = {}
-        for i in needed:
-            owners.setdefault(self._owner_of_step(i), []).append(i)
-        self._weight_recvs = owners
-        # The adjoint runs backward in time on the reversed communicator, with the extra steps
-        # mirrored, so that each rank differentiates exactly its own layers.
-        self._rev_comm = comm.Split(0, self._size - 1 - self._rank)
-        self._bwd = _Core(self._rev_comm, self.num_steps, 0.0, self.t_final,
-                          self.backward_options, init=self._bwd_init, step=self._bwd_step,
-                          mirror=True, real_ranks=list(range(self._size))[::-1], owns_comm=True, coarsen=sp.restrict_adjoint if sp_state else None,
-                          refine=sp.interpolate_adjoint if sp_state else None)
-        self._bwd.setup()
-        self._bwd_strides = [m for (_, _, m) in self._bwd.level_info()]
-        alo, ahi, _ = self._bwd.level_info()[0]
-        starts = sorted(self.num_steps - j for j in range(max(alo, 1), ahi + 1))
-        assert starts == self._owned, "adjoint distribution does not mirror the forward one"
-        self._euler = type(self).step_rule is LayerParallelModule.step_rule
+            raise
+        custom = type(self).step_rule is not LayerParallelModule.step_rule
+        self._steps = _LayerSteps(comm, self.num_steps, self._step_layers,
+                                  self.step_rule if custom else None, sp, self.check_finite)
         self._averager = None
         if self._grid is not None and self._grid.data_size > 1:
             from .grid import _GradAverager
@@ -244,8 +186,6 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             bcast_into(data, list(self.parameters()) + list(self.buffers()))
             self._averager = _GradAverager(self.parameters(), data)
         self._anchor = torch.zeros((), requires_grad=True)
-        self._run = None
-        self._fwd_warm, self._bwd_warm = {}, {}
         self._built = True
 
     def free(self):
@@ -256,32 +196,14 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         self._release()
 
     def _release(self):
-        for name in ("_fwd", "_bwd"):
-            core = self.__dict__.get(name)
-            if core is not None:
-                core.close()
-        self.__dict__.pop("_rev_comm", None)  # freed with the adjoint core that owns it
-
-    def _make_layer(self, index, base):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((base + 1000003 * index) % (2**63 - 1))
-            layer = self.step_layer(index)
-        if not isinstance(layer, nn.Module):
-            raise TypeError(f"step_layer({index}) must return an nn.Module, got "
-                            f"{type(layer).__name__}")
-        ref = next(self._ref_tensors(), None)
-        return layer.to(ref.device) if ref is not None else layer
+        chain = self.__dict__.get("_chain")
+        if chain is not None:
+            chain.free()
 
     def _ref_tensors(self):
         for mod in (self.open, self.close):
             if isinstance(mod, nn.Module):
                 yield from mod.parameters()
-
-    def _owner_of_step(self, step):
-        n, p = self.num_steps, self._size
-        quo, rem = divmod(n, p)
-        big = rem * (quo + 1)
-        return step // (quo + 1) if step < big else rem + (step - big) // quo
 
     def _counted_parameters(self):
         """The parameters whose gradient this rank alone holds (see _holds_key), for
@@ -290,7 +212,27 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
 
     def owned_steps(self):
         """``[(global step index, step module)]`` for the steps this rank owns, in order."""
-        return [(i, self.layers[str(i)]) for i in self._owned]
+        return [(i, self.layers[str(i)]) for i in self._chain.owned]
+
+    @property
+    def forward_stats(self) -> SolveStats:
+        """The last forward solve's SolveStats on this rank."""
+        return self._chain.forward_stats
+
+    @property
+    def backward_stats(self) -> SolveStats:
+        """The last adjoint solve's SolveStats on this rank."""
+        return self._chain.backward_stats
+
+    def set_trace(self, on: bool = True):
+        """Record the schedule of the following forward and adjoint solves (see ``trace``)."""
+        self._chain.fwd.set_trace(on)
+        self._chain.bwd.set_trace(on)
+
+    def trace(self):
+        """``(forward, adjoint)``: the schedule this rank ran in the last solves, as lists of
+        TraceEntry (level, op, index, peer, done), after ``set_trace(True)``."""
+        return self._chain.fwd.trace(), self._chain.bwd.trace()
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -298,7 +240,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         the same batch (checked, see ``check_inputs``), or None / a 0-d tensor off the first
         rank.  Returns the close layer's output on every rank."""
         comm, first, last = self._comm, self._rank == 0, self._rank == self._size - 1
-        if self._fwd._core is None:
+        if self._chain.freed:
             raise RuntimeError("this layer-parallel model was freed (model.free()): build a "
                                "new one")
         h0, meta, error = None, None, None
@@ -337,19 +279,17 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         shape, dtype, device = meta
         device = torch.device(device)
         if self.spatial is not None:  # the same check, and error, on every rank
-            self.spatial.check(shape, max(self._fwd.num_levels(), self._bwd.num_levels()))
+            self.spatial.check(shape, self._chain.num_levels())
         record = torch.is_grad_enabled()
         if h0 is None:
             # Not used by the solve; but when x comes from an earlier stage it must stay in the
             # graph, so that that stage's backward (collective) runs on this rank too.
             h0 = x if isinstance(x, torch.Tensor) and x.requires_grad else \
                 torch.zeros((), dtype=dtype, device=device)
-        run = _Run()
-        run.shape, run.dtype, run.device, run.record = shape, dtype, device, record
-        self._pending_run = run
+        run = Run(self._steps, shape, dtype, device, record, retain=self.retain_graphs)
         anchor = self._anchor.to(device) if self._anchor.device != device else self._anchor
-        params = self._owned_params()
-        out = _ChainFn.apply(self, h0, anchor, *params)
+        self._step_layers.exchange()
+        out = _ChainFn.apply(self._chain, run, anchor, h0, *self._owned_params())
         status, error = None, None
         if last:
             try:
@@ -380,222 +320,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         return _BroadcastFn.apply(comm, self._size - 1, out, status[1], status[2])
 
     def _owned_params(self):
-        return [p for i in self._owned for p in self.layers[str(i)].parameters() if p.requires_grad]
-
-    def _exchange_weights(self):
-        """Copy the weights of the layers that coarse steps inject from the ranks that own them."""
-        if not self._weight_sends and not self._weight_recvs:
-            return
-        from mpi4py import MPI
-
-        reqs, keep = [], []
-        for dest, idx in self._weight_sends.items():
-            buf = np.concatenate([_bytes(t) for i in idx for t in self.layers[str(i)].state_dict().values()])
-            keep.append(buf)
-            reqs.append(self._comm.Isend([buf, MPI.BYTE], dest=dest, tag=_WEIGHT_TAG))
-        incoming = []
-        ref = next((p for i in self._owned for p in self.layers[str(i)].parameters()), None)
-        for src, idx in self._weight_recvs.items():
-            if ref is not None:  # follow model.to(...) / .double() on the owned layers
-                for i in idx:
-                    self._copies[i].to(device=ref.device, dtype=ref.dtype)
-            tensors = [t for i in idx for t in self._copies[i].state_dict().values()]
-            buf = np.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=np.uint8)
-            reqs.append(self._comm.Irecv([buf, MPI.BYTE], source=src, tag=_WEIGHT_TAG))
-            incoming.append((buf, tensors))
-        MPI.Request.Waitall(reqs)
-        for buf, tensors in incoming:
-            off = 0
-            for t in tensors:
-                n = t.numel() * t.element_size()
-                src = torch.from_numpy(buf[off:off + n].copy()).view(t.dtype).reshape(t.shape)
-                with torch.no_grad():
-                    t.copy_(src)
-                off += n
-
-    def _forward_solve(self, h0):
-        run = self._pending_run
-        self._pending_run = None
-        run.h0_requires_grad, run.h0_shape, run.h0_dtype = h0.requires_grad, h0.shape, h0.dtype
-        run.h0 = h0 if self._rank == 0 else None
-        self._exchange_weights()
-        _solve_state.in_solve = True
-        try:
-            self.forward_stats, states = self._solve(self._fwd, run)
-        finally:
-            _solve_state.in_solve = _solve_state.final = False
-        logger.debug("forward MGRIT: %s", self.forward_stats)
-        if self.warm_start:
-            self._fwd_warm = {i: s for i, s in states.items() if i > 0}
-        if self._rank == self._size - 1:
-            run.output = states[self.num_steps]
-        else:
-            run.output = torch.zeros((), dtype=run.dtype, device=run.device)
-        if run.output is h0:
-            run.output = run.output.clone()
-        return run
-
-    def _solve(self, core, run):
-        """One solve with ``run`` as the callbacks' context: (SolveStats, owned states)."""
-        self._run = run
-        t0 = time.perf_counter()
-        try:
-            with torch.no_grad():
-                iters, norms = core.solve()
-            states = core.states()
-        finally:
-            self._run = None
-        return SolveStats(iters, norms, time.perf_counter() - t0, core.step_seconds,
-                          core.comm_seconds()), states
-
-    def _guess(self, warm, index, run):
-        """The previous solve's state at `index` (warm start), else zeros."""
-        s = warm.get(index)
-        if s is not None and tuple(s.shape) == tuple(run.shape) and s.dtype == run.dtype:
-            return s
-        return torch.zeros(run.shape, dtype=run.dtype, device=run.device)
-
-    def _fwd_init(self, t, index):
-        run = self._run
-        if index == 0:
-            return run.h0.detach()
-        return self._guess(self._fwd_warm, index, run)
-
-    def _fwd_step(self, u, t0, t1, level, index, done):
-        layer = self.layers[str(index)] if level == 0 or str(index) in self.layers \
-            else self._copies[index]
-        run = self._run
-        _solve_state.final = bool(done and level == 0)
-        if done and level == 0 and run.record:
-            xg = u.detach().requires_grad_(True)
-            if self._euler:
-                # Note [Euler graphs]: keep the graph of f(x) alone.  Its VJP serves every step
-                # size, so the coarse adjoint steps reuse it instead of recomputing the layer.
-                with torch.enable_grad():
-                    fx = layer(xg)
-                _check_shape(fx, u, index)
-                run.graphs[index] = (xg, fx)
-                return u + (t1 - t0) * fx.detach()
-            with torch.enable_grad():
-                y = self.step_rule(layer, xg, t1 - t0, index)
-            _check_shape(y, u, index)
-            run.graphs[index] = (xg, y)
-            return y.detach()
-        if level > 0 and self._branch(level):
-            return self.spatial.branch_step(
-                lambda x: self.step_rule(layer, x, t1 - t0, index), u, level)
-        y = self.step_rule(layer, u, t1 - t0, index)
-        if not self._euler:
-            _check_shape(y, u, index)
-        return y
-
-    def _branch(self, level):
-        """Whether `level`'s steps compute their increment on a grid coarse in space."""
-        sp = self.spatial
-        return sp is not None and sp.mode == "branch" and sp.factor(level) > 0
-
-    # ------------------------------------------------------------------ backward
-    def _backward_solve(self, run, grad_out):
-        if run is None:
-            raise RuntimeError("backward ran twice through the same layer-parallel forward: the "
-                               "forward's graphs are freed by the first backward (to save "
-                               "memory); set model.retain_graphs = True before the forward to "
-                               "backward through it again (retain_graph=True, gradcheck)")
-        if not run.record:
-            raise RuntimeError("backward through a layer-parallel forward that ran without grad")
-        last = self._rank == self._size - 1
-        run.grad_out = grad_out.detach() if last else None
-        params = self._owned_params()
-        run.param_grads = {}
-        try:
-            self.backward_stats, states = self._solve(self._bwd, run)
-        finally:
-            if not self.retain_graphs:
-                run.graphs.clear()
-                run.coarse_x.clear()
-        logger.debug("adjoint MGRIT: %s", self.backward_stats)
-        if self.warm_start:
-            self._bwd_warm = {i: s for i, s in states.items() if i > 0}
-        if self._rank == 0:
-            grad_h0 = states[self.num_steps]
-        elif run.h0_requires_grad:
-            grad_h0 = torch.zeros(run.h0_shape, dtype=run.h0_dtype, device=run.device)
-        else:
-            grad_h0 = None
-        grads = [run.param_grads.get(id(p)) for p in params]
-        if self.check_finite:
-            self._check_finite_gradients(grad_h0 if self._rank == 0 else None, grads)
-        return grad_h0, grads
-
-    def _check_finite_gradients(self, grad_h0, grads):
-        """Raises on every rank if any rank's input or parameter gradients are not finite."""
-        from mpi4py import MPI
-
-        with torch.no_grad():
-            bad = any(g is not None and not bool(torch.isfinite(g).all())
-                      for g in [grad_h0] + grads)
-        first = self._comm.allreduce(self._rank if bad else self._size, op=MPI.MIN) \
-            if self._size > 1 else (0 if bad else 1)
-        if first < self._size:
-            raise FloatingPointError(
-                f"the layer-parallel backward produced non-finite gradients (NaN or Inf) on rank "
-                f"{first}: the loss, the weights or the steps overflowed (check_finite=False "
-                "turns this check off)")
-
-    def _final_vjp(self, run, s, xg, y, cotangent):
-        """The VJP of step s's kept graph for the state and, once, for its parameters."""
-        params = [p for p in self.layers[str(s)].parameters() if p.requires_grad]
-        grads = torch.autograd.grad(y, [xg] + params, cotangent, allow_unused=True,
-                                    retain_graph=self.retain_graphs)
-        for p, g in zip(params, grads[1:]):
-            if g is not None:
-                run.param_grads[id(p)] = g
-        return grads[0]
-
-    def _bwd_init(self, t, index):
-        run = self._run
-        if index == 0:
-            return run.grad_out
-        return self._guess(self._bwd_warm, index, run)
-
-    def _bwd_step(self, w, t0, t1, level, index, done):
-        """Adjoint step: the vector-Jacobian product of forward step s = N - index - stride."""
-        run = self._run
-        s = self.num_steps - index - self._bwd_strides[level]
-        xg, y = run.graphs[s]
-        if level > 0 and self._branch(level):
-            # The transpose of x + P^k (Phi(R^k x) - R^k x), linearized at the fine state.
-            layer = self.layers[str(s)]
-            return self.spatial.branch_adjoint(
-                lambda x: self.step_rule(layer, x, t1 - t0, s), xg, w, level,
-                cache=run.coarse_x.setdefault((s, level), {}))
-        if level > 0 and self.spatial is not None and self.spatial.factor(level) > 0:
-            # Mode "state", a grid coarse in space: linearize at the fine state restricted to it.
-            with torch.enable_grad():
-                xr = self.spatial.to_level(xg.detach(), level).requires_grad_(True)
-                yr = self.step_rule(self.layers[str(s)], xr, t1 - t0, s)
-                gx, = torch.autograd.grad(yr, xr, w, allow_unused=True)
-            return gx if gx is not None else torch.zeros_like(w)
-        if self._euler:  # y is f(x): x + dt f(x) has the VJP w + f'(x)^T (dt w), for any dt
-            dtw = (t1 - t0) * w
-            if level == 0 and done:
-                gx = self._final_vjp(run, s, xg, y, dtw)
-            else:
-                gx, = torch.autograd.grad(y, xg, dtw, retain_graph=True, allow_unused=True)
-            return w + gx if gx is not None else w.clone()
-        if level == 0:
-            if done:
-                gx = self._final_vjp(run, s, xg, y, w)
-            else:
-                gx, = torch.autograd.grad(y, xg, w, retain_graph=True)
-            return gx if gx is not None else torch.zeros_like(w)
-        # A coarse adjoint step is the transpose of the forward coarse step over the same
-        # interval: the layer at its start in forward time, linearized at the fine state there.
-        with torch.enable_grad():
-            xr = xg.detach().requires_grad_(True)
-            yr = self.step_rule(self.layers[str(s)], xr, t1 - t0, s)
-            gx, = torch.autograd.grad(yr, xr, w, allow_unused=True)
-        return gx if gx is not None else torch.zeros_like(w)
+        return [p for i in self._chain.owned for p in self.layers[str(i)].parameters()
+                if p.requires_grad]
 
     # ------------------------------------------------------------------ serial view, state
     def _gather_state(self, root=None):
@@ -620,10 +346,12 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         and runs anywhere; layer-parallel batch norms become plain ``nn.BatchNorm*`` with the
         same state.  A custom ``step_rule`` is called with the serial network as ``self``: it
         should depend only on its arguments."""
+        from ._ownership import seeded_layer
         from .nn import _plain_copy, plain_modules
 
         full = self._gather_state()
-        layers = nn.ModuleList(self._make_layer(i, self._layer_seed) for i in range(self.num_steps))
+        layers = nn.ModuleList(seeded_layer(self.step_layer, i, self._layer_seed)
+                               for i in range(self.num_steps))
         rule = type(self).step_rule
         serial = _SerialChain(_plain_copy(self.open), plain_modules(layers),
                               _plain_copy(self.close), self.dt,
@@ -633,7 +361,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads a serial (or any rank count's) state_dict: each rank keeps its own layers."""
-        owned = set(self._owned) if self._built else None
+        owned = set(self._chain.owned) if self._built else None
         keep = {}
         for k, v in state_dict.items():
             m = _LAYER_KEY.match(k)
@@ -684,7 +412,7 @@ class _SerialChain(nn.Module):
         for i, layer in enumerate(self.layers):
             if self.rule is None:
                 fx = layer(x)
-                _check_shape(fx, x, i)
+                check_shape(fx, x, i)
                 x = x + self.dt * fx
             else:
                 x = self.rule(self, layer, x, self.dt, i)
@@ -711,19 +439,3 @@ def _same_input(a, b):
     scale = 1e-9 * max(1, int(np.prod(a[0])))
     return all(u == v or (u != u and v != v) or abs(u - v) <= 1e-7 * (abs(u) + abs(v)) + scale
                for u, v in zip(a[2:], b[2:]))  # equal, both NaN, or round-off apart
-
-
-def _check_shape(fx, x, index):
-    if not isinstance(fx, torch.Tensor):
-        raise TypeError(f"step layer {index} returned {type(fx).__name__}, not a tensor: a step "
-                        "layer must return a tensor of the state's shape")
-    if fx.shape != x.shape:
-        raise ValueError(f"step layer {index} returned shape {tuple(fx.shape)} for a state of "
-                         f"shape {tuple(x.shape)}: a step layer must keep the state's shape")
-
-
-def _bytes(t):
-    flat = t.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return flat.contiguous().view(torch.uint8).numpy()

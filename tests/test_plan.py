@@ -1,5 +1,4 @@
 """The work model: its schedule is the core's own, rank by rank."""
-import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -49,15 +48,15 @@ def test_planner_adjoint_schedule_is_the_training_backward_trace(float64):
     opts = MGRITOptions(max_levels=2, cfactor=2, max_iters=2, nrelax=0)
     torch.manual_seed(0)
     model = ODEResNet(WORLD, num_steps=7, forward_options=opts, backward_options=opts)
-    model._fwd.set_trace(True)
-    model._bwd.set_trace(True)
+    model.set_trace(True)
     x, y = batch()
     torch.nn.functional.cross_entropy(model(x), y).backward()
+    fwd_trace, bwd_trace = model.trace()
     fwd = plan.schedule(7, WORLD.size, opts)[WORLD.rank]
-    assert virtual_tuples(fwd) == as_tuples(model._fwd.trace())
+    assert virtual_tuples(fwd) == as_tuples(fwd_trace)
     adj_rank = WORLD.size - 1 - WORLD.rank  # the adjoint runs on the reversed communicator
     bwd = plan.schedule(7, WORLD.size, opts, adjoint=True)[adj_rank]
-    assert virtual_tuples(bwd) == as_tuples(model._bwd.trace())
+    assert virtual_tuples(bwd) == as_tuples(bwd_trace)
 
 
 def test_simulation_of_plain_sequential_stepping():

@@ -1,6 +1,4 @@
 """Building blocks for layer-parallel networks."""
-import threading
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,14 +7,7 @@ __all__ = ["ConvBlock", "LPBatchNorm1d", "LPBatchNorm2d", "LPBatchNorm3d", "Laye
            "LayerParallelLSTM", "plain_modules"]
 
 
-class _SolveState(threading.local):
-    """Set by LayerParallelModule while its forward MGRIT solve runs (Note [batch-norm stats])."""
-
-    in_solve = False
-    final = False
-
-
-_solve_state = _SolveState()
+from .._chain import _solve_state
 
 
 class _AllreduceSum(torch.autograd.Function):

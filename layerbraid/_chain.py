@@ -1,0 +1,291 @@
+"""The engine under every layer-parallel network: a chain of N steps solved forward in time by
+MGRIT, and its adjoint solved backward in time by MGRIT, plugged into autograd.
+
+A network supplies its steps through a :class:`Steps` provider (the ResNet's layers in
+``_layer_steps.py``, the GRU and LSTM cells in ``nn/rnn.py``); the engine owns the rest:
+
+- the forward core, and the adjoint core on the reversed communicator with the extra steps
+  mirrored, so that each rank differentiates exactly the steps it ran forward;
+- the adjoint index map (Note [adjoint index map]);
+- the capture of each owned step's graph in the forward's final relaxation, the only time a step
+  runs with ``done`` on the fine level, and the VJPs that reuse it;
+- the collection of the gradients of the graphs' leaves (parameters, inputs);
+- warm starts, statistics, and the solve state that layer-parallel batch norms read.
+
+Everything one forward and its backward need travels in a :class:`Run`, handed by the core to
+every callback (the app of the solve) and saved in the autograd context: nothing is handed over
+through attributes of the model.
+
+Note [every rank runs backward]: the adjoint solve is collective, so ``_ChainFn.backward`` must
+run on every rank of the layer group.  A chain whose output is used on one rank only (the
+ResNet's, on the last) is given an anchor input that requires grad, so that its output always
+requires grad; on the other ranks that output is a dummy which feeds a broadcast whose output
+every rank uses (``_autograd._BroadcastFn``), so whenever the loss depends on the model's output,
+autograd reaches ``_ChainFn.backward`` everywhere.
+"""
+import threading
+import time
+
+import torch
+
+from .stats import SolveStats
+
+__all__ = []
+
+
+class _SolveState(threading.local):
+    """Note [batch-norm stats] (nn/__init__.py): set while a forward solve runs, and while a
+    step of its final fine relaxation runs."""
+
+    in_solve = False
+    final = False
+
+
+_solve_state = _SolveState()
+
+
+class _Graph:
+    """The graph of one step, kept from the forward's final relaxation.
+
+    ``out`` is a function of the state leaf ``x`` and of ``leaves`` (``[(key, tensor)]``:
+    parameters, inputs), whose gradients are collected under ``key``.  With ``increment`` set
+    the step was ``x + scale(dt) * out`` (``Steps.scale``): the VJP ``w + out'(x)^T (scale(dt)
+    w)`` then serves every step size, so coarse adjoint steps reuse the graph instead of
+    recomputing the step (Note [Euler graphs]).  Otherwise ``out`` is the new state itself.
+    """
+
+    __slots__ = ("x", "out", "leaves", "increment")
+
+    def __init__(self, x, out, leaves=(), increment=False):
+        self.x, self.out, self.leaves, self.increment = x, out, list(leaves), increment
+
+
+class Run:
+    """One forward solve and its backward: the provider, the state's shape, dtype and device,
+    whether to record graphs, and what the provider keeps (its own attributes)."""
+
+    def __init__(self, steps, shape, dtype, device, record, retain=False):
+        self.steps = steps
+        self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
+        self.record = bool(record)
+        self.retain = bool(retain)  # keep the graphs after a backward (differentiate again)
+        self.graphs = {}            # forward step index -> _Graph
+        self.grads = {}             # leaf key -> gradient, summed over the steps
+        self.forward_stats = self.backward_stats = None
+
+
+class Steps:
+    """What a network supplies to the engine.  Methods take the run first; ``dt`` is the step's
+    length (coarse levels take longer steps), ``index`` a forward step's global index.
+
+    Boundary of the chain (inside the autograd Function):
+        begin(run, inputs): keep what the steps need from the Function's tensor inputs.
+        initial(run): the state at point 0 (asked on the first rank only).
+        output(run, states): the Function's output from this rank's solved states.
+        begin_adjoint(run, grad): keep the output's gradient.
+        adjoint_initial(run): the adjoint state at adjoint point 0 (forward point N).
+        input_grads(run, states): the gradients of ``inputs``, in order, from the adjoint states
+            and ``run.grads``.
+    Steps:
+        step(run, u, dt, level, index): the step from point ``index`` (no graph).
+        record(run, u, dt, index): ``(next state, _Graph)``, the step of the final relaxation.
+        scale(dt): the factor of an increment graph (see _Graph).
+        adjoint_step(run, w, dt, level, s): a provider's own adjoint of forward step ``s``, or
+            None for the VJP of its kept graph (the default).
+        source(run, s): a term added to the adjoint after step ``s``'s VJP (None: none).
+    """
+
+    def scale(self, dt):
+        return dt
+
+    def adjoint_step(self, run, w, dt, level, s):
+        return None
+
+    def source(self, run, s):
+        return None
+
+
+class _Chain:
+    """The forward and adjoint MGRIT cores of one chain of ``num_steps`` steps over ``comm``.
+
+    Args:
+        comm: the layer group's communicator.
+        num_steps, t_final: the steps and the time they span (``dt = t_final / num_steps``).
+        forward_options, backward_options: MGRITOptions (final FC relaxation on).
+        spatial: a SpatialCoarsening in mode "state" (coarse levels hold coarse states), else
+            None.
+        warm_start: start each solve from the previous solve's states.
+    """
+
+    def __init__(self, comm, num_steps, t_final, forward_options, backward_options, *,
+                 spatial=None, warm_start=False):
+        from ._bridge import _Core
+
+        self.comm = comm
+        self.num_steps = num_steps
+        rank, size = comm.Get_rank(), comm.Get_size()
+        self.fwd = self.bwd = None
+        self.fwd = _Core(comm, num_steps, 0.0, t_final, forward_options,
+                         init=self._fwd_init, step=self._fwd_step,
+                         coarsen=spatial.restrict if spatial else None,
+                         refine=spatial.interpolate if spatial else None)
+        try:
+            self.fwd.setup()  # collective: the options must agree across ranks
+            self.levels = self.fwd.level_info()
+            lo, hi, _ = self.levels[0]
+            self.owned = list(range(max(lo, 1) - 1, hi))
+            # The adjoint runs backward in time on the reversed communicator, with the extra
+            # steps mirrored, so that each rank differentiates exactly its own steps.
+            rev = comm.Split(0, size - 1 - rank)
+            self.bwd = _Core(rev, num_steps, 0.0, t_final, backward_options,
+                             init=self._bwd_init, step=self._bwd_step, mirror=True,
+                             real_ranks=list(range(size))[::-1], owns_comm=True,
+                             coarsen=spatial.restrict_adjoint if spatial else None,
+                             refine=spatial.interpolate_adjoint if spatial else None)
+            self.bwd.setup()
+        except BaseException:
+            self.free()
+            raise
+        self.strides = [m for (_, _, m) in self.bwd.level_info()]
+        alo, ahi, _ = self.bwd.level_info()[0]
+        starts = sorted(num_steps - j for j in range(max(alo, 1), ahi + 1))
+        assert starts == self.owned, "adjoint distribution does not mirror the forward one"
+        self.warm_start = bool(warm_start)
+        self._warm_fwd, self._warm_bwd = {}, {}
+        self.forward_stats, self.backward_stats = SolveStats(), SolveStats()
+
+    def free(self):
+        """Frees both cores and the reversed communicator (owned by the adjoint core)."""
+        for core in (self.fwd, self.bwd):
+            if core is not None:
+                core.close()
+
+    @property
+    def freed(self):
+        return self.fwd is None or self.fwd._core is None
+
+    def num_levels(self):
+        return max(self.fwd.num_levels(), self.bwd.num_levels())
+
+    def adjoint_step_index(self, index, level):
+        """Note [adjoint index map]: adjoint point j is forward point N - j, so the adjoint step
+        from point j on a level of stride m runs backward over forward step s = N - j - m (the
+        step from forward point s to s + m)."""
+        return self.num_steps - index - self.strides[level]
+
+    # ------------------------------------------------------------------ the two solves
+    def forward(self, run, inputs):
+        """The forward solve of ``run`` from the autograd Function's ``inputs``: its output."""
+        run.steps.begin(run, inputs)
+        _solve_state.in_solve = True
+        try:
+            run.forward_stats, states = self._solve(self.fwd, run)
+        finally:
+            _solve_state.in_solve = _solve_state.final = False
+        self.forward_stats = run.forward_stats
+        if self.warm_start:
+            self._warm_fwd = {i: s for i, s in states.items() if i > 0}
+        return run.steps.output(run, states)
+
+    def backward(self, run, grad):
+        """The adjoint solve of ``run`` for the output's gradient: the inputs' gradients."""
+        if not run.record:
+            raise RuntimeError("backward through a layer-parallel forward that ran without grad")
+        run.steps.begin_adjoint(run, grad)
+        run.grads = {}
+        try:
+            run.backward_stats, states = self._solve(self.bwd, run)
+        finally:
+            if not run.retain:
+                run.graphs = {}
+        self.backward_stats = run.backward_stats
+        if self.warm_start:
+            self._warm_bwd = {i: s for i, s in states.items() if i > 0}
+        return run.steps.input_grads(run, states)
+
+    def _solve(self, core, run):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            iters, norms = core.solve(run)
+        states = core.states()
+        return SolveStats(iters, norms, time.perf_counter() - t0, core.step_seconds,
+                          core.comm_seconds()), states
+
+    def _guess(self, warm, index, run):
+        """The previous solve's state at ``index`` (warm start), else zeros."""
+        s = warm.get(index)
+        if s is not None and tuple(s.shape) == run.shape and s.dtype == run.dtype:
+            return s
+        return torch.zeros(run.shape, dtype=run.dtype, device=run.device)
+
+    # ------------------------------------------------------------------ callbacks
+    def _fwd_init(self, run, t, index):
+        if index == 0:
+            return run.steps.initial(run)
+        return self._guess(self._warm_fwd, index, run)
+
+    def _fwd_step(self, run, u, t0, t1, level, index, done):
+        final = bool(done and level == 0)
+        _solve_state.final = final
+        if final and run.record:
+            y, graph = run.steps.record(run, u, t1 - t0, index)
+            run.graphs[index] = graph
+            return y
+        return run.steps.step(run, u, t1 - t0, level, index)
+
+    def _bwd_init(self, run, t, index):
+        if index == 0:
+            return run.steps.adjoint_initial(run)
+        return self._guess(self._warm_bwd, index, run)
+
+    def _bwd_step(self, run, w, t0, t1, level, index, done):
+        s = self.adjoint_step_index(index, level)
+        steps = run.steps
+        out = steps.adjoint_step(run, w, t1 - t0, level, s)
+        if out is None:
+            out = self._vjp(run, run.graphs[s], w, steps.scale(t1 - t0), level == 0 and done)
+        src = steps.source(run, s)
+        return out if src is None else out + src
+
+    @staticmethod
+    def _vjp(run, graph, w, scale, final):
+        """The VJP of a kept graph for the state; in the final relaxation (each step once) also
+        for its leaves, whose gradients are summed into ``run.grads``."""
+        leaves = [(k, t) for k, t in graph.leaves if t.requires_grad] if final else []
+        grads = torch.autograd.grad(graph.out, [graph.x] + [t for _, t in leaves],
+                                    scale * w if graph.increment else w, allow_unused=True,
+                                    retain_graph=run.retain or not final)
+        for (key, _), g in zip(leaves, grads[1:]):
+            if g is not None:
+                run.grads[key] = g if key not in run.grads else run.grads[key] + g
+        gx = grads[0]
+        if graph.increment:
+            return w + gx if gx is not None else w.clone()
+        return gx if gx is not None else torch.zeros_like(w)
+
+
+class _ChainFn(torch.autograd.Function):
+    """``inputs -> output`` by a chain's forward solve; backward by its adjoint solve.  The chain
+    and the run arrive as arguments and are kept in ``ctx``; ``anchor`` (Note [every rank runs
+    backward]) may be None."""
+
+    @staticmethod
+    def forward(ctx, chain, run, anchor, *inputs):
+        out = chain.forward(run, inputs)
+        ctx.chain, ctx.run = chain, run
+        ctx.num_inputs = len(inputs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        run = ctx.run
+        if run is None:
+            raise RuntimeError("backward ran twice through the same layer-parallel forward: the "
+                               "forward's graphs are freed by the first backward (to save "
+                               "memory); set model.retain_graphs = True before the forward to "
+                               "backward through it again (retain_graph=True, gradcheck)")
+        grads = ctx.chain.backward(run, grad)
+        if not run.retain:
+            ctx.run = None  # the kept graphs are consumed
+        assert len(grads) == ctx.num_inputs
+        return (None, None, None, *grads)

@@ -1,0 +1,128 @@
+"""Who holds which step layer: seeding, the owned layers, and the copies coarse steps need.
+
+Each step layer is built from its own seed, drawn once on every rank and combined with the
+step's global index, so the same step gets the same initial weights whatever the number of
+ranks.  A coarse forward step injects the fine layer at its start, which can belong to a rank
+on the left: those layers are built here as frozen copies and refreshed from their owners once
+per forward (a static plan made at construction, from the ranges every rank reports).
+"""
+import numpy as np
+import torch
+from torch import nn
+
+from .errors import RemoteRankError
+
+__all__ = []
+
+_WEIGHT_TAG = 7301
+
+
+def seeded_layer(factory, index, base, device=None):
+    """``factory(index)`` under the seed of step ``index`` (an nn.Module, else TypeError)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((base + 1000003 * index) % (2**63 - 1))
+        layer = factory(index)
+    if not isinstance(layer, nn.Module):
+        raise TypeError(f"step_layer({index}) must return an nn.Module, got "
+                        f"{type(layer).__name__}")
+    return layer.to(device) if device is not None else layer
+
+
+def draw_seed():
+    """One draw from torch's generator: the base of every step's seed (the same draw on every
+    rank when the ranks seed torch alike, as for any model)."""
+    return int(torch.randint(0, 2**62, ()).item())
+
+
+class _StepLayers:
+    """Builds the owned layers into ``layers`` (a ModuleDict keyed by step index) and the
+    copies of the layers the coarse steps inject (collective over ``comm``).
+
+    Args:
+        comm: the layer group's communicator.
+        levels: ``[(first point, last point, stride)]`` per level of this rank's forward core.
+        owned: the steps this rank owns.
+        factory, base, device: see seeded_layer.
+        layers: the ModuleDict to fill.
+    Raises on every rank when building a layer failed on any rank.
+    """
+
+    def __init__(self, comm, levels, owned, factory, base, device, layers):
+        self.comm, self.layers = comm, layers
+        rank = comm.Get_rank()
+        error = None
+        try:
+            for i in owned:
+                layers[str(i)] = seeded_layer(factory, i, base, device)
+        except Exception as exc:  # every rank learns of it in the allgather below
+            error = exc
+        needed = sorted({(i - 1) * m for (lo, hi, m) in levels[1:]
+                         for i in range(max(lo, 1), hi + 1)} - set(owned))
+        report = None if error is None else f"{type(error).__name__}: {error}"
+        mine = (owned[0], owned[-1]) if owned else None
+        everyone = comm.allgather((needed, report, mine))
+        failed = [(r, msg) for r, (_, msg, _) in enumerate(everyone) if msg is not None]
+        if failed:
+            if error is not None:
+                raise error
+            r, msg = failed[0]
+            raise RemoteRankError(f"building the step layers failed on rank {r}: {msg}", r)
+        ranges = [rng for _, _, rng in everyone]
+        have = set(owned)
+        self.sends = {r: [i for i in idx if i in have] for r, (idx, _, _) in enumerate(everyone)
+                      if r != rank and any(i in have for i in idx)}
+        self.copies = {}
+        self.recvs = {}
+        for i in needed:
+            layer = seeded_layer(factory, i, base, device)
+            for p in layer.parameters():
+                p.requires_grad_(False)
+            self.copies[i] = layer
+            owner = next(r for r, rng in enumerate(ranges)
+                         if rng is not None and rng[0] <= i <= rng[1])
+            self.recvs.setdefault(owner, []).append(i)
+
+    def layer(self, index):
+        """The layer of step ``index``: the owned one, else the copy."""
+        key = str(index)
+        return self.layers[key] if key in self.layers else self.copies[index]
+
+    def exchange(self):
+        """Refreshes the copies from their owners (weights and buffers, as bytes)."""
+        if not self.sends and not self.recvs:
+            return
+        from mpi4py import MPI
+
+        comm = self.comm
+        reqs, keep = [], []
+        for dest, idx in self.sends.items():
+            buf = np.concatenate([_bytes(t) for i in idx
+                                  for t in self.layers[str(i)].state_dict().values()])
+            keep.append(buf)
+            reqs.append(comm.Isend([buf, MPI.BYTE], dest=dest, tag=_WEIGHT_TAG))
+        incoming = []
+        ref = next((p for m in self.layers.values() for p in m.parameters()), None)
+        for src, idx in self.recvs.items():
+            if ref is not None:  # follow model.to(...) / .double() on the owned layers
+                for i in idx:
+                    self.copies[i].to(device=ref.device, dtype=ref.dtype)
+            tensors = [t for i in idx for t in self.copies[i].state_dict().values()]
+            buf = np.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=np.uint8)
+            reqs.append(comm.Irecv([buf, MPI.BYTE], source=src, tag=_WEIGHT_TAG))
+            incoming.append((buf, tensors))
+        MPI.Request.Waitall(reqs)
+        for buf, tensors in incoming:
+            off = 0
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                src = torch.from_numpy(buf[off:off + n].copy()).view(t.dtype).reshape(t.shape)
+                with torch.no_grad():
+                    t.copy_(src)
+                off += n
+
+
+def _bytes(t):
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.contiguous().view(torch.uint8).numpy()
