@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-import layerbraid
 from layerbraid import LayerParallelModule, MGRITOptions, SpatialCoarsening
 from layerbraid.nn import ConvBlock
 from tolerances import CONVERGED, ROUNDOFF

@@ -1,5 +1,4 @@
 """MGRIT against sequential stepping and against XBraid, on 1 to 4 ranks."""
-import math
 
 import numpy as np
 import pytest
@@ -230,7 +229,7 @@ def test_bad_arguments():
 
 @pytest.mark.parallel([2, 3])
 def test_fewer_steps_than_ranks():
-    with pytest.raises(ValueError, match=f"num_steps=1 is smaller than the number of ranks"):
+    with pytest.raises(ValueError, match="num_steps=1 is smaller than the number of ranks"):
         solve(dahlquist_step, dahlquist_init, 1, 0.0, 1.0)
 
 

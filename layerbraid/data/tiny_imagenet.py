@@ -15,7 +15,7 @@ def _read_image(path):
         im = im.convert("RGB")
         if im.size != (64, 64):
             im = im.resize((64, 64))
-        return np.asarray(im, dtype=np.uint8)
+        return np.array(im, dtype=np.uint8)  # a writable copy (torch.from_numpy)
 
 
 class TinyImageNet(torch.utils.data.Dataset):
