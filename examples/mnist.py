@@ -10,8 +10,6 @@ x <- x + dt * relu(conv2(relu(conv1(x)))), and a linear classifier.  Real MNIST 
 --dataset fashion reads Fashion-MNIST (Debian's dataset-fashion-mnist, or --data-dir).
 """
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from mpi4py import MPI
@@ -22,8 +20,7 @@ from layerbraid import cli
 from layerbraid.data import load_mnist
 from layerbraid.nn import ConvBlock
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _training import check_launch, train  # noqa: E402
+from training_loop import train  # examples/training_loop.py, beside this script
 
 
 class MNISTNet(layerbraid.LayerParallelModule):
@@ -49,7 +46,7 @@ def main(argv=None):
                         help="mnist (default) or fashion")
     args = cli.parse_args(parser, argv)
     comm = MPI.COMM_WORLD
-    check_launch(parser, args, comm)
+    cli.check_run(parser, args, comm)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # one core per rank
 

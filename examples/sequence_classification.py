@@ -14,8 +14,6 @@ a package we can install here, so that is what stands in for one.
 The sequence is split over the ranks; the GRU's steps are solved by MGRIT with the --lp-* flags.
 """
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from mpi4py import MPI
@@ -25,8 +23,7 @@ from layerbraid import cli
 from layerbraid.data import load_mnist
 from layerbraid.nn import LayerParallelGRU, LayerParallelLSTM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _training import check_launch, train  # noqa: E402
+from training_loop import train  # examples/training_loop.py, beside this script
 
 
 class Classifier(nn.Module):
@@ -72,12 +69,12 @@ def main(argv=None):
         parser.error(f"--hidden must be a positive integer, got {args.hidden}")
     comm = MPI.COMM_WORLD
     if args.task == "rows":
-        args.steps = 28
+        args.steps, flag = 28, "--task rows: the sequence length"
     elif args.task == "pixels":
-        args.steps = 196
+        args.steps, flag = 196, "--task pixels: the sequence length"
     else:
-        args.steps = args.length
-    check_launch(parser, args, comm, steps_note=" (sequence length)")
+        args.steps, flag = args.length, "--length"
+    cli.check_run(parser, args, comm, steps_flag=flag)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     if args.task == "synthetic":

@@ -15,8 +15,6 @@ Tiny-ImageNet ships in no package: download and unpack `tiny-imagenet-200` yours
 random labels instead, clearly labelled, for timing only.
 """
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from mpi4py import MPI
@@ -28,8 +26,7 @@ from layerbraid import cli
 from layerbraid.data import TinyImageNet
 from layerbraid.nn import ConvBlock, LPBatchNorm2d
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _training import check_launch, train  # noqa: E402
+from training_loop import train  # examples/training_loop.py, beside this script
 
 MEAN = torch.tensor([0.480, 0.448, 0.398]).view(1, 3, 1, 1)
 STD = torch.tensor([0.277, 0.269, 0.282]).view(1, 3, 1, 1)
@@ -106,7 +103,7 @@ def main(argv=None):
                         help="random images and labels instead of Tiny-ImageNet: timing only")
     args = cli.parse_args(parser, argv)
     comm = MPI.COMM_WORLD
-    check_launch(parser, args, comm, steps_note=" (per stage)")
+    cli.check_run(parser, args, comm, steps_flag="--steps (per stage)")
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
 

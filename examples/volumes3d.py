@@ -13,8 +13,6 @@ space (each halves the grid the step layers run on), so the coarse propagators c
 per level; --lp-sc-mode picks how (layerbraid.SpatialCoarsening).
 """
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from mpi4py import MPI
@@ -24,8 +22,7 @@ import layerbraid
 from layerbraid import cli
 from layerbraid.nn import ConvBlock
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _training import check_launch, train  # noqa: E402
+from training_loop import train  # examples/training_loop.py, beside this script
 
 SHAPES = ["ball", "cube", "shell", "rod"]
 
@@ -84,7 +81,7 @@ def main(argv=None):
     parser.add_argument("--train-size", type=int, default=1024, help="training volumes")
     args = cli.parse_args(parser, argv)
     comm = MPI.COMM_WORLD
-    check_launch(parser, args, comm)
+    cli.check_run(parser, args, comm)
     bad = [v for v in args.lp_sc_levels if not 1 <= v < args.lp_levels]
     if bad:
         parser.error(f"--lp-sc-levels {bad[0]}: levels 1 to {args.lp_levels - 1} (of "

@@ -12,7 +12,8 @@ import argparse
 
 from .options import MGRITOptions
 
-__all__ = ["add_lp_arguments", "add_training_arguments", "parse_args", "mgrit_options"]
+__all__ = ["add_lp_arguments", "add_training_arguments", "parse_args", "mgrit_options",
+           "check_run"]
 
 
 def _number(convert, ok, what):
@@ -142,6 +143,38 @@ def parse_args(parser, argv=None):
 
         if not os.path.exists(args.resume):
             parser.error(f"--resume {args.resume}: no such file")
+    return args
+
+
+def check_run(parser, args, comm=None, *, steps=None, steps_flag="--steps"):
+    """Checks the flags against the MPI launch (the same answer on every rank) and sets
+    ``args.device`` to this rank's device (with ``cuda``, rank r takes GPU r % count).
+
+    ``steps``: the number of time steps each layer-parallel rank needs at least one of (default
+    ``args.steps``); ``steps_flag`` names where it comes from in the message.  Errors exit
+    through ``parser.error`` before any training starts."""
+    import torch
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    serial, dp = getattr(args, "serial", False), getattr(args, "dp_size", 1)
+    if serial and comm.Get_size() > 1:
+        parser.error("--serial trains in one process: run it without mpiexec")
+    if serial and dp > 1:
+        parser.error("--serial and --dp-size > 1 do not go together")
+    if hasattr(args, "batch_size") and args.batch_size % dp:
+        parser.error(f"--batch-size {args.batch_size} does not split evenly over --dp-size "
+                     f"{dp} data groups")
+    steps = getattr(args, "steps", None) if steps is None else steps
+    layer_ranks = comm.Get_size() // dp
+    if not serial and steps is not None and steps < layer_ranks:
+        parser.error(f"{steps_flag} {steps} is smaller than the number of layer-parallel ranks "
+                     f"({layer_ranks})")
+    device = getattr(args, "device", "cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            parser.error(f"--device {device}: CUDA is not available here")
+        args.device = f"cuda:{comm.Get_rank() % torch.cuda.device_count()}"
     return args
 
 

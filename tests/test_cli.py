@@ -65,3 +65,42 @@ def test_help_explains_every_flag(capsys):
                  "--resume", "--log-interval"):
         assert flag in out
     assert "default" in out
+
+
+class _Ranks:
+    """A stand-in communicator of a given size (check_run reads only its size and rank)."""
+
+    def __init__(self, size, rank=0):
+        self.size, self.rank = size, rank
+
+    def Get_size(self):
+        return self.size
+
+    def Get_rank(self):
+        return self.rank
+
+
+@pytest.mark.parametrize("argv, ranks, steps, words", [
+    (["--serial"], 2, None, ["--serial trains in one process"]),
+    (["--steps", "2"], 4, None, ["--steps 2", "(4)"]),
+    (["--batch-size", "3", "--dp-size", "2"], 1, None, ["--batch-size 3", "--dp-size 2"]),
+    ([], 4, 3, ["--length 3", "(4)"]),
+    (["--device", "cuda"], 1, None, ["--device cuda", "CUDA is not available"]),
+])
+def test_check_run_names_the_flag_against_the_launch(argv, ranks, steps, words, capsys):
+    import torch
+
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    args = parser().parse_args(argv)
+    with pytest.raises(SystemExit):
+        cli.check_run(parser(), args, _Ranks(ranks), steps=steps, steps_flag="--length" if steps
+                      else "--steps")
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, err
+
+
+def test_check_run_accepts_a_good_launch():
+    args = parser().parse_args(["--steps", "4"])
+    assert cli.check_run(parser(), args, _Ranks(4, 3)).device == "cpu"

@@ -1,4 +1,6 @@
 """The training loop shared by the examples: plain PyTorch on every rank, output on rank 0.
+Python puts a script's folder first on sys.path, so the examples import it by name; copy it
+into your own project as a starting point.
 
 Progress bar (tqdm) on rank 0; per epoch: training loss, test accuracy, time per batch, and the
 MGRIT iterations and last residuals of the forward and adjoint solves; at the end a metrics JSON
@@ -15,25 +17,6 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import layerbraid
 from layerbraid.data import LayerParallelLoader
-
-
-def check_launch(parser, args, comm, steps_note=""):
-    """Checks the flags against the MPI launch (same answer on every rank) and picks the device."""
-    if args.serial and comm.size > 1:
-        parser.error("--serial trains in one process: run it without mpiexec")
-    if args.serial and args.dp_size > 1:
-        parser.error("--serial and --dp-size > 1 do not go together")
-    if args.batch_size % args.dp_size:
-        parser.error(f"--batch-size {args.batch_size} does not split evenly over --dp-size "
-                     f"{args.dp_size} data groups")
-    layer_ranks = comm.size // args.dp_size
-    if not args.serial and args.steps < layer_ranks:
-        parser.error(f"--steps {args.steps}{steps_note} is smaller than the number of "
-                     f"layer-parallel ranks ({layer_ranks})")
-    if args.device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            parser.error(f"--device {args.device}: CUDA is not available here")
-        args.device = f"cuda:{comm.rank % torch.cuda.device_count()}"
 
 
 def make_optimizer(args, params):
