@@ -229,6 +229,30 @@ class _Core:
         norms = lib.mgrit_norms(self._core)
         return lib.mgrit_iterations(self._core), [norms[k] for k in range(n)]
 
+    def final_residual(self):
+        """(residual, residual sum, state norm) measured by the last solve's final
+        C-relaxation over the level-0 C-points (see mgrit.h), or Nones when it did not measure
+        one (one level, no final relaxation)."""
+        r = lib.mgrit_final_residual(self._core)
+        if r < 0:
+            return None, None, None
+        return (r, lib.mgrit_final_residual_sum(self._core),
+                lib.mgrit_final_state_norm(self._core))
+
+    def num_c_points(self):
+        """The fine C-points from cfactor on (where residuals are measured); 0 with one level."""
+        if lib.mgrit_num_levels(self._core) < 2:
+            return 0
+        return int(lib.mgrit_level_points(self._core, 1)) - 1
+
+    def set_rtol(self, rtol):
+        """The relative tolerance of the following solves (every rank the same)."""
+        self._check(lib.mgrit_set_rtol(self._core, float(rtol)))
+
+    def set_skip(self, skip):
+        """Skip the first down-cycle in the following solves (every rank the same)."""
+        self._check(lib.mgrit_set_skip(self._core, int(bool(skip))))
+
     def comm_seconds(self):
         """Seconds spent in the core's MPI calls (waiting included) in the last solve."""
         return lib.mgrit_comm_seconds(self._core)
@@ -301,6 +325,7 @@ def _configure(c, o, trace):
     check(lib.mgrit_set_nrelax(c, len(nrs), ffi.new("int[]", list(nrs))))
     check(lib.mgrit_set_max_iters(c, o.max_iters))
     check(lib.mgrit_set_tol(c, o.tol))
+    check(lib.mgrit_set_rtol(c, o.rtol))
     check(lib.mgrit_set_skip(c, int(o.skip_first_downcycle)))
     check(lib.mgrit_set_cycle(c, lib.MGRIT_CYCLE_F if o.cycle == "F" else lib.MGRIT_CYCLE_V))
     check(lib.mgrit_set_min_coarse(c, o.min_coarse))

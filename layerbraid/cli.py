@@ -34,6 +34,7 @@ _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 _nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: 0 < v < _finite, "a positive number")
 _nonneg_float = _number(float, lambda v: 0 <= v < _finite, "a number >= 0")
+_fraction = _number(float, lambda v: 0 < v < 1, "a number between 0 and 1")
 
 
 def _cfactor(text):
@@ -65,6 +66,10 @@ def add_lp_arguments(parser, *, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1, r
     g.add_argument("--lp-cycle", choices=["V", "F"], default="V", help="cycle type (default V)")
     g.add_argument("--lp-warm-start", action=argparse.BooleanOptionalAction, default=False,
                    help="start each solve from the previous batch's states (default: off)")
+    g.add_argument("--lp-target-error", type=_fraction, default=None, metavar="E",
+                   help="adaptive iterations: each solve iterates until its estimated relative "
+                        "error meets its share of E (e.g. 1e-2), at most --lp-fwd-iters / "
+                        "--lp-bwd-iters times (raise those, e.g. to 10); default: off")
     return g
 
 

@@ -55,7 +55,14 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             sequential stepping across the ranks).
         backward_options: MGRIT settings of the adjoint solve (default: one level).
         warm_start: start each solve from the states of the previous one (same input shape),
-            which makes cheap settings (2 forward, 1 backward iteration) much more accurate.
+            which makes cheap settings (2 forward, 1 backward iteration) much more accurate;
+            a solve with a warm guess does not skip its first down-cycle (that would discard
+            the guess), so ``skip_first_downcycle`` applies to the first batch only.
+        target_error: adaptive iterations: each forward and adjoint solve iterates until its
+            estimated relative error (``SolveStats.error_estimate``) is below
+            ``target_error / 2``, up to the options' ``max_iters``; e.g. 1e-2.  Cheap while the
+            network is easy, more iterations as training makes it amplify.  None (default):
+            the options' own stopping rule (``tol``, ``rtol``, ``max_iters``).
         output: ``"all"`` (default): the close layer's output on every rank, for a loss computed
             on every rank.  ``"next"``: the output only on the first rank (a placeholder on the
             others), to feed the next layer-parallel stage of a network whose state changes
@@ -84,7 +91,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                  forward_options: Optional[MGRITOptions] = None,
                  backward_options: Optional[MGRITOptions] = None,
                  warm_start: bool = False, output: str = "all", spatial=None,
-                 check_inputs: bool = True, check_finite: bool = True):
+                 check_inputs: bool = True, check_finite: bool = True,
+                 target_error: Optional[float] = None):
         super().__init__()
         from mpi4py import MPI
 
@@ -117,6 +125,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         self.backward_options = dataclasses.replace(
             backward_options or MGRITOptions(max_levels=1), final_fc_relax=True)
         self.warm_start = bool(warm_start)
+        self.target_error = _check_target(target_error)
         self.check_inputs = bool(check_inputs)
         self.check_finite = bool(check_finite)
         self.retain_graphs = False
@@ -163,6 +172,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         sp = self.spatial
         self._chain = _Chain(comm, self.num_steps, self.t_final, self.forward_options,
                              self.backward_options, warm_start=self.warm_start,
+                             target_error=self.target_error,
                              spatial=sp if sp is not None and sp.mode == "state" else None)
         ref = next(self._ref_tensors(), None)
         self._layer_seed = draw_seed()
@@ -223,6 +233,19 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
     def backward_stats(self) -> SolveStats:
         """The last adjoint solve's SolveStats on this rank."""
         return self._chain.backward_stats
+
+    def gradient_error_estimate(self) -> Optional[float]:
+        """An estimate of the last backward's relative parameter-gradient error:
+        ``backward_stats.error_estimate + 5 * forward_stats.error_estimate`` (the forward's
+        error also enters the adjoint, through the states it is linearized at; its weight is the
+        ratio of the two solves' shares of ``target_error``, Note [adaptive iterations]).  0.0
+        for exact solves, None before a backward."""
+        from ._chain import _ADJOINT_SHARE, _FORWARD_SHARE
+
+        f, b = self.forward_stats.error_estimate, self.backward_stats.error_estimate
+        if f is None or b is None:
+            return None
+        return b + (_ADJOINT_SHARE / _FORWARD_SHARE) * f
 
     def set_trace(self, on: bool = True):
         """Record the schedule of the following forward and adjoint solves (see ``trace``)."""
@@ -439,3 +462,14 @@ def _same_input(a, b):
     scale = 1e-9 * max(1, int(np.prod(a[0])))
     return all(u == v or (u != u and v != v) or abs(u - v) <= 1e-7 * (abs(u) + abs(v)) + scale
                for u, v in zip(a[2:], b[2:]))  # equal, both NaN, or round-off apart
+
+
+def _check_target(target):
+    """``target_error``: None or a number in (0, 1)."""
+    if target is None:
+        return None
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or \
+            not 0 < target < 1:
+        raise ValueError(f"target_error must be a number in (0, 1) (a relative error, e.g. "
+                         f"1e-2), or None, got {target!r}")
+    return float(target)

@@ -42,6 +42,9 @@ class MGRITOptions:
             (``max_levels - 1`` values, level 0 first).
         max_iters: the most MGRIT cycles.
         tol: stop when the residual 2-norm over the fine C-points is below this (absolute).
+        rtol: also stop when the residual is below ``rtol`` times the 2-norm of the states at
+            the same points (the fine C-points from ``cfactor`` on, measured in the same pass):
+            a tolerance relative to the solution's size.  0 (default) turns it off.
         nrelax: (F, C) sweeps before each restriction: 0 is F-relaxation, 1 is FCF; an int or one
             per coarsened level.  The coarsest level is always solved exactly.
         skip_first_downcycle: skip the relaxation and restriction work of the first descent.
@@ -61,6 +64,7 @@ class MGRITOptions:
     cycle: str = "V"
     min_coarse: int = 2
     final_fc_relax: bool = False
+    rtol: float = 0.0
 
     def __post_init__(self):
         if not _is_int(self.max_levels) or not 1 <= self.max_levels <= 64:
@@ -74,6 +78,10 @@ class MGRITOptions:
                 or not math.isfinite(self.tol) or self.tol < 0):
             raise ValueError(f"MGRITOptions.tol must be a finite number >= 0, got {self.tol!r}")
         object.__setattr__(self, "tol", float(self.tol))
+        if (isinstance(self.rtol, bool) or not isinstance(self.rtol, (int, float))
+                or not math.isfinite(self.rtol) or self.rtol < 0):
+            raise ValueError(f"MGRITOptions.rtol must be a finite number >= 0, got {self.rtol!r}")
+        object.__setattr__(self, "rtol", float(self.rtol))
         if self.cycle not in ("V", "F"):
             raise ValueError(f"MGRITOptions.cycle must be 'V' or 'F', got {self.cycle!r}")
         if not _is_int(self.min_coarse) or self.min_coarse < 1:

@@ -25,6 +25,8 @@ def test_per_level_values():
     (dict(max_iters=0), ["max_iters", "0"]),
     (dict(tol=-1.0), ["tol", "-1.0"]),
     (dict(tol=float("nan")), ["tol", "nan"]),
+    (dict(rtol=-0.5), ["rtol", "-0.5"]),
+    (dict(rtol=float("inf")), ["rtol", "inf"]),
     (dict(nrelax=-1), ["nrelax", "-1"]),
     (dict(cycle="W"), ["cycle", "'W'"]),
     (dict(min_coarse=0), ["min_coarse", "0"]),

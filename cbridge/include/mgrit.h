@@ -112,6 +112,11 @@ int mgrit_set_cfactors(mgrit_core *core, int n, const int *cfactors);
 int mgrit_set_nrelax(mgrit_core *core, int n, const int *nrelax);
 int mgrit_set_max_iters(mgrit_core *core, int max_iters);
 int mgrit_set_tol(mgrit_core *core, double tol);
+/* Also stop when the residual norm is below rtol times the state norm at the same points (the
+ * level-0 C-points from cfactor on, where the residual is measured): a relative tolerance.
+ * 0 (the default) turns it off.  rtol and skip may change between solves without a new setup
+ * (every rank must set the same values). */
+int mgrit_set_rtol(mgrit_core *core, double rtol);
 int mgrit_set_skip(mgrit_core *core, int skip);
 int mgrit_set_cycle(mgrit_core *core, int cycle);
 int mgrit_set_min_coarse(mgrit_core *core, int64_t min_coarse);
@@ -144,6 +149,18 @@ int mgrit_num_levels(const mgrit_core *core);
 int mgrit_iterations(const mgrit_core *core);
 int mgrit_num_norms(const mgrit_core *core);
 const double *mgrit_norms(const mgrit_core *core);
+/* The state norm at the level-0 C-points that the last residual was measured at (see
+ * mgrit_set_rtol); -1 when no residual was measured. */
+double mgrit_state_norm(const mgrit_core *core);
+/* The residual of the returned solution, measured by the final C-relaxation (final_fc, 2+
+ * levels): the 2-norm over the level-0 C-points of what that relaxation changed.  It is the
+ * residual the next iteration would have started from; -1 when not measured. */
+double mgrit_final_residual(const mgrit_core *core);
+double mgrit_final_state_norm(const mgrit_core *core);
+/* The sum over the ranks of the norm of each rank's vector sum of those residuals: at least the
+ * norm of their vector sum over the whole chain, which is the error they leave at the last
+ * point when the steps neither amplify nor damp (the error estimate of layerbraid). */
+double mgrit_final_residual_sum(const mgrit_core *core);
 /* The level-0 points this rank owns, [*lo, *hi], and the id of the state at fine point i. */
 void mgrit_owned(const mgrit_core *core, int level, int64_t *lo, int64_t *hi);
 mgrit_vec mgrit_state(const mgrit_core *core, int64_t index);

@@ -29,6 +29,7 @@ typedef struct _mgrit_opts {
   int nrelax[64];
   int max_iters;
   double tol;
+  double rtol; /* relative to the state norm at the measured C-points; 0 = off */
   int skip;
   int cycle;
   int64_t min_coarse;
@@ -69,6 +70,10 @@ struct mgrit_core {
   double comm_seconds; /* time spent in MPI calls (waiting included) during the last solve */
   double *norms;
   int nnorms, cap_norms;
+  double state_norm;        /* at the C-points of the last residual; -1 if none */
+  double final_residual;    /* measured by the final C-relaxation; -1 if not */
+  double final_state_norm;
+  double final_residual_sum; /* the ranks' norms of their vector sums of the final residuals */
   mgrit_trace_entry *trace;
   int64_t ntrace, cap_trace;
   char msg[512];
@@ -94,11 +99,11 @@ mgrit_vec _mgrit_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done,
                       int add_g);
 mgrit_vec _mgrit_before(const _mgrit_level *L, int64_t i);
 int _mgrit_fsweep(mgrit_core *core, int l, int done);
-int _mgrit_csweep(mgrit_core *core, int l, int done);
+int _mgrit_csweep(mgrit_core *core, int l, int done, double *sums);
 int _mgrit_relax(mgrit_core *core, int l);
 
 /* restrict.c */
-int _mgrit_restrict(mgrit_core *core, int l, double *sumsq);
+int _mgrit_restrict(mgrit_core *core, int l, double *sums);
 int _mgrit_inject(mgrit_core *core, int l);
 
 /* interp.c */
@@ -108,7 +113,7 @@ int _mgrit_correct(mgrit_core *core, int l);
 int _mgrit_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_vec x);
 int _mgrit_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec *out);
 int _mgrit_wait_sends(mgrit_core *core);
-int _mgrit_allreduce_status(mgrit_core *core, double *sumsq);
+int _mgrit_allreduce_status(mgrit_core *core, double *sums);
 int _mgrit_tag(int l, int kind);
 
 int _mgrit_mpi_error(mgrit_core *core, int rc, const char *call);

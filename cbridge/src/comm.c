@@ -180,18 +180,23 @@ int _mgrit_wait_sends(mgrit_core *core) {
 /* Collective: sums *sumsq over the ranks and learns whether any rank failed (and the lowest
  * rank whose own callback failed, or that ran out of memory).  Returns MGRIT_OK, or this rank's
  * error status. */
-int _mgrit_allreduce_status(mgrit_core *core, double *sumsq) {
+int _mgrit_allreduce_status(mgrit_core *core, double *sums) {
   if (core->virt) return MGRIT_OK;
   int rc;
   if ((rc = _mgrit_wait_sends(core))) return rc;
-  double local[2] = {core->err ? 0.0 : *sumsq, core->err ? 1.0 : 0.0}, global[2];
+  /* sums (3): squared residual and state norms and a residual-sum norm, summed with a poison
+   * flag in one message */
+  double local[4] = {core->err ? 0.0 : sums[0], core->err ? 0.0 : sums[1],
+                     core->err ? 0.0 : sums[2], core->err ? 1.0 : 0.0}, global[4];
   double t0 = MPI_Wtime();
   MPI_Request req;
-  _MGRIT_MPI(core, MPI_Iallreduce(local, global, 2, MPI_DOUBLE, MPI_SUM, core->c.comm, &req));
+  _MGRIT_MPI(core, MPI_Iallreduce(local, global, 4, MPI_DOUBLE, MPI_SUM, core->c.comm, &req));
   if ((rc = poll_wait(core, &req, "the residual allreduce"))) return rc;
   core->comm_seconds += MPI_Wtime() - t0;
-  *sumsq = global[0];
-  if (global[1] == 0.0) return MGRIT_OK;
+  sums[0] = global[0];
+  sums[1] = global[1];
+  sums[2] = global[2];
+  if (global[3] == 0.0) return MGRIT_OK;
   int own = core->err == MGRIT_ERR_CALLBACK || core->err == MGRIT_ERR_NOMEM;
   int mine = own ? core->c.rank : core->c.size, first;
   _MGRIT_MPI(core, MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, core->c.comm, &req));

@@ -29,6 +29,8 @@ static void defaults(mgrit_core *core, int64_t num_steps, double tstart, double 
   core->o.cycle = MGRIT_CYCLE_V;
   core->o.min_coarse = 2;
   core->o.store_all = 1;
+  core->state_norm = core->final_residual = core->final_state_norm = -1.0;
+  core->final_residual_sum = -1.0;
 }
 
 static char create_error[512];
@@ -159,9 +161,15 @@ int mgrit_set_tol(mgrit_core *core, double v) {
   return MGRIT_OK;
 }
 
+/* skip and rtol do not change the levels: no new setup (see mgrit.h). */
 int mgrit_set_skip(mgrit_core *core, int v) {
-  core->built = 0;
   core->o.skip = v != 0;
+  return MGRIT_OK;
+}
+
+int mgrit_set_rtol(mgrit_core *core, double v) {
+  if (!(v >= 0.0)) BAD(core, "rtol must be a number >= 0, got %g", v);
+  core->o.rtol = v;
   return MGRIT_OK;
 }
 
@@ -205,6 +213,10 @@ int mgrit_num_levels(const mgrit_core *core) { return core->nlevels; }
 int mgrit_iterations(const mgrit_core *core) { return core->iterations; }
 int mgrit_num_norms(const mgrit_core *core) { return core->nnorms; }
 const double *mgrit_norms(const mgrit_core *core) { return core->norms; }
+double mgrit_state_norm(const mgrit_core *core) { return core->state_norm; }
+double mgrit_final_residual(const mgrit_core *core) { return core->final_residual; }
+double mgrit_final_state_norm(const mgrit_core *core) { return core->final_state_norm; }
+double mgrit_final_residual_sum(const mgrit_core *core) { return core->final_residual_sum; }
 double mgrit_comm_seconds(const mgrit_core *core) { return core->comm_seconds; }
 int mgrit_failed_rank(const mgrit_core *core) { return core->failed_rank; }
 const char *mgrit_error_message(const mgrit_core *core) { return core->msg; }

@@ -18,11 +18,11 @@ static int push_norm(mgrit_core *core, double r) {
 }
 
 /* Down from level `top` to the coarsest, solve there, and correct back up to `top`. */
-static int vcycle(mgrit_core *core, int top, double *sumsq) {
+static int vcycle(mgrit_core *core, int top, double *sums) {
   int rc, last = core->nlevels - 1;
   for (int l = top; l < last; l++) {
     if ((rc = _mgrit_relax(core, l))) return rc;
-    if ((rc = _mgrit_restrict(core, l, sumsq))) return rc;
+    if ((rc = _mgrit_restrict(core, l, sums))) return rc;
   }
   if ((rc = _mgrit_fsweep(core, last, 0))) return rc;
   for (int l = last; l > top; l--)
@@ -32,29 +32,36 @@ static int vcycle(mgrit_core *core, int top, double *sumsq) {
 
 /* One iteration: a V-cycle, or an F-cycle, which after each coarse level l has received its
  * correction runs one more V-cycle from l before correcting level l-1. */
-static int iterate(mgrit_core *core, int skip, double *sumsq) {
+static int iterate(mgrit_core *core, int skip, double *sums) {
   int rc, last = core->nlevels - 1;
   for (int l = 0; l < last; l++) {
     if (skip) {
       if ((rc = _mgrit_inject(core, l))) return rc;
     } else {
       if ((rc = _mgrit_relax(core, l))) return rc;
-      if ((rc = _mgrit_restrict(core, l, sumsq))) return rc;
+      if ((rc = _mgrit_restrict(core, l, sums))) return rc;
     }
   }
   if ((rc = _mgrit_fsweep(core, last, 0))) return rc;
   for (int l = last; l >= 1; l--) {
-    if (core->o.cycle == MGRIT_CYCLE_F && l < last && (rc = vcycle(core, l, sumsq))) return rc;
+    if (core->o.cycle == MGRIT_CYCLE_F && l < last && (rc = vcycle(core, l, sums))) return rc;
     if ((rc = _mgrit_correct(core, l))) return rc;
   }
   return MGRIT_OK;
 }
 
-static int finish(mgrit_core *core, int rc) {
-  double none = 0.0;
+/* The end of a solve: the status allreduce, which also sums the final C-relaxation's residual
+ * (`final`, when measured). */
+static int finish(mgrit_core *core, int rc, double *final) {
+  double none[3] = {0.0, 0.0, 0.0};
   if (rc == MGRIT_OK || rc == MGRIT_ERR_NAN) {
-    int status = _mgrit_allreduce_status(core, &none);
+    int status = _mgrit_allreduce_status(core, final ? final : none);
     if (rc == MGRIT_OK) rc = status;
+    if (rc == MGRIT_OK && final) {
+      core->final_residual = sqrt(final[0]);
+      core->final_state_norm = sqrt(final[1]);
+      core->final_residual_sum = final[2];
+    }
   } else {
     _mgrit_wait_sends(core);
   }
@@ -69,13 +76,13 @@ static int finish(mgrit_core *core, int rc) {
 
 static int check_same_everywhere(mgrit_core *core) {
   /* A cheap fingerprint of the problem and the options, compared across ranks. */
-#define NSCALAR 15
+#define NSCALAR 16
   double f[NSCALAR + 2 * 64] = {(double)core->nsteps, core->tstart, core->tstop,
                                 (double)core->o.max_levels, (double)core->o.max_iters,
                                 core->o.tol, (double)core->o.skip, (double)core->o.cycle,
                                 (double)core->o.min_coarse, (double)core->o.final_fc,
                                 (double)core->o.ncf, (double)core->o.nnr, (double)core->mirror,
-                                (double)core->o.store_all, core->o.timeout};
+                                (double)core->o.store_all, core->o.timeout, core->o.rtol};
   for (int k = 0; k < core->o.ncf; k++) f[NSCALAR + k] = core->o.cf[k];
   for (int k = 0; k < core->o.nnr; k++) f[NSCALAR + 64 + k] = core->o.nrelax[k];
   int n = NSCALAR + 2 * 64;
@@ -85,7 +92,7 @@ static int check_same_everywhere(mgrit_core *core) {
   static const char *names[NSCALAR] = {"num_steps", "t_start", "t_stop", "max_levels",
                                        "max_iters", "tol", "skip", "cycle", "min_coarse",
                                        "final_fc", "cfactor", "nrelax", "mirror", "store_all",
-                                       "timeout"};
+                                       "timeout", "rtol"};
   for (int k = 0; k < n; k++) {
     if (lo[k] != hi[k]) {
       const char *name = k < NSCALAR ? names[k] : k < NSCALAR + 64 ? "cfactor" : "nrelax";
@@ -122,6 +129,8 @@ int mgrit_solve(mgrit_core *core) {
   core->iterations = 0;
   core->ntrace = 0;
   core->comm_seconds = 0.0;
+  core->state_norm = core->final_residual = core->final_state_norm = -1.0;
+  core->final_residual_sum = -1.0;
   if ((rc = mgrit_setup(core))) return rc;
   for (int l = 0; l < core->nlevels; l++) _mgrit_free_level_states(core, l);
 
@@ -142,32 +151,35 @@ int mgrit_solve(mgrit_core *core) {
       core->iterations = 1;
       rc = push_norm(core, 0.0);
     }
-    return finish(core, rc);
+    return finish(core, rc, NULL);
   }
 
   for (int iter = 0;; iter++) {
     int skip = core->o.skip && iter == 0;
-    double sumsq = 0.0;
-    if ((rc = iterate(core, skip, &sumsq))) return finish(core, rc);
+    double sums[3] = {0.0, 0.0, 0.0};
+    if ((rc = iterate(core, skip, sums))) return finish(core, rc, NULL);
     _mgrit_trace(core, 0, MGRIT_OP_NORM, iter, -1, 0);
-    if ((rc = _mgrit_allreduce_status(core, &sumsq))) return finish(core, rc);
+    if ((rc = _mgrit_allreduce_status(core, sums))) return finish(core, rc, NULL);
     core->iterations = iter + 1;
     if (!skip) {
-      double r = sqrt(sumsq);
-      if ((rc = push_norm(core, r))) return finish(core, rc);
+      double r = sqrt(sums[0]);
+      core->state_norm = sqrt(sums[1]);
+      if ((rc = push_norm(core, r))) return finish(core, rc, NULL);
       if (!isfinite(r)) {
         snprintf(core->msg, sizeof core->msg,
                  "the residual norm is %g at iteration %d: the solve diverged or a step "
                  "produced NaN/Inf",
                  r, iter);
         core->err = MGRIT_ERR_NAN;
-        return finish(core, MGRIT_ERR_NAN);
+        return finish(core, MGRIT_ERR_NAN, NULL);
       }
-      if (r < core->o.tol && !core->virt) break; /* virtual ranks run max_iters */
+      /* virtual ranks run max_iters */
+      if (!core->virt && (r < core->o.tol || r < core->o.rtol * core->state_norm)) break;
     }
     if (iter + 1 >= core->o.max_iters) break;
   }
   rc = _mgrit_fsweep(core, 0, 1);
-  if (!rc && core->o.final_fc) rc = _mgrit_csweep(core, 0, 1);
-  return finish(core, rc);
+  double final[3] = {0.0, 0.0, 0.0};
+  if (!rc && core->o.final_fc) rc = _mgrit_csweep(core, 0, 1, final);
+  return finish(core, rc, core->o.final_fc ? final : NULL);
 }

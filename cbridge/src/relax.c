@@ -85,16 +85,41 @@ mgrit_vec _mgrit_before(const _mgrit_level *L, int64_t i) {
 }
 
 /* C-sweep of level l: each C-point c >= cf from the F-value just before it.  Needs the ghost of
- * the preceding F-sweep, no messages. */
-int _mgrit_csweep(mgrit_core *core, int l, int done) {
+ * the preceding F-sweep, no messages.  With sums (level 0), the squared norms of what the sweep
+ * changes (the residual r_c, after an F-sweep) and of the old states are added to sums[0] and
+ * sums[1], and the norm of this rank's vector sum of the r_c to sums[2]. */
+int _mgrit_csweep(mgrit_core *core, int l, int done, double *sums) {
   _mgrit_level *L = &core->levels[l];
   if (L->lo > L->hi) return MGRIT_OK;
   int64_t cf = L->cf;
   int64_t c = (L->lo + cf - 1) / cf * cf;
   if (c == 0) c = cf;
+  mgrit_vec acc = MGRIT_NONE;
   for (; c <= L->hi; c += cf) {
     mgrit_vec out = _mgrit_step(core, l, c, _mgrit_before(L, c), done, MGRIT_OP_CSTEP, 1);
+    if (sums && !core->err && out != MGRIT_NONE && L->u[c - L->lo] != MGRIT_NONE) {
+      mgrit_vec d = _mgrit_clone(core, out);
+      double nrm = 0.0, unrm = 0.0;
+      _mgrit_sum(core, -1.0, L->u[c - L->lo], 1.0, d);
+      if (!core->err) _MGRIT_CB(core, core->cb.norm(core->app, d, &nrm));
+      if (!core->err) _MGRIT_CB(core, core->cb.norm(core->app, L->u[c - L->lo], &unrm));
+      if (acc == MGRIT_NONE) {
+        acc = d;
+        d = MGRIT_NONE;
+      } else {
+        _mgrit_sum(core, 1.0, d, 1.0, acc);
+        _mgrit_set(core, &d, MGRIT_NONE);
+      }
+      sums[0] += nrm * nrm;
+      sums[1] += unrm * unrm;
+    }
     _mgrit_set(core, &L->u[c - L->lo], out);
+  }
+  if (acc != MGRIT_NONE) {
+    double anrm = 0.0;
+    if (!core->err) _MGRIT_CB(core, core->cb.norm(core->app, acc, &anrm));
+    sums[2] += anrm;
+    _mgrit_set(core, &acc, MGRIT_NONE);
   }
   return MGRIT_OK;
 }
@@ -104,7 +129,7 @@ int _mgrit_relax(mgrit_core *core, int l) {
   int rc;
   for (int s = 0; s < core->levels[l].nrelax; s++) {
     if ((rc = _mgrit_fsweep(core, l, 0))) return rc;
-    if ((rc = _mgrit_csweep(core, l, 0))) return rc;
+    if ((rc = _mgrit_csweep(core, l, 0, NULL))) return rc;
   }
   return MGRIT_OK;
 }

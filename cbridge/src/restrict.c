@@ -7,8 +7,9 @@
  * r_c = Phi_l(u_{c-1}) (+ g_c) - u_c; coarse values v_k = u_{k cf}; coarse right-hand side
  * g_k = r_{k cf} + v_k - Phi_{l+1}(v_{k-1}); the coarse unknowns start at v.  With spatial
  * transfers, v and r are coarsened in space too (the application's coarsen).  On level 0 the
- * squared residual norms are added to *sumsq. */
-int _mgrit_restrict(mgrit_core *core, int l, double *sumsq) {
+ * squared residual norms are added to sums[0], the squared norms of the states u_c to sums[1]
+ * (sums has 3 entries, see _mgrit_allreduce_status). */
+int _mgrit_restrict(mgrit_core *core, int l, double *sums) {
   _mgrit_level *L = &core->levels[l], *C = &core->levels[l + 1];
   int64_t cf = L->cf;
   int rc;
@@ -25,9 +26,11 @@ int _mgrit_restrict(mgrit_core *core, int l, double *sumsq) {
     mgrit_vec r = _mgrit_step(core, l, c, _mgrit_before(L, c), 0, MGRIT_OP_RSTEP, 1);
     _mgrit_sum(core, -1.0, L->u[c - L->lo], 1.0, r);
     if (l == 0 && !core->err) {
-      double nrm = 0.0;
+      double nrm = 0.0, unrm = 0.0;
       _MGRIT_CB(core, core->cb.norm(core->app, r, &nrm));
-      *sumsq += nrm * nrm;
+      _MGRIT_CB(core, core->cb.norm(core->app, L->u[c - L->lo], &unrm));
+      sums[0] += nrm * nrm;
+      sums[1] += unrm * unrm;
     }
     if (core->cb.coarsen) { /* the residual moves to the coarse grid like the states */
       mgrit_vec rc = _mgrit_coarsen(core, l, r);

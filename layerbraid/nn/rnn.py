@@ -186,7 +186,8 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
     _cell = _CellSteps
 
     def __init__(self, input_size, hidden_size, num_layers=1, *, batch_first=True, bias=True,
-                 comm=None, forward_options=None, backward_options=None, coarse_rule="cell"):
+                 comm=None, forward_options=None, backward_options=None, coarse_rule="cell",
+                 target_error=None):
         super().__init__()
         from mpi4py import MPI
 
@@ -207,6 +208,9 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
         comm = MPI.COMM_WORLD if comm is None else comm
         self.comm = getattr(comm, "layer_comm", comm)
+        from ..module import _check_target
+
+        self.target_error = _check_target(target_error)
         self.forward_options = _fc(forward_options)
         self.backward_options = _fc(backward_options)
         ref = self._cell.reference(input_size, hidden_size, num_layers, bias=bias,
@@ -246,7 +250,7 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
                 raise ValueError(f"the sequence has {seq} steps, fewer than the {size} ranks: "
                                  "every rank needs a time step")
             self._chains[seq] = _Chain(self.comm, seq, float(seq), self.forward_options,
-                                       self.backward_options)
+                                       self.backward_options, target_error=self.target_error)
         return self._chains[seq]
 
     def forward(self, x, hx=None):
@@ -307,6 +311,7 @@ class LayerParallelGRU(_LayerParallelRNN):
         comm: mpi4py communicator or ProcessGrid (its layer group) (default COMM_WORLD).
         forward_options, backward_options: MGRITOptions (default one level: exact).
         coarse_rule: "cell" (default) or "euler": the coarse-level step (module docstring).
+        target_error: adaptive iterations, as for LayerParallelModule.
     """
 
     _cell = _GRUSteps
