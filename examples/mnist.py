@@ -25,10 +25,10 @@ from training_loop import train  # examples/training_loop.py, beside this script
 
 class MNISTNet(layerbraid.LayerParallelModule):
     def __init__(self, comm, steps, channels, t_final, forward_options, backward_options,
-                 warm_start):
+                 warm_start, target_error=None):
         super().__init__(num_steps=steps, t_final=t_final, comm=comm,
                          forward_options=forward_options, backward_options=backward_options,
-                         warm_start=warm_start)
+                         warm_start=warm_start, target_error=target_error)
         self.channels = channels
         self.open = nn.Sequential(nn.Conv2d(1, channels, 3, stride=2, padding=1), nn.ReLU())
         self.close = nn.Sequential(nn.Flatten(), nn.Linear(channels * 14 * 14, 10))
@@ -54,7 +54,7 @@ def main(argv=None):
     fwd, bwd = cli.mgrit_options(args)
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
     model = MNISTNet(MPI.COMM_SELF if args.serial else grid, args.steps, args.channels,
-                     args.t_final, fwd, bwd, args.lp_warm_start)
+                     args.t_final, fwd, bwd, args.lp_warm_start, args.lp_target_error)
     if args.serial:
         model = model.to_serial()
     model.to(args.device)

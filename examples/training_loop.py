@@ -58,38 +58,42 @@ def _last_stats(model):
     return None, None
 
 
-def _relative(stats):
-    """The last residual over the first of one solve (None with fewer than two)."""
-    if stats is None or len(stats.residual_norms) < 2 or stats.residual_norms[0] == 0:
-        return None
-    return stats.residual_norms[-1] / stats.residual_norms[0]
+class _SolveLog:
+    """The MGRIT statistics of an epoch's batches: iterations and error estimates per solve."""
 
+    def __init__(self):
+        self.rows = {"fwd": [], "bwd": []}
 
-def _stats(model):
-    f, b = _last_stats(model)
-    if f is None:
-        return {}
-    out = {"fwd_iters": f.iterations,
-           "fwd_residual": f.residual_norms[-1] if f.residual_norms else None,
-           "fwd_residual_rel": _relative(f)}
-    if b is not None:
-        out.update({"bwd_iters": b.iterations,
-                    "bwd_residual": b.residual_norms[-1] if b.residual_norms else None,
-                    "bwd_residual_rel": _relative(b)})
-    return out
+    def add(self, model):
+        f, b = _last_stats(model)
+        for name, st in (("fwd", f), ("bwd", b)):
+            if st is not None:
+                self.rows[name].append((st.iterations, st.error_estimate))
+
+    def summary(self):
+        """{fwd_iters, fwd_error_estimate, fwd_error_estimate_max, bwd_...}: means over the
+        epoch's batches (and the largest estimate); {} for a serial model."""
+        out = {}
+        for name, rows in self.rows.items():
+            if not rows:
+                continue
+            est = [e for _, e in rows if e is not None]
+            out[f"{name}_iters"] = sum(i for i, _ in rows) / len(rows)
+            out[f"{name}_error_estimate"] = sum(est) / len(est) if est else None
+            out[f"{name}_error_estimate_max"] = max(est) if est else None
+        return out
 
 
 def _mgrit_line(s):
-    """'MGRIT fwd 2 it (residual 3.1e-02 of its first), bwd 1 it' for the epoch line."""
+    """' | MGRIT fwd 2.0 it, est. error 3.1e-03 (max 5.2e-03), bwd ...' for the epoch line."""
     def part(name):
         if f"{name}_iters" not in s:
             return None
-        rel, last = s.get(f"{name}_residual_rel"), s.get(f"{name}_residual")
-        if rel is not None:
-            return f"{name} {s[f'{name}_iters']} it (residual {rel:.1e} of its first)"
-        if last is not None:  # one residual per solve (e.g. 2 iterations, the first skipped)
-            return f"{name} {s[f'{name}_iters']} it (one residual, {last:.1e}: no reduction to show)"
-        return f"{name} {s[f'{name}_iters']} it"
+        text = f"{name} {s[f'{name}_iters']:.1f} it"
+        est, top = s.get(f"{name}_error_estimate"), s.get(f"{name}_error_estimate_max")
+        if est is not None:
+            text += f", est. error {est:.1e} (max {top:.1e})"
+        return text
     parts = [p for p in (part("fwd"), part("bwd")) if p]
     return " | MGRIT " + ", ".join(parts) if parts else ""
 
@@ -127,6 +131,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             bar = tqdm(total=per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch",
                        dynamic_ncols=True, leave=True, mininterval=0.5 if sys.stderr.isatty() else 10)
         losses, t0 = [], time.perf_counter()
+        solves = _SolveLog()
         loader.set_epoch(epoch)
         for b, (xb, yb) in enumerate(loader):
             if b >= per_epoch:
@@ -137,6 +142,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
             optimizer.step()
+            solves.add(model)
             if data_size > 1:  # report the whole batch's loss, not this group's shard
                 losses.append(grid.data_comm.allreduce(loss.item()) / data_size)
             else:
@@ -145,7 +151,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                 bar.update(1)
                 if (b + 1) % args.log_interval == 0 or b + 1 == per_epoch:
                     bar.set_postfix(loss=f"{sum(losses[-args.log_interval:]) / len(losses[-args.log_interval:]):.4f}",
-                                    **{k: v for k, v in _stats(model).items() if k.endswith("iters")})
+                                    **{k: f"{v:.1f}" for k, v in solves.summary().items()
+                                       if k.endswith("iters")})
         seconds = time.perf_counter() - t0
         if bar is not None:
             bar.close()
@@ -157,17 +164,19 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
         record = {"epoch": epoch + 1, "train_loss": sum(losses) / len(losses), "loss_curve": curve,
                   "test_accuracy": acc, "seconds_per_batch": seconds / len(losses),
                   "batches": len(losses), "first_losses": losses[:5], "last_losses": losses[-5:],
-                  **_stats(model)}
+                  **solves.summary()}
         history.append(record)
         if rank == 0:
             s = record
             print(f"epoch {s['epoch']}: loss {s['train_loss']:.4f} | test accuracy "
                   f"{100 * acc:.2f}% | {1000 * s['seconds_per_batch']:.1f} ms/batch"
                   f"{_mgrit_line(s)}", flush=True)
-            if epoch == start_epoch and s.get("fwd_residual_rel") is not None:
-                print("  (an MGRIT residual 'of its first' is the last iteration's residual over "
-                      "the first's: below 1e-2 the solve has converged well; near 1 it has "
-                      "barely moved, and more iterations or levels would help)", flush=True)
+            if epoch == start_epoch and s.get("fwd_error_estimate") is not None:
+                print("  (it: MGRIT iterations per batch; est. error: the estimated relative "
+                      "error of the forward's output and of the adjoint's input gradient, "
+                      "layerbraid.SolveStats.error_estimate; near 1e-2 and below the gradients "
+                      "are close to exact ones; --lp-target-error adapts the iterations to a "
+                      "target)", flush=True)
         if args.checkpoint:  # one file, atomic, loadable on any number of ranks
             layerbraid.save_checkpoint(model, args.checkpoint, optimizer,
                                        extra={"epoch": epoch + 1, "history": history})

@@ -52,9 +52,10 @@ def make_volumes(n, size, seed):
 
 
 class VolumeNet(layerbraid.LayerParallelModule):
-    def __init__(self, comm, steps, channels, fwd, bwd, spatial, warm):
+    def __init__(self, comm, steps, channels, fwd, bwd, spatial, warm, target_error=None):
         super().__init__(num_steps=steps, t_final=1.0, comm=comm, forward_options=fwd,
-                         backward_options=bwd, spatial=spatial, warm_start=warm)
+                         backward_options=bwd, spatial=spatial, warm_start=warm,
+                         target_error=target_error)
         self.channels = channels
         self.open = nn.Sequential(nn.Conv3d(1, channels, 3, padding=1), nn.ReLU())
         self.close = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Flatten(),
@@ -100,7 +101,7 @@ def main(argv=None):
         if args.lp_sc_levels else None
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
     model = VolumeNet(MPI.COMM_SELF if args.serial else grid, args.steps, args.channels, fwd, bwd,
-                      spatial, args.lp_warm_start)
+                      spatial, args.lp_warm_start, args.lp_target_error)
     if args.serial:
         model = model.to_serial()
     model.to(args.device)

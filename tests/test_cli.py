@@ -25,11 +25,12 @@ def test_per_level_values_and_switches():
         "--lp-levels", "3", "--lp-cfactor", "4", "2", "--lp-relax", "F", "FCF", "--lp-cycle", "F",
         "--no-lp-skip-downcycle", "--lp-fwd-iters", "5", "--lp-bwd-iters", "3", "--lp-tol", "1e-8",
         "--steps", "32", "--channels", "4", "--t-final", "2.5", "--batch-size", "10",
-        "--optimizer", "adam", "--lp-warm-start"])
+        "--optimizer", "adam", "--lp-warm-start", "--lp-target-error", "1e-2"])
     fwd, bwd = cli.mgrit_options(args)
     assert fwd.cfactor == (4, 2) and fwd.nrelax == (0, 1) and fwd.cycle == "F"
     assert not fwd.skip_first_downcycle and fwd.max_iters == 5 and bwd.max_iters == 3
     assert fwd.tol == 1e-8 and args.steps == 32 and args.t_final == 2.5 and args.lp_warm_start
+    assert args.lp_target_error == 1e-2
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -40,6 +41,8 @@ def test_per_level_values_and_switches():
     (["--lp-relax", "X"], ["--lp-relax", "'X'"]),
     (["--lp-tol", "-1"], ["--lp-tol", "'-1'"]),
     (["--lp-cycle", "W"], ["--lp-cycle", "'W'"]),
+    (["--lp-target-error", "0"], ["--lp-target-error", "'0'"]),
+    (["--lp-target-error", "2"], ["--lp-target-error", "'2'"]),
     (["--steps", "0"], ["--steps", "'0'"]),
     (["--lr", "nan"], ["--lr", "'nan'"]),
     (["--batch-size", "ten"], ["--batch-size", "'ten'"]),
@@ -59,7 +62,8 @@ def test_help_explains_every_flag(capsys):
         parser().parse_args(["--help"])
     out = capsys.readouterr().out
     for flag in ("--lp-levels", "--lp-cfactor", "--lp-fwd-iters", "--lp-bwd-iters", "--lp-tol",
-                 "--lp-relax", "--lp-skip-downcycle", "--lp-cycle", "--steps", "--channels",
+                 "--lp-relax", "--lp-skip-downcycle", "--lp-cycle", "--lp-target-error",
+                 "--steps", "--channels",
                  "--t-final", "--batch-size", "--epochs", "--lr", "--optimizer", "--seed",
                  "--device", "--serial", "--max-batches", "--data-dir", "--checkpoint",
                  "--resume", "--log-interval"):

@@ -34,6 +34,9 @@ def test_mnist_layer_parallel_on_two_ranks_learns(tmp_path):
     assert sum(h["last_losses"]) / 5 < 0.6 * sum(h["first_losses"]) / 5
     assert h["test_accuracy"] > 0.6
     assert h["fwd_iters"] == 2 and h["bwd_iters"] == 1
+    assert 0 < h["fwd_error_estimate"] <= h["fwd_error_estimate_max"] < 1
+    assert 0 < h["bwd_error_estimate"] <= h["bwd_error_estimate_max"] < 1
+    assert "est. error" in proc.stdout
     assert (tmp_path / "training_curve.png").stat().st_size > 1000
     assert "test accuracy" in proc.stdout
     # resume on one rank from the two-rank checkpoint, for one more epoch
