@@ -48,6 +48,10 @@ class Costs:
         message_scale: optional multipliers of a message's bytes per level, where they differ
             from level_scale: ``(1,)`` for spatial coarsening in mode "branch", whose coarse
             levels send fine states (their step costs, transfers included, are best measured).
+        overhead_seconds: layerbraid's own CPU time per step action (the callback, the vector
+            sums and norms around it), added to every step and VJP: small next to real layers,
+            but it is what remains of a step whose layer runs elsewhere (an accelerator, or the
+            sleeping layers of bench/scaling_measured.py).
     """
 
     step_seconds: float
@@ -59,6 +63,7 @@ class Costs:
     param_bytes: float = 0.0
     level_scale: Optional[tuple] = None
     message_scale: Optional[tuple] = None
+    overhead_seconds: float = 0.0
 
     def __post_init__(self):
         for name in ("level_scale", "message_scale"):
@@ -70,7 +75,8 @@ class Costs:
                 object.__setattr__(self, name, scale)
         if self.message_scale is None:
             object.__setattr__(self, "message_scale", self.level_scale)
-        for name in ("step_seconds", "vjp_seconds", "message_bytes", "latency", "param_bytes"):
+        for name in ("step_seconds", "vjp_seconds", "message_bytes", "latency", "param_bytes",
+                     "overhead_seconds"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 \
                     or math.isinf(v):
@@ -158,9 +164,15 @@ def spatial_scale(levels, dims, num_levels=16):
 
 
 def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale=None,
-             message_scale=None):
+             message_scale=None, critical_path=False):
     """The time at which the last rank finishes, walking every rank's actions (seconds).
-    `message_scale` defaults to `level_scale`."""
+    `message_scale` defaults to `level_scale`.
+
+    With ``critical_path``, returns ``(seconds, {what: seconds})`` instead: the chain of actions
+    that set the finishing time, by kind ("level L steps", "final relaxation", "messages",
+    "allreduces"); its parts add up to the time.  Each rank carries the path that led to its
+    clock: a receive that waits takes the sender's path plus the message, an allreduce the
+    path of the last rank to arrive."""
     if message_scale is None:
         message_scale = level_scale
     from ._bridge import OPS
@@ -171,6 +183,11 @@ def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale
     clock = [0.0] * p
     pos = [0] * p
     arrivals: Dict[tuple, list] = {}
+    path = [{} for _ in range(p)] if critical_path else None
+
+    def add(r, what, seconds):
+        if path is not None:
+            path[r][what] = path[r].get(what, 0.0) + seconds
     allreduce = latency * max(1.0, math.ceil(math.log2(p))) if p > 1 else 0.0
     # Messages only go from lower to higher ranks (docs/ARCHITECTURE.md), so walking the ranks in
     # order up to each allreduce resolves every receive.
@@ -186,16 +203,26 @@ def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale
                 if o in step_codes:
                     f = 1.0 if level_scale is None else \
                         level_scale[min(int(level[a]), len(level_scale) - 1)]
-                    t += done_cost if done[a] else f * step_cost
+                    cost = done_cost if done[a] else f * step_cost
+                    t += cost
+                    add(r, "final relaxation" if done[a] else f"level {int(level[a])} steps",
+                        cost)
                 elif o == send:
                     t += latency
+                    add(r, "messages", latency)
                     f = 1.0 if message_scale is None else \
                         message_scale[min(int(level[a]), len(message_scale) - 1)]
-                    arrivals.setdefault((r, int(peer[a]), int(level[a]), int(index[a])),
-                                        []).append(t + latency + f * (message_seconds - latency))
+                    flight = latency + f * (message_seconds - latency)
+                    arrivals.setdefault((r, int(peer[a]), int(level[a]), int(index[a])), []).append(
+                        (t + flight, None if path is None else
+                         {**path[r], "messages": path[r].get("messages", 0.0) + flight}))
                 elif o == recv:
                     key = (int(peer[a]), r, int(level[a]), int(index[a]))
-                    t = max(t, arrivals[key].pop(0))
+                    arrival, route = arrivals[key].pop(0)
+                    if arrival > t:
+                        t = arrival
+                        if path is not None:
+                            path[r] = dict(route)
                 elif o == norm:
                     break
                 a += 1
@@ -203,10 +230,17 @@ def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale
             if a < n:
                 reached += 1
         if reached == 0:
+            if path is not None:
+                last = max(range(p), key=lambda r: clock[r])
+                return clock[last], path[last]
             return max(clock)
         if reached != p:
             raise RuntimeError("ranks disagree on the number of allreduces")
         t = max(clock) + allreduce
+        if path is not None:
+            last = max(range(p), key=lambda r: clock[r])
+            route = {**path[last], "allreduces": path[last].get("allreduces", 0.0) + allreduce}
+            path = [dict(route) for _ in range(p)]
         clock = [t] * p
         pos = [a + 1 for a in pos]
 
@@ -223,10 +257,13 @@ def predict(num_steps: int, ranks: int, forward: MGRITOptions, backward: MGRITOp
     msg = costs.latency + share * costs.message_bytes / costs.bandwidth
     fwd_traces = schedule(num_steps, ranks, forward)
     bwd_traces = schedule(num_steps, ranks, backward, adjoint=True)
-    tf = simulate(fwd_traces, share * costs.step_seconds, share * costs.step_seconds, msg,
-                  costs.latency, costs.level_scale, costs.message_scale)
-    tb = simulate(bwd_traces, share * costs.vjp_seconds, share * costs.vjp_param_seconds, msg,
-                  costs.latency, costs.level_scale, costs.message_scale)
+    over = costs.overhead_seconds
+    tf = simulate(fwd_traces, share * costs.step_seconds + over,
+                  share * costs.step_seconds + over, msg, costs.latency, costs.level_scale,
+                  costs.message_scale)
+    tb = simulate(bwd_traces, share * costs.vjp_seconds + over,
+                  share * costs.vjp_param_seconds + over, msg, costs.latency, costs.level_scale,
+                  costs.message_scale)
     total = tf + tb
     if data_parallel > 1:  # ring allreduce of the gradients of one rank's layers
         per_rank_bytes = costs.param_bytes / ranks

@@ -121,3 +121,21 @@ def test_spatial_coarsening_costs_less_in_the_model():
         plan.Costs(1, 1, level_scale=(1, 0))
     with pytest.raises(ValueError, match=r"message_scale must be positive numbers, got \(-1,\)"):
         plan.Costs(1, 1, message_scale=(-1,))
+
+
+@pytest.mark.parametrize("ranks", [1, 4, 16])
+def test_critical_path_adds_up_to_the_simulated_time(ranks):
+    opts = MGRITOptions(max_levels=3, cfactor=4, max_iters=2, nrelax=(0, 1), tol=0.0,
+                        skip_first_downcycle=True)
+    traces = plan.schedule(256, ranks, opts)
+    t = plan.simulate(traces, 1e-3, 2e-3, 1e-4, 1e-5)
+    t2, path = plan.simulate(traces, 1e-3, 2e-3, 1e-4, 1e-5, critical_path=True)
+    assert t2 == pytest.approx(t, rel=1e-12)
+    assert sum(path.values()) == pytest.approx(t, rel=1e-9)
+    if ranks == 1:  # one rank: every step is on the path, no message
+        counts = plan.step_counts(traces)[0]
+        assert path.get("messages", 0.0) == 0.0
+        assert path["final relaxation"] == pytest.approx(256 * 2e-3)
+        assert path["level 2 steps"] == pytest.approx(counts[2] * 1e-3)
+    else:  # the coarsest level's sequential solve crosses every rank
+        assert path["messages"] > 0 and path["level 2 steps"] > 0
