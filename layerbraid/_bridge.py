@@ -276,10 +276,8 @@ class _Core:
         return out
 
     def trace(self):
-        n = lib.mgrit_trace_length(self._core)
-        t = lib.mgrit_trace(self._core)
-        return [TraceEntry(t[k].level, _OPS[t[k].op], t[k].index, t[k].peer, bool(t[k].done))
-                for k in range(n)]
+        """The schedule of the last solve as TraceEntry objects (see trace_entries)."""
+        return trace_entries(_trace_array(self._core))
 
 
 # ---------------------------------------------------------------- virtual ranks
@@ -288,12 +286,28 @@ TRACE_DTYPE = np.dtype([("level", "<i4"), ("op", "<i4"), ("index", "<i8"), ("pee
 OPS = _OPS
 
 
+def _trace_array(core):
+    """A core's trace as a structured array (TRACE_DTYPE), copied out of the core: the one
+    representation of a schedule; trace_entries() presents it as objects."""
+    if TRACE_DTYPE.itemsize != ffi.sizeof("mgrit_trace_entry"):
+        raise RuntimeError("trace entry layout mismatch")
+    n = lib.mgrit_trace_length(core)
+    if n == 0:
+        return np.zeros(0, dtype=TRACE_DTYPE)
+    buf = ffi.buffer(lib.mgrit_trace(core), n * TRACE_DTYPE.itemsize)
+    return np.frombuffer(buf, dtype=TRACE_DTYPE).copy()
+
+
+def trace_entries(array):
+    """TraceEntry objects (op by name) from a TRACE_DTYPE array."""
+    return [TraceEntry(int(e["level"]), _OPS[e["op"]], int(e["index"]), int(e["peer"]),
+                       bool(e["done"])) for e in array]
+
+
 def virtual_schedule(num_steps, size, options, mirror=False):
     """The schedule each of ``size`` ranks would run (without running it): a list, per rank, of
     structured arrays (TRACE_DTYPE; `op` indexes OPS).  Every solve runs options.max_iters
     iterations (a virtual rank has no residual to stop on)."""
-    if TRACE_DTYPE.itemsize != ffi.sizeof("mgrit_trace_entry"):
-        raise RuntimeError("trace entry layout mismatch")
     out = []
     ptr = ffi.new("mgrit_core **")
     for rank in range(size):
@@ -307,9 +321,7 @@ def virtual_schedule(num_steps, size, options, mirror=False):
             rc = lib.mgrit_solve(core)
             if rc != lib.MGRIT_OK:
                 raise ValueError(ffi.string(lib.mgrit_error_message(core)).decode())
-            n = lib.mgrit_trace_length(core)
-            buf = ffi.buffer(lib.mgrit_trace(core), n * TRACE_DTYPE.itemsize)
-            out.append(np.frombuffer(buf, dtype=TRACE_DTYPE).copy())
+            out.append(_trace_array(core))
         finally:
             lib.mgrit_destroy(core)
     return out

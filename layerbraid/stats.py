@@ -40,7 +40,8 @@ class SolveStats:
 def error_estimate(residual_sum, state_norm, num_c_points):
     """Note [error estimate]: the error e of the C-point values solves the chain's own
     recurrence driven by the residuals, e_c = Phi^m(e_{c-m}) + r_c with e_0 = 0, so the error
-    at the last point is the residuals propagated to it and summed.  For steps that neither
+    at the last point is the residuals propagated to it and summed (but the last point's own:
+    the final C-relaxation removes it, and nothing comes after).  For steps that neither
     amplify nor damp much that is the vector sum of the residuals, whose norm the core bounds
     by ``residual_sum`` (each rank's vector sum, their norms added).  Relative to the states'
     RMS, ``state_norm / sqrt(C-points)``, that gives the estimate

@@ -87,7 +87,8 @@ mgrit_vec _mgrit_before(const _mgrit_level *L, int64_t i) {
 /* C-sweep of level l: each C-point c >= cf from the F-value just before it.  Needs the ghost of
  * the preceding F-sweep, no messages.  With sums (level 0), the squared norms of what the sweep
  * changes (the residual r_c, after an F-sweep) and of the old states are added to sums[0] and
- * sums[1], and the norm of this rank's vector sum of the r_c to sums[2]. */
+ * sums[1], and the norm of this rank's vector sum of the r_c to sums[2], except the last
+ * point's: the sweep removes that residual entirely, with no later point to carry it. */
 int _mgrit_csweep(mgrit_core *core, int l, int done, double *sums) {
   _mgrit_level *L = &core->levels[l];
   if (L->lo > L->hi) return MGRIT_OK;
@@ -103,7 +104,9 @@ int _mgrit_csweep(mgrit_core *core, int l, int done, double *sums) {
       _mgrit_sum(core, -1.0, L->u[c - L->lo], 1.0, d);
       if (!core->err) _MGRIT_CB(core, core->cb.norm(core->app, d, &nrm));
       if (!core->err) _MGRIT_CB(core, core->cb.norm(core->app, L->u[c - L->lo], &unrm));
-      if (acc == MGRIT_NONE) {
+      if (c * L->stride == core->nsteps) {
+        _mgrit_set(core, &d, MGRIT_NONE);
+      } else if (acc == MGRIT_NONE) {
         acc = d;
         d = MGRIT_NONE;
       } else {
