@@ -6,7 +6,7 @@ run under mpiexec; prints JSON lines).
 EXAMPLE: mnist (examples/mnist.py's network and defaults) or volumes3d (examples/volumes3d.py's).
 MODE: serial (plain PyTorch, one rank), fixed (the example's MGRIT settings: 2 forward / 1
 adjoint iteration), warm (fixed, with warm starts), adaptive (target_error=TARGET, at most 10
-iterations per solve).  Every LOG_EVERY batches, before the optimizer step, the layer-parallel
+iterations per solve), adaptive_warm (adaptive, with warm starts).  Every LOG_EVERY batches, before the optimizer step, the layer-parallel
 gradients are compared with those of a serial copy with the same weights on the same batch.
 """
 import sys
@@ -53,9 +53,9 @@ def setup(example, mode, target):
             return VolumeNet(lp_comm, 16, 4, f, b, spatial, warm, target)
     bwd = fwd.__class__(**{**fwd.__dict__, "max_iters": 1})
     torch.manual_seed(0)
-    if mode == "adaptive":
+    if mode.startswith("adaptive"):
         cap = fwd.__class__(**{**fwd.__dict__, "max_iters": 10})
-        model = build(cap, cap, False, target)
+        model = build(cap, cap, mode == "adaptive_warm", target)
     else:
         model = build(fwd, bwd, mode == "warm")
     if serial:

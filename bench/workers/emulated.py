@@ -1,0 +1,108 @@
+"""Layer-parallel training with emulated layers (a worker of bench/scaling_measured.py, run under
+mpiexec; prints JSON lines).
+
+    emulated.py STEP_MS VJP_MS STATE_FLOATS REPEATS CONFIG [CONFIG ...]
+
+CONFIG is ``N:levels:cfactor``.  Each step layer spends STEP_MS milliseconds asleep in its forward
+and VJP_MS in each VJP, with or without the parameter's gradient (using no CPU, like a layer
+running on an accelerator), and computes
+``w * x`` on a state of STATE_FLOATS float32 numbers, so that the messages have a real size.
+Everything else is the real training path: LayerParallelModule's forward and adjoint MGRIT
+solves (2 forward / 1 adjoint iteration, F-relaxation on the fine level and FCF below, first
+down-cycle skipped), the output broadcast and ``loss.backward()``.  Per config: the seconds of
+each of REPEATS forward+backward passes after a warm-up (the slowest rank's), and the steps and
+VJPs each rank ran (from the core's trace).  On a 1-rank job, also the emulated serial network
+(plain PyTorch autograd over the same sleeping layers).
+"""
+import sys
+import time
+
+
+def build(comm, steps, levels, cfactor, step_s, vjp_s, floats):
+    import torch
+    from torch import nn
+
+    import layerbraid
+
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            time.sleep(step_s)
+            ctx.save_for_backward(x, w)
+            return w * x
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            time.sleep(vjp_s)
+            return g * w, (g * x).sum().reshape(w.shape)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.full((1,), -0.5))
+
+        def forward(self, x):
+            return Sleep.apply(x, self.w)
+
+    class Emulated(layerbraid.LayerParallelModule):
+        def step_layer(self, index):
+            return Layer()
+
+    nrelax = tuple([0] + [1] * (levels - 2)) if levels > 2 else 0
+    fwd = layerbraid.MGRITOptions(max_levels=levels, cfactor=cfactor, max_iters=2, tol=0.0,
+                                  nrelax=nrelax, skip_first_downcycle=True)
+    bwd = layerbraid.MGRITOptions(**{**fwd.__dict__, "max_iters": 1})
+    if levels == 1:
+        fwd = bwd = layerbraid.MGRITOptions(max_levels=1)
+    model = Emulated(num_steps=steps, comm=comm, forward_options=fwd, backward_options=bwd,
+                     check_inputs=False, check_finite=False)
+    x = torch.ones(1, floats)
+    return model, x
+
+
+def main():
+    import json
+
+    import torch
+    from mpi4py import MPI
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    step_s, vjp_s = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+    floats, repeats = int(sys.argv[3]), int(sys.argv[4])
+    for config in sys.argv[5:]:
+        steps, levels, cfactor = map(int, config.split(":"))
+        model, x = build(comm, steps, levels, cfactor, step_s, vjp_s, floats)
+        model.set_trace(True)
+        times = []
+        for k in range(repeats + 1):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            model(x).sum().backward()
+            t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            if k:
+                times.append(t)
+        fwd, bwd = model.trace()
+        counts = comm.gather((sum(e.op.endswith("step") for e in fwd),
+                              sum(e.op.endswith("step") for e in bwd)), root=0)
+        serial = None
+        if comm.size == 1:
+            net = model.to_serial()
+            ts = []
+            for k in range(repeats + 1):
+                t0 = time.perf_counter()
+                net(x).sum().backward()
+                if k:
+                    ts.append(time.perf_counter() - t0)
+            serial = min(ts)
+        model.free()
+        if comm.rank == 0:
+            print(json.dumps(dict(ranks=comm.size, steps=steps, levels=levels, cfactor=cfactor,
+                                  seconds=times, fwd_steps=[c[0] for c in counts],
+                                  bwd_vjps=[c[1] for c in counts], serial_seconds=serial)),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
