@@ -2,7 +2,7 @@
 
     python bench/scaling_report.py       (writes docs/scaling.md and docs/scaling_*.png)
 
-Costs: one step and one VJP of the issue-3 layer (x + dt relu(conv2(relu(conv1 x))), 8 channels,
+Costs: one step and one VJP of the benchmark layer of docs/bench_resnet.md (x + dt relu(conv2(relu(conv1 x))), 8 channels,
 28x28, batch 50, float32) measured on this machine with layerbraid.plan.measure_step; a message
 is one state (1.25 MB). Network, assumed (not measured here): 2 us latency, 25 GB/s (an
 InfiniBand HDR-class fabric). Every number comes from layerbraid.plan, which simulates the C
