@@ -188,11 +188,18 @@ def findings(table, data):
                    "yielding polls take the CPU the sleeping ranks need to wake up, a cost "
                    "neither a cluster nor the model has.  The 64-rank critical path above is "
                    "the model's (held to the measurements where they are valid).")
+    def seconds(key, lv, p):
+        return next((t[key] for t in table if t["steps"] == 1024 and t["levels"] == lv
+                     and t["cfactor"] == 4 and t["ranks"] == p), None)
+    wins = {key: [p for p in counts if seconds(key, 4, p) is not None and
+                  seconds(key, 3, p) is not None and seconds(key, 4, p) < seconds(key, 3, p)]
+            for key in ("measured", "predicted")}
     out.append("- The critical path at 64 ranks is the coarsest level's sequential solve, "
                "passed from rank to rank: one more level moves it to a level with a quarter of "
-               "the steps, which is why 4 levels beat 3 at N = 1024 from 8 ranks on (measured "
-               "and predicted).  `python -m layerbraid.plan` recommends the fastest settings for "
-               "given costs.")
+               "the steps.  At N = 1024, 4 levels beat 3 at "
+               f"{wins['measured'] or 'no'} ranks measured, {wins['predicted'] or 'no'} "
+               "predicted.  `python -m layerbraid.plan --recommend` picks the fastest settings "
+               "for given costs.")
     return out
 
 
