@@ -62,14 +62,19 @@ class _Core:
         real_ranks: the rank each rank of ``comm`` is known by to the user (e.g. in the layer
             group, for the adjoint's reversed communicator); errors name those.
         owns_comm: free ``comm`` with the core (a communicator made for this core alone).
+        step_interval: optional ``step_interval(app, u, times, level, index, stride, done,
+            keep) -> [state] * n``: the ``n = len(times) - 1`` steps of a run from u, step k
+            from fine index ``index + k * stride`` over ``times[k]..times[k+1]``, in one call
+            (Note [fused intervals] in cbridge/src/relax.c).  Without ``keep`` only the last
+            state is kept and the others may be None.
     """
 
     def __init__(self, comm, num_steps, t_start, t_stop, options, init, step, trace=False,
                  mirror=False, coarsen=None, refine=None, store_all=True, real_ranks=None,
-                 owns_comm=False):
+                 owns_comm=False, step_interval=None):
         from mpi4py import MPI
 
-        self._init_fn, self._step_fn = init, step
+        self._init_fn, self._step_fn, self._interval_fn = init, step, step_interval
         self._app = None
         self._coarsen_fn, self._refine_fn = coarsen, refine
         self._table = {}
@@ -91,6 +96,8 @@ class _Core:
         if refine is not None:
             cbs.refine = lib._lb_refine
         cbs.poll = lib._lb_poll
+        if step_interval is not None:
+            cbs.step_interval = lib._lb_step_interval
         self._cbs = cbs
         out = ffi.new("mgrit_core **")
         comm_ptr = ffi.cast("MPI_Comm *", MPI._addressof(comm))
@@ -407,12 +414,9 @@ def _norm_cb(self, x, out):
     return 0
 
 
-@_callback("_lb_step", "step")
-def _step_cb(self, u, tstart, tstop, level, index, done, out):
-    x = self._table[u]
-    t0 = time.perf_counter()
-    y = _as_state(self._step_fn(self._app, x, tstart, tstop, level, index, bool(done)))
-    self.step_seconds += time.perf_counter() - t0
+def _checked(x, y, level, index, tstart, tstop):
+    """y as a state, after checking that the step from x to y kept x's shape and dtype."""
+    y = _as_state(y)
     if y.shape != x.shape:
         raise ValueError(f"the step at level {level}, fine index {index} (t={tstart:g} to "
                          f"{tstop:g}) returned a state of shape {tuple(y.shape)}, but its "
@@ -421,7 +425,40 @@ def _step_cb(self, u, tstart, tstop, level, index, done, out):
         raise TypeError(f"the step at level {level}, fine index {index} returned dtype "
                         f"{y.dtype}, but its input has dtype {x.dtype}: a step must keep "
                         "the dtype")
-    out[0] = self._put(y)
+    return y
+
+
+@_callback("_lb_step", "step")
+def _step_cb(self, u, tstart, tstop, level, index, done, out):
+    x = self._table[u]
+    t0 = time.perf_counter()
+    y = self._step_fn(self._app, x, tstart, tstop, level, index, bool(done))
+    self.step_seconds += time.perf_counter() - t0
+    out[0] = self._put(_checked(x, y, level, index, tstart, tstop))
+    return 0
+
+
+@_callback("_lb_step_interval", "step_interval")
+def _step_interval_cb(self, u, t, level, index, stride, n, done, keep, out):
+    x = self._table[u]
+    times = ffi.unpack(t, n + 1)
+    t0 = time.perf_counter()
+    ys = list(self._interval_fn(self._app, x, times, level, index, stride, bool(done),
+                                bool(keep)))
+    self.step_seconds += time.perf_counter() - t0
+    if len(ys) != n:
+        raise ValueError(f"the step_interval callback of level {level} from fine index {index} "
+                         f"returned {len(ys)} states for {n} steps")
+    states = []
+    for k, y in enumerate(ys):
+        if y is None and (keep or k == n - 1):
+            raise ValueError(f"the step_interval callback of level {level} returned no state "
+                             f"for its step from fine index {index + k * stride}, which the "
+                             "core keeps")
+        states.append(None if y is None else _checked(
+            x, y, level, index + k * stride, times[k], times[k + 1]))
+    for k, y in enumerate(states):
+        out[k] = -1 if y is None else self._put(y)
     return 0
 
 

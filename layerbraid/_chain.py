@@ -93,20 +93,36 @@ class Steps:
             and ``run.grads``.
     Steps:
         step(run, u, dt, level, index): the step from point ``index`` (no graph).
-        record(run, u, dt, index): ``(next state, _Graph)``, the step of the final relaxation.
+        record(run, u, dt, index): ``(next state, _Graph or None)``, the step of the final
+            relaxation (None: the provider differentiates its steps itself, in adjoint_step).
         scale(dt): the factor of an increment graph (see _Graph).
-        adjoint_step(run, w, dt, level, s): a provider's own adjoint of forward step ``s``, or
-            None for the VJP of its kept graph (the default).
+        adjoint_step(run, w, dt, level, s, final): a provider's own adjoint of forward step
+            ``s``, or None for the VJP of its kept graph (the default); ``final``: the step of
+            the adjoint's final relaxation, where the leaves' gradients are collected.
         source(run, s): a term added to the adjoint after step ``s``'s VJP (None: none).
+    Runs of steps (Note [fused intervals] in cbridge/src/relax.c), optional: None (the default)
+    makes the engine take the steps one by one, still in one call of the core.
+        step_interval(run, u, dts, level, index, stride, final, keep): the states after each
+            of ``len(dts)`` steps from u, step k from point ``index + k * stride``; without
+            ``keep`` only the last is needed (the others may be None).
+        adjoint_interval(run, w, dts, level, ss, final, keep): the adjoint states after each
+            adjoint step over the forward steps ``ss`` (in the adjoint's order), sources
+            included.
     """
 
     def scale(self, dt):
         return dt
 
-    def adjoint_step(self, run, w, dt, level, s):
+    def adjoint_step(self, run, w, dt, level, s, final):
         return None
 
     def source(self, run, s):
+        return None
+
+    def step_interval(self, run, u, dts, level, index, stride, final, keep):
+        return None
+
+    def adjoint_interval(self, run, w, dts, level, ss, final, keep):
         return None
 
 
@@ -135,6 +151,7 @@ class _Chain:
         self.fwd = self.bwd = None
         self.fwd = _Core(comm, num_steps, 0.0, t_final, forward_options,
                          init=self._fwd_init, step=self._fwd_step,
+                         step_interval=self._fwd_interval,
                          coarsen=spatial.restrict if spatial else None,
                          refine=spatial.interpolate if spatial else None)
         try:
@@ -147,6 +164,7 @@ class _Chain:
             rev = comm.Split(0, size - 1 - rank)
             self.bwd = _Core(rev, num_steps, 0.0, t_final, backward_options,
                              init=self._bwd_init, step=self._bwd_step, mirror=True,
+                             step_interval=self._bwd_interval,
                              real_ranks=list(range(size))[::-1], owns_comm=True,
                              coarsen=spatial.restrict_adjoint if spatial else None,
                              refine=spatial.interpolate_adjoint if spatial else None)
@@ -188,6 +206,7 @@ class _Chain:
     # ------------------------------------------------------------------ the two solves
     def forward(self, run, inputs):
         """The forward solve of ``run`` from the autograd Function's ``inputs``: its output."""
+        run.owned = self.owned
         run.steps.begin(run, inputs)
         _solve_state.in_solve = True
         try:
@@ -286,9 +305,22 @@ class _Chain:
         _solve_state.final = final
         if final and run.record:
             y, graph = run.steps.record(run, u, t1 - t0, index)
-            run.graphs[index] = graph
+            if graph is not None:
+                run.graphs[index] = graph
             return y
         return run.steps.step(run, u, t1 - t0, level, index)
+
+    def _fwd_interval(self, run, u, times, level, index, stride, done, keep):
+        """A run of forward steps: the provider's fused version, else one step at a time
+        (which still saves the core's crossing into Python per step)."""
+        final = bool(done and level == 0)
+        _solve_state.final = final
+        dts = [b - a for a, b in zip(times[:-1], times[1:])]
+        out = run.steps.step_interval(run, u, dts, level, index, stride,
+                                      final and run.record, keep)
+        if out is not None:
+            return out
+        return _one_by_one(self._fwd_step, run, u, times, level, index, stride, done, keep)
 
     def _bwd_init(self, run, t, index):
         if index == 0:
@@ -298,11 +330,21 @@ class _Chain:
     def _bwd_step(self, run, w, t0, t1, level, index, done):
         s = self.adjoint_step_index(index, level)
         steps = run.steps
-        out = steps.adjoint_step(run, w, t1 - t0, level, s)
+        final = bool(level == 0 and done)
+        out = steps.adjoint_step(run, w, t1 - t0, level, s, final)
         if out is None:
-            out = self._vjp(run, run.graphs[s], w, steps.scale(t1 - t0), level == 0 and done)
+            out = self._vjp(run, run.graphs[s], w, steps.scale(t1 - t0), final)
         src = steps.source(run, s)
         return out if src is None else out + src
+
+    def _bwd_interval(self, run, w, times, level, index, stride, done, keep):
+        dts = [b - a for a, b in zip(times[:-1], times[1:])]
+        ss = [self.adjoint_step_index(index + k * stride, level) for k in range(len(dts))]
+        out = run.steps.adjoint_interval(run, w, dts, level, ss, bool(level == 0 and done),
+                                         keep)
+        if out is not None:
+            return out
+        return _one_by_one(self._bwd_step, run, w, times, level, index, stride, done, keep)
 
     @staticmethod
     def _vjp(run, graph, w, scale, final):
@@ -319,6 +361,16 @@ class _Chain:
         if graph.increment:
             return w + gx if gx is not None else w.clone()
         return gx if gx is not None else torch.zeros_like(w)
+
+
+def _one_by_one(step, run, u, times, level, index, stride, done, keep):
+    """A run of steps as ``len(times) - 1`` calls of a one-step callback; without keep only the
+    last state is returned (the core keeps no other)."""
+    out = []
+    for k in range(len(times) - 1):
+        u = step(run, u, times[k], times[k + 1], level, index + k * stride, done)
+        out.append(u if keep or k == len(times) - 2 else None)
+    return out
 
 
 class _ChainFn(torch.autograd.Function):

@@ -120,7 +120,7 @@ class _LayerSteps(Steps):
         return y.detach(), _Graph(xg, y, leaves)
 
     # ------------------------------------------------------------------ adjoint steps
-    def adjoint_step(self, run, w, dt, level, s):
+    def adjoint_step(self, run, w, dt, level, s, final):
         """Coarse adjoint steps that cannot reuse the kept graph; None elsewhere."""
         if level == 0:
             return None

@@ -48,6 +48,13 @@ class MGRIT:
         store_all: keep every fine state (default).  False keeps only the fine C-points, the
             points just before them and each rank's last point (``result.states`` then holds
             those), releasing the others during the sweeps: less memory for long solves.
+        step_interval: optional ``step_interval(u, times, level, keep) -> [state] * n``: the
+            ``n = len(times) - 1`` consecutive steps from u over ``times``, as n calls of
+            ``step`` would give them, in one call (for a fused kernel).  The core uses it for
+            the runs of steps between C-points where no coarse right-hand side enters (every
+            fine F-interval, the coarsest solve before its first restriction).  When ``keep``
+            is False the core keeps only the last state (``store_all=False``) and the others may
+            be None.
 
     States are numpy arrays or torch tensors of any shape and dtype; they cross ranks as raw
     bytes, so float64 stays float64.
@@ -56,7 +63,7 @@ class MGRIT:
     def __init__(self, step: Callable, init: Callable, num_steps: int, t_start: float = 0.0,
                  t_stop: float = 1.0, *, options: MGRITOptions = None, comm=None,
                  trace: bool = False, coarsen: Callable = None, refine: Callable = None,
-                 store_all: bool = True):
+                 store_all: bool = True, step_interval: Callable = None):
         from mpi4py import MPI
 
         from .launch import _enter
@@ -67,6 +74,9 @@ class MGRIT:
 
         if not callable(step) or not callable(init):
             raise TypeError("MGRIT needs callable step and init")
+        if step_interval is not None and not callable(step_interval):
+            raise TypeError(f"MGRIT step_interval must be callable or None, got "
+                            f"{type(step_interval).__name__}")
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"MGRIT num_steps must be an int >= 1, got {num_steps!r}")
         if not float(t_stop) > float(t_start):
@@ -81,7 +91,10 @@ class MGRIT:
         self._core = _Core(self.comm, num_steps, t_start, t_stop, options,
                            init=lambda app, t, index: init(t),
                            step=lambda app, u, t0, t1, level, index, done: step(u, t0, t1, level),
-                           trace=trace, coarsen=coarsen, refine=refine, store_all=store_all)
+                           trace=trace, coarsen=coarsen, refine=refine, store_all=store_all,
+                           step_interval=None if step_interval is None else (
+                               lambda app, u, times, level, index, stride, done, keep:
+                               step_interval(u, times, level, keep)))
         self._trace = trace
 
     def solve(self) -> MGRITResult:

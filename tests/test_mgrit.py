@@ -317,3 +317,57 @@ def test_storing_only_what_the_cycles_need():
     for i, u in lean.states.items():
         assert np.array_equal(u, full.states[i])
     assert lean.residual_norms == full.residual_norms
+
+
+@pytest.mark.parallel([1, 3])
+def test_fused_intervals_give_the_same_solve():
+    """A step_interval callback (Note [fused intervals]) replaces runs of steps without changing
+    the solve: the same states, residuals and schedule as one step per call; with
+    store_all=False it is asked only for each run's last state."""
+    n = 45
+    for opts in [dict(max_levels=1),
+                 dict(max_levels=3, cfactor=(4, 2), nrelax=1, max_iters=3, tol=0.0),
+                 dict(max_levels=2, cfactor=5, nrelax=0, max_iters=2, tol=0.0,
+                      skip_first_downcycle=True, final_fc_relax=True)]:
+        for store_all in (True, False):
+            calls = []
+
+            def step_interval(u, times, level, keep):
+                calls.append((level, len(times) - 1, keep))
+                out = []
+                for t0, t1 in zip(times[:-1], times[1:]):
+                    u = nonlinear_step(u, t0, t1, level)
+                    out.append(u)
+                return out if keep else [None] * (len(out) - 1) + out[-1:]
+
+            def run(**fused):
+                return MGRIT(step=nonlinear_step, init=nonlinear_init, num_steps=n, t_stop=3.0,
+                             options=MGRITOptions(**opts), comm=WORLD, trace=True,
+                             store_all=store_all, **fused).solve()
+
+            per_step, fused = run(), run(step_interval=step_interval)
+            assert calls and all(m >= 2 for _, m, _ in calls)
+            assert all(keep == (store_all or level > 0) for level, _, keep in calls)
+            assert fused.residual_norms == per_step.residual_norms
+            assert set(fused.states) == set(per_step.states)
+            for i, u in fused.states.items():
+                assert np.array_equal(u, per_step.states[i])
+            assert fused.trace == per_step.trace
+            if opts.get("skip_first_downcycle"):
+                # the coarsest solve before the first restriction has no right-hand side
+                assert any(level == 1 for level, _, _ in calls)
+
+
+def test_fused_interval_that_leaves_out_states():
+    def short(u, times, level, keep):
+        return [u] * (len(times) - 2)
+
+    def missing(u, times, level, keep):
+        return [None] * (len(times) - 1)
+
+    for step_interval, says in ((short, "states for"), (missing, "no state")):
+        with pytest.raises((ValueError, layerbraid.RemoteRankError)) as info:
+            MGRIT(step=nonlinear_step, init=nonlinear_init, num_steps=12, comm=WORLD,
+                  options=MGRITOptions(max_levels=1), step_interval=step_interval).solve()
+        if isinstance(info.value, ValueError):
+            assert says in str(info.value)

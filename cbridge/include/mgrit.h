@@ -86,6 +86,18 @@ typedef struct mgrit_callbacks {
    * without finishing the schedule (the job is expected to end).  This is where an application
    * notices Ctrl-C while the core waits. */
   int (*poll)(void *app);
+  /* Optional (NULL: the core calls step once per point).  A run of n >= 2 consecutive steps of
+   * `level` in one call: from u, the state at point i0 - 1, through points i0 .. i0 + n - 1,
+   * whose states go to out[0 .. n-1].  t[0 .. n] are the times of points i0 - 1 .. i0 + n - 1;
+   * `index` is the global fine index of the first step's start point, and step k starts at fine
+   * index index + k * stride.  It must equal n calls of step (the same arguments, done
+   * included); the core calls it for F-intervals (and the sequential coarsest solve) where no
+   * FAS right-hand side enters between the steps: level 0 always, a coarse level before its
+   * first restriction.  With keep 0 the core reads only out[n-1] (it keeps only the last state
+   * of a run: see mgrit_set_store_all), and the others may be left -1.  This is where an
+   * application runs an interval through one fused kernel instead of n calls. */
+  int (*step_interval)(void *app, mgrit_vec u, const double *t, int level, int64_t index,
+                       int64_t stride, int64_t n, int done, int keep, mgrit_vec *out);
 } mgrit_callbacks;
 
 typedef struct mgrit_core mgrit_core; /* opaque */

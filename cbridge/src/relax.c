@@ -1,6 +1,10 @@
 /* relax.c -- steps, F-sweeps (and the sequential coarsest solve), C-sweeps. */
 #include "_mgrit.h"
 
+#include <stdio.h>
+#include <stdlib.h>
+
+
 /* The step of level l into point i from state u (the value at i-1), plus the FAS right-hand side
  * g_i on coarse levels when add_g.  Returns a new state, or MGRIT_NONE on a poisoned rank. */
 mgrit_vec _mgrit_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done, int op,
@@ -16,12 +20,71 @@ mgrit_vec _mgrit_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done,
   return out;
 }
 
+/* Whether any of out[0 .. n-1] is missing. */
+static int any_missing(const mgrit_vec *out, int64_t n) {
+  for (int64_t k = 0; k < n; k++)
+    if (out[k] == MGRIT_NONE) return 1;
+  return 0;
+}
+
+/* Steps a..b of level l in one step_interval call, when no FAS right-hand side enters between
+ * them (Note [fused intervals]); returns 0, having done nothing, when one does (or no memory
+ * for the call's arrays), and run() steps one point at a time instead.
+ *
+ * Note [fused intervals]: the schedule is the same either way: every step is traced as if it
+ * ran alone, so the trace, the work model that replays it (layerbraid.plan) and the states the
+ * core keeps do not depend on whether the application fuses.  With release (level 0 without
+ * store_all) only the last state of the run is kept, which is what the one-step path keeps once
+ * the run is over; the application may then skip making the others (keep = 0). */
+static int run_interval(mgrit_core *core, int l, int64_t a, int64_t b, mgrit_vec prev, int done,
+                        int op, int release) {
+  _mgrit_level *L = &core->levels[l];
+  int64_t n = b - a + 1;
+  if (l > 0)
+    for (int64_t i = a; i <= b; i++)
+      if (i >= L->lo && i <= L->hi && L->g[i - L->lo] != MGRIT_NONE) return 0;
+  mgrit_vec *out = malloc((size_t)n * sizeof *out);
+  double *t = malloc((size_t)(n + 1) * sizeof *t);
+  if (!out || !t) {
+    free(out);
+    free(t);
+    return 0;
+  }
+  for (int64_t k = 0; k < n; k++) out[k] = MGRIT_NONE;
+  for (int64_t k = 0; k <= n; k++) t[k] = _mgrit_time(core, l, a - 1 + k);
+  for (int64_t i = a; i <= b; i++) _mgrit_trace(core, l, op, i, -1, done);
+  if (!core->err && prev != MGRIT_NONE) {
+    _MGRIT_CB(core, core->cb.step_interval(core->app, prev, t, l, (a - 1) * L->stride,
+                                           L->stride, n, done, !release, out));
+    if (!core->err && (out[n - 1] == MGRIT_NONE ||
+                       (!release && any_missing(out, n)))) {
+      snprintf(core->msg, sizeof core->msg, "the step_interval callback of level %d, points "
+               "%lld..%lld, left a state it must return", l, (long long)a, (long long)b);
+      core->err = MGRIT_ERR_CALLBACK;
+    }
+  }
+  for (int64_t i = a; i <= b; i++) {
+    mgrit_vec x = core->err ? MGRIT_NONE : out[i - a];
+    if (core->err && out[i - a] != MGRIT_NONE) core->cb.free(core->app, out[i - a]);
+    if (release && i < b) {
+      if (x != MGRIT_NONE) core->cb.free(core->app, x);
+      x = MGRIT_NONE;
+    }
+    _mgrit_set(core, &L->u[i - L->lo], x);
+  }
+  free(out);
+  free(t);
+  return 1;
+}
+
 /* Steps a..b (F-points) in order, starting from prev = u[a-1].  Without store_all, a level-0
  * F-point is released as soon as the next step has read it: only the F-points just before a
  * C-point (read by C-sweeps and residuals) and the last owned point (sent right) stay. */
 static void run(mgrit_core *core, int l, int64_t a, int64_t b, mgrit_vec prev, int done, int op) {
   _mgrit_level *L = &core->levels[l];
   int release = l == 0 && !core->o.store_all;
+  if (core->cb.step_interval && b > a && run_interval(core, l, a, b, prev, done, op, release))
+    return;
   for (int64_t i = a; i <= b; i++) {
     mgrit_vec out = _mgrit_step(core, l, i, prev, done, op, 1);
     _mgrit_set(core, &L->u[i - L->lo], out);
