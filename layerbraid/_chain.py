@@ -93,8 +93,9 @@ class Steps:
             and ``run.grads``.
     Steps:
         step(run, u, dt, level, index): the step from point ``index`` (no graph).
-        record(run, u, dt, index): ``(next state, _Graph or None)``, the step of the final
-            relaxation (None: the provider differentiates its steps itself, in adjoint_step).
+        record(run, u, dt, index): ``(next state, _Graph or None)``, a step of the final
+            relaxation (each step once), with its graph when ``run.record`` (None: the provider
+            differentiates its steps itself, in adjoint_step).
         scale(dt): the factor of an increment graph (see _Graph).
         adjoint_step(run, w, dt, level, s, final): a provider's own adjoint of forward step
             ``s``, or None for the VJP of its kept graph (the default); ``final``: the step of
@@ -139,10 +140,12 @@ class _Chain:
         target_error: iterate each solve until its error estimate meets its share of
             ``target_error`` (Note [adaptive iterations]); None: the options' own stopping
             rule.
+        store_all: the forward core keeps every state (else only what its cycles read again;
+            the provider then takes what its output needs in the final relaxation).
     """
 
     def __init__(self, comm, num_steps, t_final, forward_options, backward_options, *,
-                 spatial=None, warm_start=False, target_error=None):
+                 spatial=None, warm_start=False, target_error=None, store_all=True):
         from ._bridge import _Core
 
         self.comm = comm
@@ -151,7 +154,7 @@ class _Chain:
         self.fwd = self.bwd = None
         self.fwd = _Core(comm, num_steps, 0.0, t_final, forward_options,
                          init=self._fwd_init, step=self._fwd_step,
-                         step_interval=self._fwd_interval,
+                         step_interval=self._fwd_interval, store_all=store_all,
                          coarsen=spatial.restrict if spatial else None,
                          refine=spatial.interpolate if spatial else None)
         try:
@@ -160,11 +163,12 @@ class _Chain:
             lo, hi, _ = self.levels[0]
             self.owned = list(range(max(lo, 1) - 1, hi))
             # The adjoint runs backward in time on the reversed communicator, with the extra
-            # steps mirrored, so that each rank differentiates exactly its own steps.
+            # steps mirrored, so that each rank differentiates exactly its own steps.  It keeps
+            # only the states its cycles read again: the gradients need the last point alone.
             rev = comm.Split(0, size - 1 - rank)
             self.bwd = _Core(rev, num_steps, 0.0, t_final, backward_options,
                              init=self._bwd_init, step=self._bwd_step, mirror=True,
-                             step_interval=self._bwd_interval,
+                             step_interval=self._bwd_interval, store_all=False,
                              real_ranks=list(range(size))[::-1], owns_comm=True,
                              coarsen=spatial.restrict_adjoint if spatial else None,
                              refine=spatial.interpolate_adjoint if spatial else None)
@@ -207,6 +211,7 @@ class _Chain:
     def forward(self, run, inputs):
         """The forward solve of ``run`` from the autograd Function's ``inputs``: its output."""
         run.owned = self.owned
+        run.adjoint_levels = self.bwd.num_levels()
         run.steps.begin(run, inputs)
         _solve_state.in_solve = True
         try:
@@ -303,7 +308,7 @@ class _Chain:
     def _fwd_step(self, run, u, t0, t1, level, index, done):
         final = bool(done and level == 0)
         _solve_state.final = final
-        if final and run.record:
+        if final:
             y, graph = run.steps.record(run, u, t1 - t0, index)
             if graph is not None:
                 run.graphs[index] = graph
@@ -316,8 +321,7 @@ class _Chain:
         final = bool(done and level == 0)
         _solve_state.final = final
         dts = [b - a for a, b in zip(times[:-1], times[1:])]
-        out = run.steps.step_interval(run, u, dts, level, index, stride,
-                                      final and run.record, keep)
+        out = run.steps.step_interval(run, u, dts, level, index, stride, final, keep)
         if out is not None:
             return out
         return _one_by_one(self._fwd_step, run, u, times, level, index, stride, done, keep)

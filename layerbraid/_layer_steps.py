@@ -105,6 +105,8 @@ class _LayerSteps(Steps):
         return self.apply_rule(layer, u, dt, index)
 
     def record(self, run, u, dt, index):
+        if not run.record:
+            return self.step(run, u, dt, 0, index), None
         layer = self.layers.layers[str(index)]
         xg = u.detach().requires_grad_(True)
         leaves = [(id(p), p) for p in layer.parameters() if p.requires_grad]

@@ -90,3 +90,72 @@ def test_bad_shapes_are_clear_errors():
     if WORLD.size > 1:
         with pytest.raises(ValueError, match="fewer than the 2 ranks"):
             gru(torch.randn(4, 1, 3))
+
+
+def _run_both_paths(cls, opts, rule, seq=23):
+    """Outputs and gradients of the fused and the per-step path (Note [fused cells]) of one
+    model, same weights and inputs; also under no_grad."""
+    results = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = cls(3, 5, num_layers=2, comm=WORLD, forward_options=opts, backward_options=opts,
+                    coarse_rule=rule, fused=fused)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(4, seq, 3, generator=g).requires_grad_(True)
+        h = torch.randn(2, 4, 5, generator=g).requires_grad_(True)
+        hx = (h, 2 * h) if cls is LayerParallelLSTM else h
+        out, hn = model(x, hx)
+        finals = hn if isinstance(hn, tuple) else (hn,)
+        loss = (out * torch.linspace(-1, 1, seq).view(1, seq, 1)).pow(2).sum() + sum(
+            f.pow(2).sum() for f in finals)
+        loss.backward()
+        with torch.no_grad():
+            plain, _ = model(x)
+        iters = [s.iterations for s in model.forward_stats + model.backward_stats]
+        results.append(([out.detach(), plain, x.grad, h.grad] + [p.grad for p in
+                                                                 model.parameters()], iters))
+    return results
+
+
+@pytest.mark.parallel([1, 3])
+def test_fused_path_equals_per_step_path():
+    """Runs of steps through torch's kernels and closed-form adjoints (or, in exact mode, the
+    LSTM kernel's own backward) give what one cell call and one autograd VJP per step give, in
+    float64 to round-off, whatever the levels, relaxation and coarse rule."""
+    configs = [None,
+               MGRITOptions(max_levels=2, cfactor=4, max_iters=2, nrelax=0,
+                            skip_first_downcycle=True),
+               MGRITOptions(max_levels=3, cfactor=2, max_iters=1, nrelax=1)]
+    for cls in (LayerParallelGRU, LayerParallelLSTM):
+        for opts in configs:
+            for rule in ("cell", "euler"):
+                (fused, it_f), (per_step, it_p) = (_run_both_paths(cls, opts, rule))
+                assert it_f == it_p
+                for a, b in zip(fused, per_step):
+                    torch.testing.assert_close(a, b, rtol=ROUNDOFF, atol=ROUNDOFF)
+
+
+@pytest.mark.parallel([1, 2])
+def test_fused_path_runs_blocks_and_intervals_in_one_kernel_call(monkeypatch):
+    """Exact mode: one kernel call per rank and layer; two levels with cfactor 4: the level-0
+    F-intervals (3 steps) in one call each."""
+    from layerbraid.nn import rnn
+
+    calls = []
+    kernel = rnn._GRUSteps.kernel
+
+    def counted(self, xs, s, params, keep):
+        calls.append(xs.shape[1])
+        return kernel(self, xs, s, params, keep)
+
+    monkeypatch.setattr(rnn._GRUSteps, "kernel", counted)
+    seq = 16
+    gru = LayerParallelGRU(3, 5, num_layers=2, comm=WORLD)
+    out, _ = gru(torch.randn(4, seq, 3))
+    out.sum().backward()
+    assert calls == [seq // WORLD.size] * 2
+    calls.clear()
+    opts = MGRITOptions(max_levels=2, cfactor=4, max_iters=1, nrelax=0)
+    gru = LayerParallelGRU(3, 5, comm=WORLD, forward_options=opts)
+    gru(torch.randn(4, seq, 3))
+    assert calls and 3 in calls

@@ -12,8 +12,19 @@ the same weights (shared over time), and their gradients are summed over the ran
 Note [rnn adjoint]: the loss depends on every output h_t, so the adjoint equation has a source:
 ``lambda_t = J_{t+1}^T lambda_{t+1} + dL/dh_t``.  The adjoint MGRIT step adds that source after
 the VJP (coarse steps add the one at their end point, an approximation that convergence
-removes).  VJPs reuse the graph of ``cell(x_t, h) - h`` kept from the forward's final relaxation
-(as Note [Euler graphs] in _layer_steps.py).
+removes).  A coarse adjoint step over forward step s linearizes the cell at the fine state h_s.
+
+Note [fused cells]: with ``fused=True`` (the default) a run of steps between two C-points (the
+core's step_interval, Note [fused intervals] in cbridge/src/relax.c), and in exact mode a rank's
+whole block, goes through torch's own multi-step kernel (``torch._VF.gru`` / ``lstm``, what
+nn.GRU / nn.LSTM call), and the adjoint does not keep an autograd graph per step: once the
+forward is solved, the cell's gates at every owned step come from two batched matrix products
+over the whole block, and each adjoint step is then the cell's closed-form VJP (a few elementwise
+products and one product with W_hh), with the weights' gradients formed at the end by batched
+products over the block (as cuDNN's backward does).  The fused LSTM kernel returns only the h's:
+the c's inside a run come from the same batched gates (``c_t = f_t c_{t-1} + i_t g_t``).
+``fused=False`` takes one cell call and one autograd VJP of a kept graph per step (as Note [Euler
+graphs] in _layer_steps.py): the reference the fused path is tested equal to.
 
 The forward and adjoint solves are the engine's (``_chain.py``), shared with LayerParallelModule;
 a GRU or an LSTM is only a step provider: a cell subclass of ``_CellSteps``.
@@ -36,8 +47,9 @@ class _CellSteps(Steps):
 
     reference = None  # nn.GRU or nn.LSTM: the parameters' names and initialization
 
-    def __init__(self, comm, bias, coarse_rule):
+    def __init__(self, comm, bias, coarse_rule, fused=True):
         self.comm, self.bias, self.coarse_rule = comm, bias, coarse_rule
+        self.fused = bool(fused)
 
     # ------------------------------------------------------------------ what a cell defines
     def cell_minus_h(self, x, s, params):
@@ -48,44 +60,104 @@ class _CellSteps(Steps):
         """The user's hx (None: zeros) as one tensor ``(num_layers, *state)``."""
         raise NotImplementedError
 
-    def to_seq(self, s):
-        """A state as it sits in the output sequence (identity unless the state is stacked)."""
+    def h_of(self, s):
+        """The hidden part of a state (the state itself unless stacked)."""
         return s
 
-    def from_seq(self, g):
-        return g
+    def last_rows(self, s):
+        """Rows the chain's output carries after the h's, from the last point's state (the
+        LSTM's c_n)."""
+        return []
 
-    def hidden(self, states):
-        """The next layer's input from a layer's sequence of states."""
-        return states
+    def as_state(self, g, p, seq):
+        """The gradient of the state at point p from the output's gradient g (batch, rows,
+        hidden), whose row p - 1 is h_p's."""
+        return g[:, p - 1]
+
+    def split(self, out):
+        """(the h sequence, the final state) of one layer from the chain's output."""
+        return out, out[:, -1]
 
     def result(self, out, finals):
         """forward's return value from the last layer's output and each layer's final state."""
         return out, torch.stack(finals)
 
+    # Note [fused cells]: whether exact mode differentiates a rank's block by torch's backward
+    # of the kernel (its graph kept from the forward) instead of the closed-form VJPs
+    block_graphs = False
+
+    def kernel(self, xs, s, params, keep):
+        """Note [fused cells]: the states after the cell steps over xs (batch, n, input) from s,
+        by torch's multi-step kernel, as a list of n states (without keep, only the last is
+        needed and the others may be None), and the kernel's own outputs, the h sequence
+        (batch, n, hidden) first."""
+        raise NotImplementedError
+
+    def cotangents(self, raw, src, w):
+        """The gradients of the kernel's outputs ``raw`` from the sources of the points inside
+        its block (``src``, the output sequence's gradient there) and the adjoint w at its end."""
+        raise NotImplementedError
+
+    def linearize(self, xs, sp, params):
+        """The cell's Jacobian factors at the steps from states sp (n, *state) with inputs xs
+        (n, batch, input), batched: what ``vjp`` reads."""
+        raise NotImplementedError
+
+    def vjp(self, jac, k, w, params):
+        """``(J_k^T w, dgates)`` at step k of ``jac``: the adjoint state, and the gradient of
+        the gates' input and hidden pre-activations (``(dgi, dgh)``)."""
+        raise NotImplementedError
+
+    def previous_h(self, sp):
+        """The hidden states that multiply W_hh, from states sp (n, *state)."""
+        return sp
+
     # ------------------------------------------------------------------ boundary
     def begin(self, run, inputs):
         x, h0, params = inputs[0], inputs[1], inputs[2:]
         run.x, run.h0, run.params = x.detach(), h0.detach(), params
+        run.inputs = {}  # fused: owned step -> its input state in the final relaxation
+        run.blocks = {}  # fused, exact mode: first step -> (steps, state leaf, input leaf, outputs)
+        run.final_h = {}  # point -> its h, from the final relaxation (the output)
         run.x_requires_grad = x.requires_grad
 
     def initial(self, run):
         return run.h0
 
     def output(self, run, states):
-        # every rank gets the whole sequence of states (points 1..seq); the owned points are
-        # one block per rank, in rank order (buffers, not pickles)
+        # The h's at points 1..seq, taken in the final relaxation (the core keeps only what its
+        # cycles read again), then what last_rows adds: (batch, rows, hidden) on every rank.
+        # The owned points are one block per rank, in rank order (buffers, not pickles).
         seq = run.x.shape[1]
-        mine = torch.stack([states[i].detach() for i in sorted(states) if i >= 1])
+        mine = [run.final_h[s + 1] for s in run.owned]
+        if seq in states:
+            mine += self.last_rows(states[seq])
+        mine = torch.stack(mine)
         rows = allgather_rows(self.comm, mine) if self.comm.Get_size() > 1 else mine
-        return torch.stack([self.to_seq(rows[i]) for i in range(seq)], dim=1).to(run.x.device)
+        return rows.to(run.x.device).transpose(0, 1)
 
     def begin_adjoint(self, run, grad):
         run.g = grad.detach()
+        run.jac = None
+        run.dgates = {}    # step -> (dgi, dgh), from the adjoint's final relaxation
+        run.block_gx = {}  # first step of a block -> the input gradient of its steps
+
+    def _linearize(self, run):
+        """Note [fused cells]: the cell's gates at every owned step (once per backward),
+        linearized where the forward's final relaxation took the step (a C-point's value before
+        the C-sweep updated it), as a kept graph would be."""
+        if run.jac is None:
+            lo, hi = run.owned[0], run.owned[-1]
+            run.jac_lo = lo
+            run.sp = torch.stack([run.inputs[s] for s in run.owned])
+            run.xs = run.x[:, lo:hi + 1].transpose(0, 1)
+            run.jac = self.linearize(run.xs, run.sp, run.params)
+        return run.jac
 
     def adjoint_initial(self, run):
         # adjoint point 0 is forward point seq: dL/dh_seq
-        return self.from_seq(run.g[:, -1]).clone()
+        seq = run.x.shape[1]
+        return self.as_state(run.g, seq, seq).clone()
 
     def input_grads(self, run, states):
         comm = self.comm
@@ -94,14 +166,17 @@ class _CellSteps(Steps):
         gh0 = states.get(run.x.shape[1]) if comm.Get_rank() == 0 else None
         if comm.Get_size() > 1:
             gh0 = bcast_tensor(comm, gh0, tuple(run.h0.shape), run.h0.dtype, run.h0.device, 0)
-        gx = None
-        if run.x_requires_grad:
-            gx = torch.zeros_like(run.x)
-            for key, g in run.grads.items():
-                if isinstance(key, tuple):  # ("x", step): the input slice of an owned step
-                    gx[:, key[1]] = g
-        gp = [run.grads.get(id(p), torch.zeros_like(p)) if p.requires_grad else None
-              for p in run.params]
+        if self.fused:
+            gx, gp = self._fused_grads(run)
+        else:
+            gx = None
+            if run.x_requires_grad:
+                gx = torch.zeros_like(run.x)
+                for key, g in run.grads.items():
+                    if isinstance(key, tuple):  # ("x", step): the input slice of an owned step
+                        gx[:, key[1]] = g
+            gp = [run.grads.get(id(p), torch.zeros_like(p)) for p in run.params]
+        gp = [g if p.requires_grad else None for p, g in zip(run.params, gp)]
         # shared weights: sum over the ranks; input slices: disjoint, so a sum assembles them
         flat = [t for t in gp if t is not None] + ([gx] if gx is not None else [])
         if comm.Get_size() > 1 and flat:
@@ -111,6 +186,32 @@ class _CellSteps(Steps):
         gx = next(it) if gx is not None else None
         return (gx, gh0, *gp)
 
+    def _fused_grads(self, run):
+        """The input's and the weights' gradients from the gates' gradients of every owned step
+        (Note [fused cells]): batched products over the block."""
+        steps = sorted(run.dgates)
+        blocks = sorted(run.blocks.items())
+        covered = sorted(steps + [s for first, (n, *_) in blocks for s in range(first, first + n)])
+        assert covered == list(run.owned), "the final relaxation did not run every owned step once"
+        gp = [run.grads.get(id(p), torch.zeros_like(p)) for p in run.params]  # from blocks
+        gx = torch.zeros_like(run.x) if run.x_requires_grad else None
+        for first, g in run.block_gx.items():
+            gx[:, first:first + g.shape[1]] = g
+        if steps:
+            k = [s - run.jac_lo for s in steps]
+            dgi = torch.stack([run.dgates[s][0] for s in steps])  # (n, batch, gates)
+            dgh = torch.stack([run.dgates[s][1] for s in steps])
+            xs, hp = run.xs[k], self.previous_h(run.sp)[k]
+            gp[0] = gp[0] + _flat(dgi).t() @ _flat(xs)
+            gp[1] = gp[1] + _flat(dgh).t() @ _flat(hp)
+            if self.bias:
+                gp[2], gp[3] = gp[2] + dgi.sum((0, 1)), gp[3] + dgh.sum((0, 1))
+            if gx is not None:
+                gx[:, steps] = (dgi @ run.params[0]).transpose(0, 1)
+        if not run.retain:
+            run.blocks, run.jac = {}, None
+        return gx, gp
+
     # ------------------------------------------------------------------ steps
     def scale(self, dt):
         return dt if self.coarse_rule == "euler" else 1.0
@@ -118,17 +219,99 @@ class _CellSteps(Steps):
     def step(self, run, s, dt, level, index):
         return s + self.scale(dt) * self.cell_minus_h(run.x[:, index], s, run.params)
 
-    def record(self, run, s, dt, index):
-        sg = s.detach().requires_grad_(True)
-        xg = run.x[:, index].detach().requires_grad_(run.x_requires_grad)
+    def step_interval(self, run, u, dts, level, index, stride, final, keep):
+        # Note [fused cells]: a run of cell steps (theta = 1) is the kernel over every
+        # stride-th input
+        if not self.fused or any(self.scale(dt) != 1.0 for dt in dts):
+            return None
+        xs = run.x[:, index:index + len(dts) * stride:stride]
+        if final and run.record and self.block_graphs and run.adjoint_levels == 1:
+            return self._record_block(run, u, xs, index)
+        linearize = final and run.record  # the adjoint linearizes at every step's input
+        out, raw = self.kernel(xs, u, run.params, keep or linearize)
+        if final:
+            self._keep_h(run, index, raw)
+        if linearize:
+            for k, x in enumerate([u] + out[:-1]):
+                run.inputs[index + k] = x
+        return out
+
+    def _keep_h(self, run, index, raw):
+        for k, h in enumerate(raw[0].unbind(1)):
+            run.final_h[index + 1 + k] = h
+
+    def _record_block(self, run, u, xs, index):
+        """Exact mode (Note [fused cells]): the kernel's graph of a rank's block, which the
+        one-level adjoint takes back in one piece (_block_vjp)."""
+        ug = u.detach().requires_grad_(True)
+        xg = xs.detach().requires_grad_(run.x_requires_grad)
         with torch.enable_grad():
-            f = self.cell_minus_h(xg, sg, run.params)
-        leaves = [(("x", index), xg)] + [(id(p), p) for p in run.params]
-        return s + self.scale(dt) * f.detach(), _Graph(sg, f, leaves, increment=True)
+            out, raw = self.kernel(xg, ug, run.params, False)
+        run.blocks[index] = (len(out), ug, xg, raw)
+        self._keep_h(run, index, [t.detach() for t in raw])
+        return [None] * (len(out) - 1) + [out[-1].detach()]
+
+    def _block_vjp(self, run, first, n, w):
+        """The adjoint at the start of the block of ``n`` steps from ``first`` from the adjoint w
+        at its end, by torch's backward of the kernel; the sources of the points inside enter as
+        the cotangents of the kernel's outputs there."""
+        _, ug, xg, raw = run.blocks[first]
+        cot = self.cotangents(raw, run.g[:, first:first + n - 1], w)
+        params = [p for p in run.params if p.requires_grad]
+        leaves = [ug] + ([xg] if xg.requires_grad else []) + params
+        grads = list(torch.autograd.grad(raw, leaves, cot, allow_unused=True,
+                                         retain_graph=run.retain))
+        w0 = grads.pop(0)
+        if xg.requires_grad:
+            run.block_gx[first] = grads.pop(0)
+        for p, g in zip(params, grads):
+            if g is not None:
+                run.grads[id(p)] = g if id(p) not in run.grads else run.grads[id(p)] + g
+        w0 = torch.zeros_like(w) if w0 is None else w0
+        src = self.source(run, first)
+        return w0 if src is None else w0 + src
+
+    def adjoint_step(self, run, w, dt, level, s, final):
+        if not self.fused:
+            return None  # the VJP of the kept graph
+        dh, dgates = self.vjp(self._linearize(run), s - run.jac_lo, w, run.params)
+        if final:
+            run.dgates[s] = dgates
+        theta = self.scale(dt)
+        return dh if theta == 1.0 else w + theta * (dh - w)
+
+    def adjoint_interval(self, run, w, dts, level, ss, final, keep):
+        if not self.fused:
+            return None
+        first, n = ss[-1], len(ss)
+        if final and not keep and run.blocks.get(first, (0,))[0] == n:
+            return [None] * (n - 1) + [self._block_vjp(run, first, n, w)]
+        out = []
+        for k, (dt, s) in enumerate(zip(dts, ss)):
+            w = self.adjoint_step(run, w, dt, level, s, final)
+            src = self.source(run, s)
+            w = w if src is None else w + src
+            out.append(w if keep or k == len(ss) - 1 else None)
+        return out
+
+    def record(self, run, s, dt, index):
+        graph = None
+        if self.fused or not run.record:  # fused: the adjoint linearizes at the input kept here
+            run.inputs[index] = s
+            y = self.step(run, s, dt, 0, index)
+        else:
+            sg = s.detach().requires_grad_(True)
+            xg = run.x[:, index].detach().requires_grad_(run.x_requires_grad)
+            with torch.enable_grad():
+                f = self.cell_minus_h(xg, sg, run.params)
+            leaves = [(("x", index), xg)] + [(id(p), p) for p in run.params]
+            y, graph = s + self.scale(dt) * f.detach(), _Graph(sg, f, leaves, increment=True)
+        run.final_h[index + 1] = self.h_of(y)
+        return y, graph
 
     def source(self, run, s):
         # dL/dh at forward point s, i.e. output s - 1 (Note [rnn adjoint])
-        return self.from_seq(run.g[:, s - 1]) if s >= 1 else None
+        return self.as_state(run.g, s, run.x.shape[1]) if s >= 1 else None
 
 
 class _GRUSteps(_CellSteps):
@@ -137,6 +320,33 @@ class _GRUSteps(_CellSteps):
     def cell_minus_h(self, x, s, params):
         b_ih, b_hh = (params[2], params[3]) if self.bias else (None, None)
         return torch.gru_cell(x, s, params[0], params[1], b_ih, b_hh) - s
+
+    def kernel(self, xs, s, params, keep):
+        out, _ = torch._VF.gru(xs.contiguous(), s.unsqueeze(0), list(params), self.bias, 1, 0.0,
+                               False, False, True)
+        return list(out.unbind(1)), (out,)
+
+    def cotangents(self, raw, src, w):
+        return (torch.cat([src, w.unsqueeze(1)], 1),)
+
+    def linearize(self, xs, sp, params):
+        # h' = (1 - z) n + z h with r, z = sigmoid(gi_rz + gh_rz), n = tanh(gi_n + r gh_n)
+        gi, gh = _gates(xs, sp, params, self.bias)
+        i_r, i_z, i_n = gi.chunk(3, -1)
+        h_r, h_z, h_n = gh.chunk(3, -1)
+        r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+        n = torch.tanh(i_n + r * h_n)
+        d_n = (1 - z) * (1 - n * n)
+        d_z = (sp - n) * z * (1 - z)
+        d_r = d_n * h_n * r * (1 - r)
+        # (n, batch, 3, hidden): the factors of the r, z, n pre-activations' gradients
+        return z, torch.stack([d_r, d_z, d_n], -2), torch.stack([d_r, d_z, d_n * r], -2)
+
+    def vjp(self, jac, k, w, params):
+        z, f_gi, f_gh = jac
+        w3 = w.unsqueeze(-2)
+        dgh = (w3 * f_gh[k]).flatten(-2)
+        return torch.addmm(w * z[k], dgh, params[1]), ((w3 * f_gi[k]).flatten(-2), dgh)
 
     def initial_states(self, hx, state_shape, like):
         if hx is None:
@@ -148,15 +358,61 @@ class _GRUSteps(_CellSteps):
 
 
 class _LSTMSteps(_CellSteps):
-    """The state is (h, c) stacked: (2, batch, hidden); in the output sequence (batch, 2,
-    hidden)."""
+    """The state is (h, c) stacked: (2, batch, hidden).  The chain's output is the h sequence
+    and then c_n: (batch, seq + 1, hidden); the c's inside the sequence reach no loss."""
 
     reference = nn.LSTM
+    # torch's LSTM backward on CPU is one oneDNN call, faster than the closed-form VJPs' Python
+    # loop; its GRU backward is not (measured: bench/bench_rnn.py)
+    block_graphs = True
 
     def cell_minus_h(self, x, s, params):
         b_ih, b_hh = (params[2], params[3]) if self.bias else (None, None)
         h2, c2 = torch.lstm_cell(x, (s[0], s[1]), params[0], params[1], b_ih, b_hh)
         return torch.stack([h2, c2]) - s
+
+    def kernel(self, xs, s, params, keep):
+        out, h_n, c_n = torch._VF.lstm(xs.contiguous(), (s[0:1], s[1:2]), list(params),
+                                       self.bias, 1, 0.0, False, False, True)
+        n = out.shape[1]
+        states = [] if keep else [None] * (n - 1)
+        if keep and n > 1:
+            # the kernel returns the h's only: the c's from the same gates (Note [fused cells])
+            with torch.no_grad():
+                hs = out.detach().transpose(0, 1)  # (n, batch, hidden)
+                hp = torch.cat([s[0:1].detach(), hs[:n - 2]])
+                i, f, g, _ = _lstm_activations(*_gates(xs[:, :n - 1].detach().transpose(0, 1),
+                                                       hp, params, self.bias))
+                c = s[1].detach()
+                for k in range(n - 1):
+                    c = torch.addcmul(i[k] * g[k], f[k], c)
+                    states.append(torch.stack([hs[k], c]))
+        states.append(torch.stack([h_n[0], c_n[0]]))
+        return states, (out, h_n, c_n)
+
+    def cotangents(self, raw, src, w):
+        # the sequence's c's reach the loss only at its end (h_n, c_n): inside, h's only
+        out = raw[0]
+        return (torch.cat([src, torch.zeros_like(out[:, :1])], 1), w[0:1], w[1:2])
+
+    def linearize(self, xs, sp, params):
+        # c' = f c + i g, h' = o tanh(c')
+        i, f, g, o = _lstm_activations(*_gates(xs, sp[:, 0], params, self.bias))
+        c = sp[:, 1]
+        tc = torch.tanh(f * c + i * g)
+        return (o * (1 - tc * tc), f,
+                torch.cat([g * i * (1 - i), c * f * (1 - f), i * (1 - g * g), tc * o * (1 - o)],
+                          -1))
+
+    def vjp(self, jac, k, w, params):
+        d_c, f, f_gates = jac
+        wh, wc = w[0], w[1]
+        dct = torch.addcmul(wc, wh, d_c[k])
+        dg = torch.cat([dct, dct, dct, wh], -1) * f_gates[k]
+        return torch.stack([dg @ params[1], dct * f[k]]), (dg, dg)
+
+    def previous_h(self, sp):
+        return sp[:, 0]
 
     def initial_states(self, hx, state_shape, like):
         if hx is None:
@@ -168,18 +424,20 @@ class _LSTMSteps(_CellSteps):
                              f"{state_shape}")
         return torch.stack([hx[0], hx[1]], dim=1)  # (layers, 2, batch, hidden)
 
-    def to_seq(self, s):
-        return s.transpose(0, 1)
+    def h_of(self, s):
+        return s[0]
 
-    def from_seq(self, g):
-        return g.transpose(0, 1)
+    def last_rows(self, s):
+        return [s[1]]
 
-    def hidden(self, states):
-        return states[:, :, 0]
+    def as_state(self, g, p, seq):
+        return torch.stack([g[:, p - 1], g[:, seq] if p == seq else torch.zeros_like(g[:, 0])])
+
+    def split(self, out):
+        return out[:, :-1], (out[:, -2], out[:, -1])
 
     def result(self, out, finals):
-        return out, (torch.stack([f[:, 0] for f in finals]),
-                     torch.stack([f[:, 1] for f in finals]))
+        return out, (torch.stack([h for h, _ in finals]), torch.stack([c for _, c in finals]))
 
 
 class _LayerParallelRNN(FreedOnExit, nn.Module):
@@ -187,7 +445,7 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
 
     def __init__(self, input_size, hidden_size, num_layers=1, *, batch_first=True, bias=True,
                  comm=None, forward_options=None, backward_options=None, coarse_rule="cell",
-                 target_error=None):
+                 target_error=None, fused=True):
         super().__init__()
         from mpi4py import MPI
 
@@ -220,7 +478,7 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
             self.register_parameter(name, nn.Parameter(p.detach().clone()))
         self.bias = bias
         bcast_into(self.comm, self.parameters())  # every rank holds rank 0's weights
-        self._steps = self._cell(self.comm, bias, coarse_rule)
+        self._steps = self._cell(self.comm, bias, coarse_rule, fused)
         self._chains = {}
         self.forward_stats = []
         self.backward_stats = []
@@ -250,7 +508,8 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
                 raise ValueError(f"the sequence has {seq} steps, fewer than the {size} ranks: "
                                  "every rank needs a time step")
             self._chains[seq] = _Chain(self.comm, seq, float(seq), self.forward_options,
-                                       self.backward_options, target_error=self.target_error)
+                                       self.backward_options, target_error=self.target_error,
+                                       store_all=False)
         return self._chains[seq]
 
     def forward(self, x, hx=None):
@@ -275,11 +534,31 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
                 t.requires_grad for t in [inp, h0_all] + params)
             run = Run(self._steps, h0_all[k].shape, h0_all.dtype, x.device, record)
             run.backward_log = self.backward_stats
-            states = _ChainFn.apply(chain, run, None, inp, h0_all[k], *params)
+            out = _ChainFn.apply(chain, run, None, inp, h0_all[k], *params)
             self.forward_stats.append(run.forward_stats)
-            inp = self._steps.hidden(states)  # (batch, seq, hidden)
-            finals.append(states[:, -1])
+            inp, final = self._steps.split(out)  # (batch, seq, hidden), the final state
+            finals.append(final)
         return self._steps.result(inp, finals)
+
+
+def _gates(xs, hp, params, bias):
+    """The gates' input and hidden pre-activations at n steps at once: xs (n, batch, input),
+    hp (n, batch, hidden)."""
+    gi = xs @ params[0].t()
+    gh = hp @ params[1].t()
+    if bias:
+        gi, gh = gi + params[2], gh + params[3]
+    return gi, gh
+
+
+def _flat(t):
+    """(n, batch, k) -> (n * batch, k): a sum over steps and samples as one product."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _lstm_activations(gi, gh):
+    i, f, g, o = (gi + gh).chunk(4, -1)
+    return torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
 
 
 def _allreduce_sum(comm, tensors):
@@ -312,6 +591,9 @@ class LayerParallelGRU(_LayerParallelRNN):
         forward_options, backward_options: MGRITOptions (default one level: exact).
         coarse_rule: "cell" (default) or "euler": the coarse-level step (module docstring).
         target_error: adaptive iterations, as for LayerParallelModule.
+        fused: runs of steps through torch's GRU kernel and the adjoint through the cell's
+            closed-form VJP with batched weight gradients (default); False: one cell call and
+            one autograd VJP per step (Note [fused cells]).
     """
 
     _cell = _GRUSteps
