@@ -19,7 +19,7 @@ from mpi4py import MPI as _MPI
 from ._mgrit_core import ffi, lib  # noqa: E402
 from ._states import _as_state, _clone, _from_bytes, _header, _is_torch, _norm, _raw_bytes
 from .errors import DivergenceError, MGRITError, RemoteRankError, StallError
-from .launch import timeout
+from .launch import timeout, wait_sleep
 
 __all__ = []
 
@@ -112,6 +112,7 @@ class _Core:
         self._core = out[0]
         self._set_options(options, trace)
         self._check(lib.mgrit_set_timeout(self._core, timeout()))
+        self._check(lib.mgrit_set_wait_sleep(self._core, wait_sleep()))
         self._check(lib.mgrit_set_mirror(self._core, int(bool(mirror))))
         self._check(lib.mgrit_set_store_all(self._core, int(bool(store_all))))
 

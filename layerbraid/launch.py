@@ -172,6 +172,36 @@ def timeout() -> float:
     return value
 
 
+# Seconds a long wait of the MGRIT core sleeps between tests when this node runs more ranks than
+# it has cores (Note [polled waits] in cbridge/src/comm.c).
+_OVERSUBSCRIBED_SLEEP = 1e-4
+
+
+def wait_sleep() -> float:
+    """Seconds the MGRIT core's waits sleep between tests once they have lasted a millisecond
+    (0: they yield the core instead).  ``LAYERBRAID_WAIT_SLEEP`` sets it; by default it is
+    0.1 ms when this node runs more ranks (as the launcher reports them: MPICH's
+    MPI_LOCALNRANKS, Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE) than this process may use cores,
+    where yielding ranks would take turns on the CPU with the ranks that compute, else 0."""
+    text = os.environ.get("LAYERBRAID_WAIT_SLEEP")
+    if text is not None:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not 0 <= value <= 1:
+            raise ValueError(f"LAYERBRAID_WAIT_SLEEP must be a number of seconds between 0 and 1, "
+                             f"got {text!r}")
+        return value
+    local = 1
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            local = int(os.environ[name])
+            break
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return _OVERSUBSCRIBED_SLEEP if local > (cores or 1) else 0.0
+
+
 def arrive(comm, what):
     """Waits, polling, until every rank of ``comm`` has reached this point (a non-blocking
     barrier), so that a rank that never comes is reported instead of waited for forever: after

@@ -236,3 +236,22 @@ def test_the_abort_hook_can_be_switched_off():
     proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_wait_sleep_follows_the_ranks_per_core(monkeypatch):
+    """More ranks on the node than cores: long waits sleep (Note [polled waits]); else they
+    yield; LAYERBRAID_WAIT_SLEEP overrides, and a bad value names itself."""
+    from layerbraid.launch import wait_sleep
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LAYERBRAID_WAIT_SLEEP", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE", raising=False)
+    monkeypatch.setenv("MPI_LOCALNRANKS", str(cores))
+    assert wait_sleep() == 0.0
+    monkeypatch.setenv("MPI_LOCALNRANKS", str(cores + 1))
+    assert wait_sleep() > 0
+    monkeypatch.setenv("LAYERBRAID_WAIT_SLEEP", "0")
+    assert wait_sleep() == 0.0
+    monkeypatch.setenv("LAYERBRAID_WAIT_SLEEP", "2")
+    with pytest.raises(ValueError, match="LAYERBRAID_WAIT_SLEEP.*'2'"):
+        wait_sleep()

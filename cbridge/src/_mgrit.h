@@ -37,6 +37,7 @@ typedef struct _mgrit_opts {
   int trace;
   int store_all; /* keep every level-0 point (default), or only what the cycles read again */
   double timeout; /* seconds a wait may last; 0 = forever */
+  double wait_sleep; /* seconds a long wait sleeps between tests; 0 = yield instead */
 } _mgrit_opts;
 
 typedef struct _mgrit_send {

@@ -6,6 +6,7 @@
  * The schedule never depends on the data, so every rank reaches the next collective, where the
  * failure becomes known everywhere.  MPI return codes are checked (mpi4py sets
  * MPI_ERRORS_RETURN) and become MGRIT_ERR_MPI with MPI's message. */
+#define _POSIX_C_SOURCE 200112L /* nanosleep */
 #include "_mgrit.h"
 
 #include <limits.h>
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define HEADER ((int64_t)sizeof(int64_t))
 
@@ -42,14 +44,24 @@ static void abort_nomem(mgrit_core *core, const char *what, size_t n) {
 
 /* Note [polled waits]: every wait of the core tests its request (or probes) in a loop,
  * yielding the core after a short spin (which oversubscribed ranks need), instead of blocking in
- * MPI; about every 50 ms it asks the poll callback whether to stop (Ctrl-C) and checks the
+ * MPI; with wait_sleep set, a wait that has lasted over a millisecond sleeps between tests
+ * instead of yielding (mgrit_set_wait_sleep: yielding ranks still take turns on the CPU, which
+ * ranks that compute then wait for when there are more ranks than cores); about every 50 ms it asks the poll callback whether to stop (Ctrl-C) and checks the
  * timeout.  A rank that stops this way abandons the schedule: the job is expected to end (the
  * Python side raises, and the uncaught exception aborts the job).  `what`, `peer`, `l` and `i`
  * name the wait in the timeout's message.  Returns 0 to keep waiting, else the status. */
 static int keep_waiting(mgrit_core *core, double t0, double *next, long *spins,
                         const char *what, int peer, int l, int64_t i) {
-  if (++*spins > 200) sched_yield();
   double now = MPI_Wtime();
+  if (++*spins > 200) {
+    if (core->o.wait_sleep > 0 && now - t0 > 1e-3) {
+      double whole = (double)(long)core->o.wait_sleep;
+      struct timespec nap = {(time_t)whole, (long)((core->o.wait_sleep - whole) * 1e9)};
+      nanosleep(&nap, NULL);
+    } else {
+      sched_yield();
+    }
+  }
   if (now < *next) return MGRIT_OK;
   *next = now + 0.05;
   if (core->cb.poll && core->cb.poll(core->app) != 0) {

@@ -114,6 +114,13 @@ int mgrit_create_virtual(int64_t num_steps, double tstart, double tstop, int ran
   return MGRIT_OK;
 }
 
+int mgrit_set_wait_sleep(mgrit_core *core, double seconds) {
+  if (!(seconds >= 0) || seconds > 1.0)
+    BAD(core, "wait_sleep must be between 0 and 1 second, got %g", seconds);
+  core->o.wait_sleep = seconds;
+  return MGRIT_OK;
+}
+
 int mgrit_set_timeout(mgrit_core *core, double seconds) {
   if (!(seconds >= 0) || seconds > 1e9) BAD(core, "timeout must be >= 0 seconds, got %g", seconds);
   core->o.timeout = seconds;

@@ -52,9 +52,12 @@ class _CellSteps(Steps):
         self.fused = bool(fused)
 
     # ------------------------------------------------------------------ what a cell defines
-    def cell_minus_h(self, x, s, params):
-        """cell(x, h) - h on the state s."""
+    def cell(self, x, s, params):
+        """The cell's next state from the state s and the input x."""
         raise NotImplementedError
+
+    def cell_minus_h(self, x, s, params):
+        return self.cell(x, s, params) - s
 
     def initial_states(self, hx, state_shape, like):
         """The user's hx (None: zeros) as one tensor ``(num_layers, *state)``."""
@@ -217,7 +220,10 @@ class _CellSteps(Steps):
         return dt if self.coarse_rule == "euler" else 1.0
 
     def step(self, run, s, dt, level, index):
-        return s + self.scale(dt) * self.cell_minus_h(run.x[:, index], s, run.params)
+        theta = self.scale(dt)
+        if theta == 1.0 and self.fused:  # the cell itself, as the kernel steps
+            return self.cell(run.x[:, index], s, run.params)
+        return s + theta * self.cell_minus_h(run.x[:, index], s, run.params)
 
     def step_interval(self, run, u, dts, level, index, stride, final, keep):
         # Note [fused cells]: a run of cell steps (theta = 1) is the kernel over every
@@ -317,9 +323,9 @@ class _CellSteps(Steps):
 class _GRUSteps(_CellSteps):
     reference = nn.GRU
 
-    def cell_minus_h(self, x, s, params):
+    def cell(self, x, s, params):
         b_ih, b_hh = (params[2], params[3]) if self.bias else (None, None)
-        return torch.gru_cell(x, s, params[0], params[1], b_ih, b_hh) - s
+        return torch.gru_cell(x, s, params[0], params[1], b_ih, b_hh)
 
     def kernel(self, xs, s, params, keep):
         out, _ = torch._VF.gru(xs.contiguous(), s.unsqueeze(0), list(params), self.bias, 1, 0.0,
@@ -366,10 +372,9 @@ class _LSTMSteps(_CellSteps):
     # loop; its GRU backward is not (measured: bench/bench_rnn.py)
     block_graphs = True
 
-    def cell_minus_h(self, x, s, params):
+    def cell(self, x, s, params):
         b_ih, b_hh = (params[2], params[3]) if self.bias else (None, None)
-        h2, c2 = torch.lstm_cell(x, (s[0], s[1]), params[0], params[1], b_ih, b_hh)
-        return torch.stack([h2, c2]) - s
+        return torch.stack(torch.lstm_cell(x, (s[0], s[1]), params[0], params[1], b_ih, b_hh))
 
     def kernel(self, xs, s, params, keep):
         out, h_n, c_n = torch._VF.lstm(xs.contiguous(), (s[0:1], s[1:2]), list(params),
