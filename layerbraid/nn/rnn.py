@@ -106,10 +106,18 @@ class _CellSteps(Steps):
         (n, batch, input), batched: what ``vjp`` reads."""
         raise NotImplementedError
 
-    def vjp(self, jac, k, w, params):
-        """``(J_k^T w, dgates)`` at step k of ``jac``: the adjoint state, and the gradient of
-        the gates' input and hidden pre-activations (``(dgi, dgh)``)."""
+    def vjp(self, jac, k, w, params, out=None):
+        """``J_k^T w`` at step k of ``jac``; with ``out = (dgi, dgh)`` also the gradients of the
+        gates' input and hidden pre-activations, written there."""
         raise NotImplementedError
+
+    def gate_buffers(self, n, like):
+        """Where n steps' ``(dgi, dgh)`` go (batch, gates each)."""
+        raise NotImplementedError
+
+    def run_inputs(self, u, out, raw):
+        """The states the steps of a kernel run started from, (n, *state)."""
+        return torch.stack([u] + out[:-1])
 
     def previous_h(self, sp):
         """The hidden states that multiply W_hh, from states sp (n, *state)."""
@@ -119,9 +127,11 @@ class _CellSteps(Steps):
     def begin(self, run, inputs):
         x, h0, params = inputs[0], inputs[1], inputs[2:]
         run.x, run.h0, run.params = x.detach(), h0.detach(), params
-        run.inputs = {}  # fused: owned step -> its input state in the final relaxation
+        # fused: first step of a run of the final relaxation -> its steps' input states, where
+        # the adjoint linearizes (n, *state)
+        run.inputs = {}
         run.blocks = {}  # fused, exact mode: first step -> (steps, state leaf, input leaf, outputs)
-        run.final_h = {}  # point -> its h, from the final relaxation (the output)
+        run.final_h = {}  # first point of a run -> its h's from the final relaxation (batch, n, H)
         run.x_requires_grad = x.requires_grad
 
     def initial(self, run):
@@ -132,17 +142,17 @@ class _CellSteps(Steps):
         # cycles read again), then what last_rows adds: (batch, rows, hidden) on every rank.
         # The owned points are one block per rank, in rank order (buffers, not pickles).
         seq = run.x.shape[1]
-        mine = [run.final_h[s + 1] for s in run.owned]
+        mine = torch.cat([run.final_h[p] for p in sorted(run.final_h)], 1).transpose(0, 1)
+        assert mine.shape[0] == len(run.owned), "the final relaxation missed an owned point"
         if seq in states:
-            mine += self.last_rows(states[seq])
-        mine = torch.stack(mine)
+            mine = torch.cat([mine] + [r.unsqueeze(0) for r in self.last_rows(states[seq])])
         rows = allgather_rows(self.comm, mine) if self.comm.Get_size() > 1 else mine
         return rows.to(run.x.device).transpose(0, 1)
 
     def begin_adjoint(self, run, grad):
         run.g = grad.detach()
         run.jac = None
-        run.dgates = {}    # step -> (dgi, dgh), from the adjoint's final relaxation
+        run.final_steps = set()  # steps whose (dgi, dgh) the adjoint's final relaxation wrote
         run.block_gx = {}  # first step of a block -> the input gradient of its steps
 
     def _linearize(self, run):
@@ -152,9 +162,11 @@ class _CellSteps(Steps):
         if run.jac is None:
             lo, hi = run.owned[0], run.owned[-1]
             run.jac_lo = lo
-            run.sp = torch.stack([run.inputs[s] for s in run.owned])
+            run.sp = torch.cat([run.inputs[s] for s in sorted(run.inputs)])
+            assert run.sp.shape[0] == len(run.owned), "the final relaxation missed an owned step"
             run.xs = run.x[:, lo:hi + 1].transpose(0, 1)
             run.jac = self.linearize(run.xs, run.sp, run.params)
+            run.dgi, run.dgh = self.gate_buffers(len(run.owned), run.sp[0])
         return run.jac
 
     def adjoint_initial(self, run):
@@ -192,7 +204,7 @@ class _CellSteps(Steps):
     def _fused_grads(self, run):
         """The input's and the weights' gradients from the gates' gradients of every owned step
         (Note [fused cells]): batched products over the block."""
-        steps = sorted(run.dgates)
+        steps = sorted(run.final_steps)
         blocks = sorted(run.blocks.items())
         covered = sorted(steps + [s for first, (n, *_) in blocks for s in range(first, first + n)])
         assert covered == list(run.owned), "the final relaxation did not run every owned step once"
@@ -202,9 +214,10 @@ class _CellSteps(Steps):
             gx[:, first:first + g.shape[1]] = g
         if steps:
             k = [s - run.jac_lo for s in steps]
-            dgi = torch.stack([run.dgates[s][0] for s in steps])  # (n, batch, gates)
-            dgh = torch.stack([run.dgates[s][1] for s in steps])
-            xs, hp = run.xs[k], self.previous_h(run.sp)[k]
+            if len(k) == len(run.owned):  # (n, batch, gates) and the steps' inputs
+                dgi, dgh, xs, hp = run.dgi, run.dgh, run.xs, self.previous_h(run.sp)
+            else:
+                dgi, dgh, xs, hp = run.dgi[k], run.dgh[k], run.xs[k], self.previous_h(run.sp)[k]
             gp[0] = gp[0] + _flat(dgi).t() @ _flat(xs)
             gp[1] = gp[1] + _flat(dgh).t() @ _flat(hp)
             if self.bias:
@@ -236,15 +249,10 @@ class _CellSteps(Steps):
         linearize = final and run.record  # the adjoint linearizes at every step's input
         out, raw = self.kernel(xs, u, run.params, keep or linearize)
         if final:
-            self._keep_h(run, index, raw)
+            run.final_h[index + 1] = raw[0]
         if linearize:
-            for k, x in enumerate([u] + out[:-1]):
-                run.inputs[index + k] = x
+            run.inputs[index] = self.run_inputs(u, out, raw)
         return out
-
-    def _keep_h(self, run, index, raw):
-        for k, h in enumerate(raw[0].unbind(1)):
-            run.final_h[index + 1 + k] = h
 
     def _record_block(self, run, u, xs, index):
         """Exact mode (Note [fused cells]): the kernel's graph of a rank's block, which the
@@ -254,7 +262,7 @@ class _CellSteps(Steps):
         with torch.enable_grad():
             out, raw = self.kernel(xg, ug, run.params, False)
         run.blocks[index] = (len(out), ug, xg, raw)
-        self._keep_h(run, index, [t.detach() for t in raw])
+        run.final_h[index + 1] = raw[0].detach()
         return [None] * (len(out) - 1) + [out[-1].detach()]
 
     def _block_vjp(self, run, first, n, w):
@@ -280,9 +288,11 @@ class _CellSteps(Steps):
     def adjoint_step(self, run, w, dt, level, s, final):
         if not self.fused:
             return None  # the VJP of the kept graph
-        dh, dgates = self.vjp(self._linearize(run), s - run.jac_lo, w, run.params)
+        jac = self._linearize(run)
+        k = s - run.jac_lo
+        dh = self.vjp(jac, k, w, run.params, (run.dgi[k], run.dgh[k]) if final else None)
         if final:
-            run.dgates[s] = dgates
+            run.final_steps.add(s)
         theta = self.scale(dt)
         return dh if theta == 1.0 else w + theta * (dh - w)
 
@@ -303,7 +313,7 @@ class _CellSteps(Steps):
     def record(self, run, s, dt, index):
         graph = None
         if self.fused or not run.record:  # fused: the adjoint linearizes at the input kept here
-            run.inputs[index] = s
+            run.inputs[index] = s.unsqueeze(0)
             y = self.step(run, s, dt, 0, index)
         else:
             sg = s.detach().requires_grad_(True)
@@ -312,7 +322,7 @@ class _CellSteps(Steps):
                 f = self.cell_minus_h(xg, sg, run.params)
             leaves = [(("x", index), xg)] + [(id(p), p) for p in run.params]
             y, graph = s + self.scale(dt) * f.detach(), _Graph(sg, f, leaves, increment=True)
-        run.final_h[index + 1] = self.h_of(y)
+        run.final_h[index + 1] = self.h_of(y).unsqueeze(1)
         return y, graph
 
     def source(self, run, s):
@@ -348,11 +358,22 @@ class _GRUSteps(_CellSteps):
         # (n, batch, 3, hidden): the factors of the r, z, n pre-activations' gradients
         return z, torch.stack([d_r, d_z, d_n], -2), torch.stack([d_r, d_z, d_n * r], -2)
 
-    def vjp(self, jac, k, w, params):
+    def vjp(self, jac, k, w, params, out=None):
         z, f_gi, f_gh = jac
         w3 = w.unsqueeze(-2)
-        dgh = (w3 * f_gh[k]).flatten(-2)
-        return torch.addmm(w * z[k], dgh, params[1]), ((w3 * f_gi[k]).flatten(-2), dgh)
+        if out is None:
+            dgh = (w3 * f_gh[k]).flatten(-2)
+        else:
+            torch.mul(w3, f_gi[k], out=out[0].view(f_gi[k].shape))
+            dgh = torch.mul(w3, f_gh[k], out=out[1].view(f_gh[k].shape)).flatten(-2)
+        return torch.addmm(w * z[k], dgh, params[1])
+
+    def gate_buffers(self, n, like):
+        shape = (n, like.shape[0], 3 * like.shape[-1])
+        return like.new_empty(shape), like.new_empty(shape)
+
+    def run_inputs(self, u, out, raw):
+        return torch.cat([u.unsqueeze(0), raw[0].transpose(0, 1)[:-1]])
 
     def initial_states(self, hx, state_shape, like):
         if hx is None:
@@ -409,12 +430,17 @@ class _LSTMSteps(_CellSteps):
                 torch.cat([g * i * (1 - i), c * f * (1 - f), i * (1 - g * g), tc * o * (1 - o)],
                           -1))
 
-    def vjp(self, jac, k, w, params):
+    def vjp(self, jac, k, w, params, out=None):
         d_c, f, f_gates = jac
         wh, wc = w[0], w[1]
         dct = torch.addcmul(wc, wh, d_c[k])
-        dg = torch.cat([dct, dct, dct, wh], -1) * f_gates[k]
-        return torch.stack([dg @ params[1], dct * f[k]]), (dg, dg)
+        dg = torch.mul(torch.cat([dct, dct, dct, wh], -1), f_gates[k],
+                       out=None if out is None else out[0])
+        return torch.stack([dg @ params[1], dct * f[k]])
+
+    def gate_buffers(self, n, like):
+        dg = like.new_empty((n, like.shape[-2], 4 * like.shape[-1]))
+        return dg, dg  # the input and hidden pre-activations' gradients are the same
 
     def previous_h(self, sp):
         return sp[:, 0]
