@@ -44,11 +44,19 @@ def _cfactor(text):
     return v
 
 
+def _levels(text):
+    if text == "auto":
+        return text
+    return _positive_int(text)
+
+
 def add_lp_arguments(parser, *, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1, relax="F"):
     """Adds the ``--lp-*`` MGRIT flags (defaults can be changed per script)."""
     g = parser.add_argument_group("layer-parallel MGRIT")
-    g.add_argument("--lp-levels", type=_positive_int, default=levels, metavar="L",
-                   help=f"MGRIT levels; 1 = exact sequential stepping across ranks (default {levels})")
+    g.add_argument("--lp-levels", type=_levels, default=levels, metavar="L",
+                   help="MGRIT levels; 1 = exact sequential stepping across ranks; auto = the "
+                        "levels (1-4) whose schedule the planner predicts fastest on this many "
+                        f"ranks with these flags (default {levels})")
     g.add_argument("--lp-cfactor", type=_cfactor, nargs="+", default=[cfactor], metavar="CF",
                    help="coarsening factor, or one per coarsened level (levels - 1 values) "
                         f"(default {cfactor})")
@@ -124,7 +132,12 @@ def add_training_arguments(parser, *, steps=8, channels=8, t_final=1.0, batch_si
 def parse_args(parser, argv=None):
     """Parses argv and checks the flags against each other; errors exit before any training."""
     args = parser.parse_args(argv)
-    if hasattr(args, "lp_levels"):
+    if getattr(args, "lp_levels", None) == "auto":
+        for flag, values in (("--lp-cfactor", args.lp_cfactor), ("--lp-relax", args.lp_relax)):
+            if len(values) > 1:
+                parser.error(f"--lp-levels auto takes one {flag} value for every level, got "
+                             f"{' '.join(map(str, values))}")
+    elif hasattr(args, "lp_levels"):
         coarsened = max(args.lp_levels - 1, 1)
         if len(args.lp_cfactor) not in (1, coarsened):
             parser.error(f"--lp-cfactor takes one value or one per coarsened level "
@@ -175,12 +188,47 @@ def check_run(parser, args, comm=None, *, steps=None, steps_flag="--steps"):
     if not serial and steps is not None and steps < layer_ranks:
         parser.error(f"{steps_flag} {steps} is smaller than the number of layer-parallel ranks "
                      f"({layer_ranks})")
+    if getattr(args, "lp_levels", None) == "auto":
+        args.lp_levels = 1 if serial or steps is None else auto_levels(args, steps, layer_ranks)
+        if comm.Get_rank() == 0:
+            print(f"--lp-levels auto: {args.lp_levels} level(s) for {steps} steps on "
+                  f"{layer_ranks} layer-parallel rank(s)", flush=True)
     device = getattr(args, "device", "cpu")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             parser.error(f"--device {device}: CUDA is not available here")
         args.device = f"cuda:{comm.Get_rank() % torch.cuda.device_count()}"
     return args
+
+
+# The largest hierarchy --lp-levels auto considers.
+AUTO_MAX_LEVELS = 4
+
+
+def auto_levels(args, steps, ranks):
+    """--lp-levels auto: the levels, 1 to AUTO_MAX_LEVELS, whose forward and adjoint schedules
+    with these flags finish first on ``ranks`` ranks as layerbraid.plan replays them, counting
+    a step as one unit of time and a VJP as two (three with parameter gradients), messages as
+    free; ties go to fewer levels.  Every rank computes the same answer from the same flags: no
+    communication.  Measured costs (``python -m layerbraid.plan --measure-conv ...
+    --recommend``) can choose better where messages or coarse levels cost differently."""
+    from . import plan
+
+    costs = plan.Costs(step_seconds=1.0, vjp_seconds=2.0, latency=0.0)
+    best = None
+    for levels in range(1, AUTO_MAX_LEVELS + 1):
+        fwd, bwd = mgrit_options(replace_levels(args, levels))
+        seconds = plan.predict(steps, ranks, fwd, bwd, costs).seconds
+        if best is None or seconds < best[1]:
+            best = (levels, seconds)
+    return best[0]
+
+
+def replace_levels(args, levels):
+    """A copy of the parsed flags with ``--lp-levels levels``."""
+    import argparse
+
+    return argparse.Namespace(**{**vars(args), "lp_levels": levels})
 
 
 def mgrit_options(args):

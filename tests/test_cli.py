@@ -47,6 +47,9 @@ def test_per_level_values_and_switches():
     (["--lr", "nan"], ["--lr", "'nan'"]),
     (["--batch-size", "ten"], ["--batch-size", "'ten'"]),
     (["--resume", "/no/such/file.pt"], ["--resume", "/no/such/file.pt"]),
+    (["--lp-levels", "many"], ["--lp-levels", "'many'"]),
+    (["--lp-levels", "auto", "--lp-cfactor", "4", "2"], ["--lp-levels auto", "--lp-cfactor",
+                                                         "4 2"]),
 ])
 def test_bad_values_stop_with_a_message_naming_flag_and_value(argv, words, capsys):
     with pytest.raises(SystemExit) as info:
@@ -108,3 +111,26 @@ def test_check_run_names_the_flag_against_the_launch(argv, ranks, steps, words, 
 def test_check_run_accepts_a_good_launch():
     args = parser().parse_args(["--steps", "4"])
     assert cli.check_run(parser(), args, _Ranks(4, 3)).device == "cpu"
+
+
+def test_auto_levels_take_the_planners_fastest_schedule(capsys):
+    """--lp-levels auto: one rank runs exact; on more, the levels whose schedule the planner
+    replays fastest (unit step costs), the same on every rank, said once by rank 0."""
+    from layerbraid import plan
+
+    args = cli.check_run(parser(), cli.parse_args(parser(), ["--lp-levels", "auto", "--steps",
+                                                              "64"]), _Ranks(1))
+    assert args.lp_levels == 1
+    for steps, ranks in ((64, 4), (256, 16)):
+        argv = ["--lp-levels", "auto", "--steps", str(steps), "--lp-cfactor", "4"]
+        chosen = {cli.check_run(parser(), cli.parse_args(parser(), argv),
+                                _Ranks(ranks, r)).lp_levels for r in range(ranks)}
+        assert len(chosen) == 1
+        costs = plan.Costs(step_seconds=1.0, vjp_seconds=2.0, latency=0.0)
+        times = {lv: plan.predict(steps, ranks, *cli.mgrit_options(cli.parse_args(
+            parser(), ["--lp-levels", str(lv), "--lp-cfactor", "4"])), costs).seconds
+            for lv in range(1, cli.AUTO_MAX_LEVELS + 1)}
+        assert chosen == {min(times, key=lambda lv: (times[lv], lv))}
+        assert chosen != {1}  # 4-16 ranks: a hierarchy beats sequential stepping
+    out = capsys.readouterr().out
+    assert out.count("--lp-levels auto:") == 3  # rank 0 of each launch

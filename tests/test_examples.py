@@ -91,6 +91,15 @@ def test_sequence_classification_layer_parallel_equals_serial_in_exact_mode(tmp_
     assert sum(lp["last_losses"]) < sum(lp["first_losses"])
 
 
+def test_sequence_classification_with_auto_levels(tmp_path):
+    """--lp-levels auto resolves before training, says what it chose, and trains with it."""
+    proc = run(2, "sequence_classification.py", "--task", "synthetic", "--length", "64",
+               "--epochs", "1", "--max-batches", "3", "--test-limit", "50", "--hidden", "8",
+               "--lp-levels", "auto", "--out-dir", tmp_path)
+    assert proc.stdout.count("--lp-levels auto: 3 level(s) for 64 steps on 2") == 1, proc.stdout
+    assert metrics(tmp_path)["history"]
+
+
 def test_volumes3d_with_spatial_coarsening_runs_and_checks_its_flags(tmp_path):
     run(2, "volumes3d.py", "--size", 8, "--steps", 4, "--train-size", 64, "--epochs", 2,
         "--max-batches", 4, "--batch-size", 8, "--lp-levels", 2, "--lp-sc-levels", 1,
