@@ -178,8 +178,8 @@ _OVERSUBSCRIBED_SLEEP = 1e-4
 
 
 def wait_sleep() -> float:
-    """Seconds the MGRIT core's waits sleep between tests once they have lasted a millisecond
-    (0: they yield the core instead).  ``LAYERBRAID_WAIT_SLEEP`` sets it; by default it is
+    """Seconds the MGRIT core's waits sleep at least between tests once a short spin has not
+    ended them (up to a tenth of the time waited, at most 1 ms; 0: they yield the core instead).  ``LAYERBRAID_WAIT_SLEEP`` sets it; by default it is
     0.1 ms when this node runs more ranks (as the launcher reports them: MPICH's
     MPI_LOCALNRANKS, Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE) than this process may use cores,
     where yielding ranks would take turns on the CPU with the ranks that compute, else 0."""
@@ -189,9 +189,9 @@ def wait_sleep() -> float:
             value = float(text)
         except ValueError:
             value = -1.0
-        if not 0 <= value <= 1:
-            raise ValueError(f"LAYERBRAID_WAIT_SLEEP must be a number of seconds between 0 and 1, "
-                             f"got {text!r}")
+        if not 0 <= value <= 1e-3:
+            raise ValueError(f"LAYERBRAID_WAIT_SLEEP must be a number of seconds between 0 and "
+                             f"0.001, got {text!r}")
         return value
     local = 1
     for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):

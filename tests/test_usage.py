@@ -252,6 +252,6 @@ def test_wait_sleep_follows_the_ranks_per_core(monkeypatch):
     assert wait_sleep() > 0
     monkeypatch.setenv("LAYERBRAID_WAIT_SLEEP", "0")
     assert wait_sleep() == 0.0
-    monkeypatch.setenv("LAYERBRAID_WAIT_SLEEP", "2")
-    with pytest.raises(ValueError, match="LAYERBRAID_WAIT_SLEEP.*'2'"):
+    monkeypatch.setenv("LAYERBRAID_WAIT_SLEEP", "0.5")
+    with pytest.raises(ValueError, match="LAYERBRAID_WAIT_SLEEP.*.0.5."):
         wait_sleep()

@@ -11,7 +11,8 @@ Everything else is the real training path: LayerParallelModule's forward and adj
 solves (2 forward / 1 adjoint iteration, F-relaxation on the fine level and FCF below, first
 down-cycle skipped), the output broadcast and ``loss.backward()``.  Per config: the seconds of
 each of REPEATS forward+backward passes after a warm-up (the slowest rank's), and the steps and
-VJPs each rank ran (from the core's trace).  On a 1-rank job, also the emulated serial network
+VJPs each rank ran (from the core's trace), and the CPU seconds each rank spent in its fastest
+pass (what the ranks ask of the machine's cores).  On a 1-rank job, also the emulated serial network
 (plain PyTorch autograd over the same sleeping layers).
 """
 import sys
@@ -75,17 +76,19 @@ def main():
         steps, levels, cfactor = map(int, config.split(":"))
         model, x = build(comm, steps, levels, cfactor, step_s, vjp_s, floats)
         model.set_trace(True)
-        times = []
+        times, cpu = [], []
         for k in range(repeats + 1):
             comm.Barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             model(x).sum().backward()
+            c1 = time.process_time() - c0
             t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
             if k:
                 times.append(t)
+                cpu.append(c1)
         fwd, bwd = model.trace()
         counts = comm.gather((sum(e.op.endswith("step") for e in fwd),
-                              sum(e.op.endswith("step") for e in bwd)), root=0)
+                              sum(e.op.endswith("step") for e in bwd), min(cpu)), root=0)
         serial = None
         if comm.size == 1:
             net = model.to_serial()
@@ -100,7 +103,8 @@ def main():
         if comm.rank == 0:
             print(json.dumps(dict(ranks=comm.size, steps=steps, levels=levels, cfactor=cfactor,
                                   seconds=times, fwd_steps=[c[0] for c in counts],
-                                  bwd_vjps=[c[1] for c in counts], serial_seconds=serial)),
+                                  bwd_vjps=[c[1] for c in counts],
+                                  cpu_seconds=[c[2] for c in counts], serial_seconds=serial)),
                   flush=True)
 
 

@@ -147,10 +147,11 @@ int mgrit_set_mirror(mgrit_core *core, int mirror);
  * default) waits forever.  The waits poll, so that a stalled job is noticed (see Note [polled
  * waits] in comm.c). */
 int mgrit_set_timeout(mgrit_core *core, double seconds);
-/* How a wait that has lasted over a millisecond lets the others run: 0 (the default) keeps
- * yielding the core between tests, the right choice with a core per rank; a positive value
- * sleeps that many seconds between tests instead, so that more ranks than cores (an emulation,
- * a laptop) leave the CPU to the ranks that compute.  A local setting: ranks may differ. */
+/* How a wait that a short spin did not end lets the others run: 0 (the default) yields the
+ * core between tests, the right choice with a core per rank; a positive value (at most 1 ms)
+ * sleeps between tests instead, at least that long and up to a tenth of the time waited so far
+ * (at most 1 ms), so that more ranks than cores (an emulation, a laptop) leave the CPU to the
+ * ranks that compute.  A local setting: ranks may differ. */
 int mgrit_set_wait_sleep(mgrit_core *core, double seconds);
 
 /* Check that all ranks were given the same problem and options, and build the levels, so that

@@ -44,9 +44,10 @@ static void abort_nomem(mgrit_core *core, const char *what, size_t n) {
 
 /* Note [polled waits]: every wait of the core tests its request (or probes) in a loop,
  * yielding the core after a short spin (which oversubscribed ranks need), instead of blocking in
- * MPI; with wait_sleep set, a wait that has lasted over a millisecond sleeps between tests
- * instead of yielding (mgrit_set_wait_sleep: yielding ranks still take turns on the CPU, which
- * ranks that compute then wait for when there are more ranks than cores); about every 50 ms it asks the poll callback whether to stop (Ctrl-C) and checks the
+ * MPI; with wait_sleep set, a wait that the short spin did not end sleeps between tests instead
+ * of yielding (mgrit_set_wait_sleep: yielding ranks still take turns on the CPU, which ranks that
+ * compute then wait for when there are more ranks than cores), a tenth of the time waited so far
+ * (between wait_sleep and 1 ms: each test costs CPU too); about every 50 ms it asks the poll callback whether to stop (Ctrl-C) and checks the
  * timeout.  A rank that stops this way abandons the schedule: the job is expected to end (the
  * Python side raises, and the uncaught exception aborts the job).  `what`, `peer`, `l` and `i`
  * name the wait in the timeout's message.  Returns 0 to keep waiting, else the status. */
@@ -54,9 +55,12 @@ static int keep_waiting(mgrit_core *core, double t0, double *next, long *spins,
                         const char *what, int peer, int l, int64_t i) {
   double now = MPI_Wtime();
   if (++*spins > 200) {
-    if (core->o.wait_sleep > 0 && now - t0 > 1e-3) {
-      double whole = (double)(long)core->o.wait_sleep;
-      struct timespec nap = {(time_t)whole, (long)((core->o.wait_sleep - whole) * 1e9)};
+    if (core->o.wait_sleep > 0) {
+      /* a tenth of the time waited so far, at least wait_sleep, at most a millisecond: a
+       * test costs CPU that many waiting ranks add up, and a long wait is late by little */
+      double s = (now - t0) / 10;
+      s = s < core->o.wait_sleep ? core->o.wait_sleep : s > 1e-3 ? 1e-3 : s;
+      struct timespec nap = {0, (long)(s * 1e9)};
       nanosleep(&nap, NULL);
     } else {
       sched_yield();

@@ -115,8 +115,8 @@ int mgrit_create_virtual(int64_t num_steps, double tstart, double tstop, int ran
 }
 
 int mgrit_set_wait_sleep(mgrit_core *core, double seconds) {
-  if (!(seconds >= 0) || seconds > 1.0)
-    BAD(core, "wait_sleep must be between 0 and 1 second, got %g", seconds);
+  if (!(seconds >= 0) || seconds > 1e-3)
+    BAD(core, "wait_sleep must be between 0 and 0.001 seconds, got %g", seconds);
   core->o.wait_sleep = seconds;
   return MGRIT_OK;
 }
