@@ -217,14 +217,14 @@ def auto_levels(args, steps, ranks):
     costs = plan.Costs(step_seconds=1.0, vjp_seconds=2.0, latency=0.0)
     best = None
     for levels in range(1, AUTO_MAX_LEVELS + 1):
-        fwd, bwd = mgrit_options(replace_levels(args, levels))
+        fwd, bwd = mgrit_options(_with_levels(args, levels))
         seconds = plan.predict(steps, ranks, fwd, bwd, costs).seconds
         if best is None or seconds < best[1]:
             best = (levels, seconds)
     return best[0]
 
 
-def replace_levels(args, levels):
+def _with_levels(args, levels):
     """A copy of the parsed flags with ``--lp-levels levels``."""
     import argparse
 

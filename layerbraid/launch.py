@@ -179,10 +179,11 @@ _OVERSUBSCRIBED_SLEEP = 1e-4
 
 def wait_sleep() -> float:
     """Seconds the MGRIT core's waits sleep at least between tests once a short spin has not
-    ended them (up to a tenth of the time waited, at most 1 ms; 0: they yield the core instead).  ``LAYERBRAID_WAIT_SLEEP`` sets it; by default it is
-    0.1 ms when this node runs more ranks (as the launcher reports them: MPICH's
-    MPI_LOCALNRANKS, Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE) than this process may use cores,
-    where yielding ranks would take turns on the CPU with the ranks that compute, else 0."""
+    ended them (up to a tenth of the time waited, at most 1 ms; 0: they yield the core
+    instead).  ``LAYERBRAID_WAIT_SLEEP`` sets it; by default it is 0.1 ms when this node runs
+    more ranks (as the launcher reports them: MPICH's MPI_LOCALNRANKS, Open MPI's
+    OMPI_COMM_WORLD_LOCAL_SIZE) than this process may use cores, where yielding ranks would take
+    turns on the CPU with the ranks that compute, else 0."""
     text = os.environ.get("LAYERBRAID_WAIT_SLEEP")
     if text is not None:
         try:
