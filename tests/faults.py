@@ -7,6 +7,7 @@ Each scenario prints ``FAULT <unix time>`` on the faulty rank just before the fa
 driver can time the end of the job from it.  The job must end on every rank, with the cause.
 """
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -33,7 +34,9 @@ class InjectedFault(RuntimeError):
 
 
 def fault_here():
-    print(f"FAULT {time.time():.3f}", flush=True)
+    # one write with its newline: two faulty ranks' lines must not run into each other
+    sys.stdout.write(f"FAULT {time.time():.3f}\n")
+    sys.stdout.flush()
 
 
 def fail_on(rank, where):
@@ -101,8 +104,9 @@ def run(scenario, ranks=2, limit=120):
     deadline = time.time() + limit
     for line in proc.stdout:  # the job's output, as it comes
         lines.append(line)
-        if line.startswith("FAULT ") and fault is None:
-            fault = float(line.split()[1])
+        found = re.search(r"FAULT (\d+\.\d+)", line)  # mpiexec may still join two ranks' lines
+        if found and fault is None:
+            fault = float(found.group(1))
             if scenario == "sigint":
                 proc.send_signal(signal.SIGINT)
         if time.time() > deadline:
