@@ -64,15 +64,24 @@ def bcast_into(comm, tensors, root=0):
 
 def allgather_rows(comm, t):
     """The concatenation, in rank order, of every rank's ``t`` (shape (n_rank, ...), the same
-    trailing shape and dtype everywhere) along dimension 0, on every rank."""
+    trailing shape and dtype everywhere) along dimension 0, on every rank.
+
+    Every rank sends as many rows as the largest block (a shorter block is padded), through
+    MPI_Allgather: MPICH's Allgatherv of the same bytes took 25x longer on one node (40 ms
+    against 1.5 ms for 4 MB per rank, 2 ranks)."""
     from mpi4py import MPI
 
     counts = comm.allgather(int(t.shape[0]))
-    rest = tuple(t.shape[1:])
-    row = t.element_size() * int(torch.tensor(rest).prod().item() if rest else 1)
-    _, send = _host_bytes(t)
-    host, recv = _empty((sum(counts),) + rest, t.dtype)
-    sizes = [c * row for c in counts]
-    displs = [sum(sizes[:k]) for k in range(len(sizes))]
-    comm.Allgatherv([send, MPI.BYTE], [recv, sizes, displs, MPI.BYTE])
-    return host.reshape((sum(counts),) + rest).to(t.device)
+    most, rest = max(counts), tuple(t.shape[1:])
+    if t.shape[0] == most:
+        _, send = _host_bytes(t)
+    else:
+        padded = torch.zeros((most,) + rest, dtype=t.dtype)
+        padded[:t.shape[0]] = t.detach().to("cpu")
+        _, send = _host_bytes(padded)
+    host, recv = _empty((len(counts) * most,) + rest, t.dtype)
+    comm.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
+    host = host.reshape((len(counts), most) + rest)
+    rows = host.reshape((-1,) + rest) if min(counts) == most else \
+        torch.cat([host[k, :c] for k, c in enumerate(counts)])
+    return rows.to(t.device)
