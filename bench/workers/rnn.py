@@ -59,7 +59,7 @@ def main():
             if comm.rank == 0:
                 se.append(s)
     if comm.rank == 0:
-        err = float((out - ref_out).norm() / ref_out.norm())
+        err = float((out - ref_out).detach().norm() / ref_out.detach().norm())
         num = sum(float((p.grad - q.grad).pow(2).sum())
                   for p, q in zip(net.parameters(), ref.parameters()))
         den = sum(float(q.grad.pow(2).sum()) for q in ref.parameters())
