@@ -125,7 +125,9 @@ def test_fused_path_equals_per_step_path():
     configs = [None,
                MGRITOptions(max_levels=2, cfactor=4, max_iters=2, nrelax=0,
                             skip_first_downcycle=True),
-               MGRITOptions(max_levels=3, cfactor=2, max_iters=1, nrelax=1)]
+               MGRITOptions(max_levels=3, cfactor=2, max_iters=1, nrelax=1),
+               # F-intervals of 5 steps: the LSTM's kept runs through the kernel, not cells
+               MGRITOptions(max_levels=2, cfactor=6, max_iters=2, nrelax=1)]
     for cls in (LayerParallelGRU, LayerParallelLSTM):
         for opts in configs:
             for rule in ("cell", "euler"):
