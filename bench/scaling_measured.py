@@ -5,20 +5,20 @@
     python bench/scaling_measured.py --report   (rewrites the section and plots from the .json)
 
 A 2-core machine cannot compute 64 ranks' layers, but it can run everything else of 64 ranks:
-bench/workers/emulated.py trains through the real path (LayerParallelModule's forward and
-adjoint MGRIT solves, messages of a real state's size, the output broadcast) with step layers
-that sleep instead of computing (STEP_MS per step, VJP_MS per VJP), as a layer on an
-accelerator leaves its CPU idle.  With more ranks than cores the core's waits sleep between
-tests (Note [polled waits] in cbridge/src/comm.c), and MPICH's own waits yield
-(MPIR_CVAR_ENABLE_HEAVY_YIELD=1).  What stays real is the schedule, the messages, the waiting,
-the sequential coarse solve, and layerbraid's own CPU work (callbacks, vector sums, norms,
-packing, Python around each solve), which 64 ranks on 2 cores must share: that is the part of the measurement a cluster would not
-see.  The model of this machine is therefore layerbraid.plan's schedule run on 2 shared cores
-(bench/shared_cores.py): a step action needs a core for its CPU part only (the parts run in
-turn, at most one per core), waiting ranks poll, and a rank that napped in a wait sees its
-message as late as a state handed from rank to rank showed on this machine.  Settings: 2 forward / 1 adjoint iteration, F-relaxation on the fine level, FCF below, first
-down-cycle skipped.  Speedup = the emulated serial network's time (plain PyTorch autograd over
-the same sleeping layers) / time.
+bench/workers/emulated.py trains through the real path (LayerParallelModule's forward and adjoint
+MGRIT solves, messages of a real state's size, the output broadcast) with step layers that sleep
+instead of computing (STEP_MS per step, VJP_MS per VJP), as a layer on an accelerator leaves its
+CPU idle. With more ranks than cores the core's waits sleep between tests (Note [polled waits] in
+cbridge/src/comm.c), and MPICH's own waits yield (MPIR_CVAR_ENABLE_HEAVY_YIELD=1). What stays real
+is the schedule, the messages, the waiting, the sequential coarse solve, and layerbraid's own CPU
+work (callbacks, vector sums, norms, packing, Python around each solve), which 64 ranks on 2 cores
+must share: that is the part of the measurement a cluster would not see. The model of this machine
+is therefore layerbraid.plan's schedule run on 2 shared cores (bench/shared_cores.py): a step
+action needs a core for its CPU part only (the parts run in turn, at most one per core), waiting
+ranks poll, and a rank that napped in a wait sees its message as late as a state handed from rank
+to rank showed on this machine. Settings: 2 forward / 1 adjoint iteration, F-relaxation on the fine
+level, FCF below, first down-cycle skipped. Speedup = the emulated serial network's time (plain
+PyTorch autograd over the same sleeping layers) / time.
 """
 import json
 import os
@@ -124,7 +124,8 @@ def host(data):
             continue
         wall = min(r["seconds"])
         for f, v, c in zip(r["fwd_steps"], r["bwd_vjps"], r["cpu_seconds"]):
-            busy = f * (data["step_ms"] / 1e3 + late + cpu) + v * (data["vjp_ms"] / 1e3 + late + cpu)
+            busy = (f * (data["step_ms"] / 1e3 + late + cpu)
+                    + v * (data["vjp_ms"] / 1e3 + late + cpu))
             excess += c - cpu * (f + v)
             waited += max(0.0, wall - busy)
     return cpu, late, max(0.0, excess / waited)
