@@ -131,11 +131,17 @@ def host(data):
     return cpu, late, max(0.0, excess / waited)
 
 
+def _action_costs(data, machine):
+    """(message seconds, seconds of a step, of a VJP) of the emulated layer on this machine."""
+    cpu, late, _ = machine
+    return (LATENCY + 4 * data["floats"] / BANDWIDTH, data["step_ms"] / 1e3 + late + cpu,
+            data["vjp_ms"] / 1e3 + late + cpu)
+
+
 def on_this_machine(n, ranks, fwd, bwd, data, machine, cores=CORES, seen_late=0.0):
     """(seconds, CPU seconds) of one forward+backward, the ranks sharing `cores` cores."""
-    cpu, late, wait_cpu = machine
-    msg = LATENCY + 4 * data["floats"] / BANDWIDTH
-    step, vjp = data["step_ms"] / 1e3 + late + cpu, data["vjp_ms"] / 1e3 + late + cpu
+    cpu, _, wait_cpu = machine
+    msg, step, vjp = _action_costs(data, machine)
     out = [shared_cores.simulate(plan.schedule(n, ranks, opts, adjoint=adj), cost, cost, msg,
                                  LATENCY, cores=cores, cpu=cpu, wait_cpu=wait_cpu,
                                  seen_late=seen_late)
@@ -146,7 +152,7 @@ def on_this_machine(n, ranks, fwd, bwd, data, machine, cores=CORES, seen_late=0.
 def hand_off_model(data, machine, ranks, seen_late):
     """Seconds of the hand-off worker's solve on `ranks` ranks in the model of this machine."""
     one = next(r["seconds"] for r in data["hand_off"] if r["ranks"] == 1)
-    msg = LATENCY + 4 * data["floats"] / BANDWIDTH
+    msg = _action_costs(data, machine)[0]
     return shared_cores.simulate(plan.schedule(ranks, ranks, MGRITOptions(max_levels=1)), one,
                                  one, msg, LATENCY, cores=CORES, cpu=min(machine[0], one),
                                  wait_cpu=machine[2], seen_late=seen_late)[0]
@@ -172,9 +178,7 @@ def seen_late(data, machine):
 
 def check_shared_cores(n, ranks, fwd, bwd, data, machine):
     """With a core per rank the shared-cores model must be layerbraid.plan.simulate itself."""
-    cpu, late, _ = machine
-    msg = LATENCY + 4 * data["floats"] / BANDWIDTH
-    step, vjp = data["step_ms"] / 1e3 + late + cpu, data["vjp_ms"] / 1e3 + late + cpu
+    msg, step, vjp = _action_costs(data, machine)
     ref = sum(plan.simulate(plan.schedule(n, ranks, opts, adjoint=adj), cost, cost, msg, LATENCY)
               for opts, adj, cost in ((fwd, False, step), (bwd, True, vjp)))
     got = on_this_machine(n, ranks, fwd, bwd, data, machine, cores=ranks)[0]
@@ -288,11 +292,11 @@ def findings(table, data):
                    "yet the measurement takes "
                    f"{min(t['measured'] / t['predicted'] for t in top):.1f}-"
                    f"{max(t['measured'] / t['predicted'] for t in top):.1f}x the prediction: "
-                   "the model keeps the cores as busy, in less time, so what it lacks is delay "
-                   "rather than work (a rank ready to run waiting longer for a core than its turn "
-                   "in the model, or seeing its message later than the hand-off runs, with one "
-                   "rank busy at a time, measured).  These points measure the emulation on this "
-                   "machine, not the schedule on a cluster (the last column).")
+                   "the model misses what slows 64 processes on 2 cores further, most likely "
+                   "the wait of a rank that is ready to run while the cores are full (the "
+                   "hand-off runs, with one rank busy at a time, do not measure it).  These "
+                   "points measure the emulation on this machine, not the schedule on a cluster "
+                   "(the last column).")
     if 64 not in counts:
         out.append("- 64 ranks: no measurement (the job did not finish; see the script's "
                    "RANKS).")
