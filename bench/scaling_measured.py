@@ -131,6 +131,15 @@ def host(data):
     return cpu, late, max(0.0, excess / waited)
 
 
+def sleep_late(row):
+    """Seconds a sleep of the emulated layers took beyond its nominal time in this run, the
+    mean over every rank's sleeps (None for runs recorded before the worker measured it)."""
+    late = row.get("sleep_late")
+    if not late:
+        return None
+    return sum(x[0] for x in late) / max(1, sum(x[1] for x in late))
+
+
 def _action_costs(data, machine):
     """(message seconds, seconds of a step, of a VJP) of the emulated layer on this machine."""
     cpu, late, _ = machine
@@ -207,7 +216,13 @@ def report(data):
         same = (cluster.steps_per_rank == r["fwd_steps"]
                 and sorted(bwd_counts) == sorted(r["bwd_vjps"]))
         meas = min(r["seconds"])
+        woke = sleep_late(r)
+        if woke is not None:  # the same model, each sleep as late as this run's were
+            woke = on_this_machine(r["steps"], r["ranks"], fwd, bwd, data,
+                                   (machine[0], woke, machine[2]),
+                                   seen_late=late_seen.get(r["ranks"], 0.0))[0]
         table.append(dict(r, measured=meas, predicted=pred, same_counts=same,
+                          sleep_late=sleep_late(r), predicted_woke=woke,
                           busy=sum(r["cpu_seconds"]) / CORES / meas,
                           predicted_busy=pred_cpu / CORES / pred,
                           speedup=serial[r["steps"]] / meas,
@@ -229,7 +244,10 @@ def report(data):
              "Nothing is fitted to the training runs from 8 ranks on: those points are "
              "predictions.  With a core per rank the same model is "
              "layerbraid.plan.simulate (checked on every configuration); the last column is "
-             "layerbraid.plan.predict: what a cluster with a core per rank would see.", ""]
+             "layerbraid.plan.predict: what a cluster with a core per rank would see.  The "
+             "two columns after it: how late the run's sleeps woke up (the mean over every "
+             "rank's sleeps, measured by the worker), and the same model with each action's "
+             "sleep that late instead of the one-rank value.", ""]
     worst = max(abs(t["predicted"] / t["measured"] - 1) for t in table)
     lines += [f"Largest prediction error: {100 * worst:.0f}%; step and VJP counts equal in "
               f"{sum(t['same_counts'] for t in table)} of {len(table)} runs.", ""]
@@ -237,15 +255,18 @@ def report(data):
         lines += [f"![N={n}: measured points on predicted lines]({OUT.name}_{n}.png)", ""]
     lines += ["| N | levels | cfactor | ranks | measured s | predicted s | predicted / measured "
               "| cores busy, measured | cores busy, predicted | speedup measured | speedup "
-              "predicted | counts equal | speedup predicted, a core per rank |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "predicted | counts equal | speedup predicted, a core per rank | a sleep woke "
+              "late, measured ms | predicted with sleeps as late / measured |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in sorted(table, key=lambda t: (t["steps"], t["levels"], t["cfactor"], t["ranks"])):
         lines.append(f"| {t['steps']} | {t['levels']} | {t['cfactor']} | {t['ranks']} | "
                      f"{t['measured']:.3f} | {t['predicted']:.3f} | "
                      f"{t['predicted'] / t['measured']:.2f} | {100 * t['busy']:.0f}% | "
                      f"{100 * t['predicted_busy']:.0f}% | {t['speedup']:.2f} | "
                      f"{t['predicted_speedup']:.2f} | {'yes' if t['same_counts'] else 'NO'} | "
-                     f"{t['cluster_speedup']:.2f} |")
+                     f"{t['cluster_speedup']:.2f} | " + (
+                         f"{t['sleep_late'] * 1e3:.2f} | {t['predicted_woke'] / t['measured']:.2f} |"
+                         if t["sleep_late"] is not None else "- | - |"))
     lines += ["", "### Where 64 ranks lose: the critical path", "",
               "The chain of actions that sets the finishing time of one forward+backward at 64 "
               "ranks on a cluster (a core per rank; layerbraid.plan.simulate with "
@@ -292,11 +313,24 @@ def findings(table, data):
                    "yet the measurement takes "
                    f"{min(t['measured'] / t['predicted'] for t in top):.1f}-"
                    f"{max(t['measured'] / t['predicted'] for t in top):.1f}x the prediction: "
-                   "the model misses what slows 64 processes on 2 cores further, most likely "
-                   "the wait of a rank that is ready to run while the cores are full (the "
-                   "hand-off runs, with one rank busy at a time, do not measure it).  These "
-                   "points measure the emulation on this machine, not the schedule on a cluster "
-                   "(the last column).")
+                   "the cores are not full, the ranks wait to be run.  These points measure "
+                   "the emulation on this machine, not the schedule on a cluster (the last "
+                   "column).")
+    woke = [t for t in table if t["sleep_late"] is not None]
+    if woke:
+        per = {p: [t["sleep_late"] for t in woke if t["ranks"] == p] for p in counts}
+        out.append("- How late this machine wakes a sleeping layer (the mean over every rank's "
+                   "sleeps in the run): " + ", ".join(
+                       f"{1e3 * min(v):.2f}-{1e3 * max(v):.2f} ms at {p}"
+                       for p, v in per.items() if v) + " ranks, where the model takes "
+                   f"{1e3 * host(data)[1]:.2f} ms (the one-rank runs).  With every sleep as late "
+                   "as its run measured (the layer's cost as this machine gave it), the model "
+                   "gives " + ", ".join(
+                       f"{min(r):.2f}-{max(r):.2f} at {p}" for p in counts for r in
+                       [[t["predicted_woke"] / t["measured"] for t in woke if t["ranks"] == p]]
+                       if r) + " ranks (predicted / measured).  A mean over every sleep does "
+                   "not say which sleeps lie on the critical path: where the lateness is "
+                   "largest (64 ranks) the model then errs both ways.")
     if 64 not in counts:
         out.append("- 64 ranks: no measurement (the job did not finish; see the script's "
                    "RANKS).")

@@ -12,11 +12,23 @@ solves (2 forward / 1 adjoint iteration, F-relaxation on the fine level and FCF 
 down-cycle skipped), the output broadcast and ``loss.backward()``.  Per config: the seconds of
 each of REPEATS forward+backward passes after a warm-up (the slowest rank's), and the steps and
 VJPs each rank ran (from the core's trace), and the CPU seconds each rank spent in its fastest
-pass (what the ranks ask of the machine's cores).  On a 1-rank job, also the emulated serial network
+pass (what the ranks ask of the machine's cores) with the seconds its sleeps in that pass took
+beyond their nominal time and their number (how late this machine wakes a sleeping rank).  On a 1-rank job, also the emulated serial network
 (plain PyTorch autograd over the same sleeping layers).
 """
 import sys
 import time
+
+
+# [seconds asleep beyond the nominal time, sleeps]: how late this rank's sleeps woke up
+LATE = [0.0, 0]
+
+
+def nap(seconds):
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    LATE[0] += time.perf_counter() - t0 - seconds
+    LATE[1] += 1
 
 
 def build(comm, steps, levels, cfactor, step_s, vjp_s, floats):
@@ -28,14 +40,14 @@ def build(comm, steps, levels, cfactor, step_s, vjp_s, floats):
     class Sleep(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, w):
-            time.sleep(step_s)
+            nap(step_s)
             ctx.save_for_backward(x, w)
             return w * x
 
         @staticmethod
         def backward(ctx, g):
             x, w = ctx.saved_tensors
-            time.sleep(vjp_s)
+            nap(vjp_s)
             return g * w, (g * x).sum().reshape(w.shape)
 
     class Layer(nn.Module):
@@ -76,9 +88,10 @@ def main():
         steps, levels, cfactor = map(int, config.split(":"))
         model, x = build(comm, steps, levels, cfactor, step_s, vjp_s, floats)
         model.set_trace(True)
-        times, cpu = [], []
+        times, cpu, late = [], [], []
         for k in range(repeats + 1):
             comm.Barrier()
+            LATE[:] = [0.0, 0]
             t0, c0 = time.perf_counter(), time.process_time()
             model(x).sum().backward()
             c1 = time.process_time() - c0
@@ -86,9 +99,12 @@ def main():
             if k:
                 times.append(t)
                 cpu.append(c1)
+                late.append(tuple(LATE))
         fwd, bwd = model.trace()
+        fastest = min(range(repeats), key=lambda k: cpu[k])
         counts = comm.gather((sum(e.op.endswith("step") for e in fwd),
-                              sum(e.op.endswith("step") for e in bwd), min(cpu)), root=0)
+                              sum(e.op.endswith("step") for e in bwd), cpu[fastest],
+                              late[fastest]), root=0)
         serial = None
         if comm.size == 1:
             net = model.to_serial()
@@ -104,7 +120,8 @@ def main():
             print(json.dumps(dict(ranks=comm.size, steps=steps, levels=levels, cfactor=cfactor,
                                   seconds=times, fwd_steps=[c[0] for c in counts],
                                   bwd_vjps=[c[1] for c in counts],
-                                  cpu_seconds=[c[2] for c in counts], serial_seconds=serial)),
+                                  cpu_seconds=[c[2] for c in counts],
+                                  sleep_late=[c[3] for c in counts], serial_seconds=serial)),
                   flush=True)
 
 
