@@ -114,9 +114,10 @@ class _CellSteps(Steps):
         (n, batch, input), batched: what ``vjp`` reads."""
         raise NotImplementedError
 
-    def vjp(self, jac, k, w, params, out=None):
-        """``J_k^T w`` at step k of ``jac``; with ``out = (dgi, dgh)`` also the gradients of the
-        gates' input and hidden pre-activations, written there."""
+    def vjp(self, jac, k, w, params, out=None, src=None):
+        """``J_k^T w`` at step k of ``jac``, plus ``src`` (the source's hidden part, added in the
+        last product) when given; with ``out = (dgi, dgh)`` also the gradients of the gates'
+        input and hidden pre-activations, written there."""
         raise NotImplementedError
 
     def gate_buffers(self, n, like):
@@ -290,19 +291,26 @@ class _CellSteps(Steps):
             if g is not None:
                 run.grads[id(p)] = g if id(p) not in run.grads else run.grads[id(p)] + g
         w0 = torch.zeros_like(w) if w0 is None else w0
-        src = self.source(run, first)
+        src = self._source(run, first)
         return w0 if src is None else w0 + src
 
     def adjoint_step(self, run, w, dt, level, s, final):
+        # fused: the source is added here (``source`` is None for the engine), inside the VJP's
+        # last product when the step is the cell itself
         if not self.fused:
             return None  # the VJP of the kept graph
         jac = self._linearize(run)
         k = s - run.jac_lo
-        dh = self.vjp(jac, k, w, run.params, (run.dgi[k], run.dgh[k]) if final else None)
+        theta = self.scale(dt)
+        src = run.g[:, s - 1] if s >= 1 and theta == 1.0 else None
+        dh = self.vjp(jac, k, w, run.params, (run.dgi[k], run.dgh[k]) if final else None, src)
         if final:
             run.final_steps.add(s)
-        theta = self.scale(dt)
-        return dh if theta == 1.0 else w + theta * (dh - w)
+        if theta == 1.0:
+            return dh
+        dh = w + theta * (dh - w)
+        src = self._source(run, s)
+        return dh if src is None else dh + src
 
     def adjoint_interval(self, run, w, dts, level, ss, final, keep):
         if not self.fused:
@@ -312,9 +320,7 @@ class _CellSteps(Steps):
             return [None] * (n - 1) + [self._block_vjp(run, first, n, w)]
         out = []
         for k, (dt, s) in enumerate(zip(dts, ss)):
-            w = self.adjoint_step(run, w, dt, level, s, final)
-            src = self.source(run, s)
-            w = w if src is None else w + src
+            w = self.adjoint_step(run, w, dt, level, s, final)  # its source included
             out.append(w if keep or k == len(ss) - 1 else None)
         return out
 
@@ -334,6 +340,10 @@ class _CellSteps(Steps):
         return y, graph
 
     def source(self, run, s):
+        # the fused adjoint steps add it themselves
+        return None if self.fused else self._source(run, s)
+
+    def _source(self, run, s):
         # dL/dh at forward point s, i.e. output s - 1 (Note [rnn adjoint])
         return self.as_state(run.g, s, run.x.shape[1]) if s >= 1 else None
 
@@ -366,7 +376,7 @@ class _GRUSteps(_CellSteps):
         # (n, batch, 3, hidden): the factors of the r, z, n pre-activations' gradients
         return z, torch.stack([d_r, d_z, d_n], -2), torch.stack([d_r, d_z, d_n * r], -2)
 
-    def vjp(self, jac, k, w, params, out=None):
+    def vjp(self, jac, k, w, params, out=None, src=None):
         z, f_gi, f_gh = jac
         w3 = w.unsqueeze(-2)
         if out is None:
@@ -374,7 +384,8 @@ class _GRUSteps(_CellSteps):
         else:
             torch.mul(w3, f_gi[k], out=out[0].view(f_gi[k].shape))
             dgh = torch.mul(w3, f_gh[k], out=out[1].view(f_gh[k].shape)).flatten(-2)
-        return torch.addmm(w * z[k], dgh, params[1])
+        return torch.addmm(w * z[k] if src is None else torch.addcmul(src, w, z[k]), dgh,
+                           params[1])
 
     def gate_buffers(self, n, like):
         shape = (n, like.shape[0], 3 * like.shape[-1])
@@ -447,13 +458,14 @@ class _LSTMSteps(_CellSteps):
                 torch.cat([g * i * (1 - i), c * f * (1 - f), i * (1 - g * g), tc * o * (1 - o)],
                           -1))
 
-    def vjp(self, jac, k, w, params, out=None):
+    def vjp(self, jac, k, w, params, out=None, src=None):
         d_c, f, f_gates = jac
         wh, wc = w[0], w[1]
         dct = torch.addcmul(wc, wh, d_c[k])
         dg = torch.mul(torch.cat([dct, dct, dct, wh], -1), f_gates[k],
                        out=None if out is None else out[0])
-        return torch.stack([dg @ params[1], dct * f[k]])
+        return torch.stack([dg @ params[1] if src is None else torch.addmm(src, dg, params[1]),
+                            dct * f[k]])
 
     def gate_buffers(self, n, like):
         dg = like.new_empty((n, like.shape[-2], 4 * like.shape[-1]))
