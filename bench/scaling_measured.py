@@ -313,7 +313,8 @@ def findings(table, data):
                    "yet the measurement takes "
                    f"{min(t['measured'] / t['predicted'] for t in top):.1f}-"
                    f"{max(t['measured'] / t['predicted'] for t in top):.1f}x the prediction: "
-                   "the cores are not full, the ranks wait to be run.  These points measure "
+                   "the ranks' CPU time leaves the cores idle part of the time, yet ranks "
+                   "whose sleep has ended wait to run (next item).  These points measure "
                    "the emulation on this machine, not the schedule on a cluster (the last "
                    "column).")
     woke = [t for t in table if t["sleep_late"] is not None]
