@@ -216,13 +216,13 @@ def report(data):
         same = (cluster.steps_per_rank == r["fwd_steps"]
                 and sorted(bwd_counts) == sorted(r["bwd_vjps"]))
         meas = min(r["seconds"])
-        woke = sleep_late(r)
-        if woke is not None:  # the same model, each sleep as late as this run's were
+        late, woke = sleep_late(r), None
+        if late is not None:  # the same model, each sleep as late as this run's were
             woke = on_this_machine(r["steps"], r["ranks"], fwd, bwd, data,
-                                   (machine[0], woke, machine[2]),
+                                   (machine[0], late, machine[2]),
                                    seen_late=late_seen.get(r["ranks"], 0.0))[0]
         table.append(dict(r, measured=meas, predicted=pred, same_counts=same,
-                          sleep_late=sleep_late(r), predicted_woke=woke,
+                          sleep_late=late, predicted_woke=woke,
                           busy=sum(r["cpu_seconds"]) / CORES / meas,
                           predicted_busy=pred_cpu / CORES / pred,
                           speedup=serial[r["steps"]] / meas,

@@ -13,8 +13,9 @@ down-cycle skipped), the output broadcast and ``loss.backward()``.  Per config: 
 each of REPEATS forward+backward passes after a warm-up (the slowest rank's), and the steps and
 VJPs each rank ran (from the core's trace), and the CPU seconds each rank spent in its fastest
 pass (what the ranks ask of the machine's cores) with the seconds its sleeps in that pass took
-beyond their nominal time and their number (how late this machine wakes a sleeping rank).  On a 1-rank job, also the emulated serial network
-(plain PyTorch autograd over the same sleeping layers).
+beyond their nominal time and their number (how late this machine wakes a sleeping rank).  On a
+1-rank job, also the emulated serial network (plain PyTorch autograd over the same sleeping
+layers).
 """
 import sys
 import time
