@@ -98,12 +98,26 @@ def _mgrit_line(s):
     return " | MGRIT " + ", ".join(parts) if parts else ""
 
 
+def _audit_line(audits, seconds):
+    """'  audits: true gradient error ... ' for the epoch's audits."""
+    errors = sorted(a["error"] for a in audits)
+    ratios = sorted(a["estimate"] / a["error"] for a in audits
+                    if a["calibrated"] and a["estimate"] and a["error"])
+    text = (f"  audits ({len(audits)}): true gradient error median {errors[len(errors) // 2]:.1e} "
+            f"(max {errors[-1]:.1e})")
+    if ratios:
+        text += f", calibrated estimate / true {ratios[0]:.2f}-{ratios[-1]:.2f}"
+    share = sum(a["seconds"] for a in audits) / max(seconds, 1e-9)
+    return text + f"; they took {100 * share:.0f}% on top of the epoch's training time"
+
+
 def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False, grid=None):
     """Trains ``model`` on ``data`` = {"train", "test"} datasets (or {"train_x", "train_y",
     "test_x", "test_y"} tensors); every rank runs this same loop.  ``prepare`` maps a raw batch
     of images to the network's input.  With a ProcessGrid, each data group trains on its shard
     of every batch."""
     data_size = grid.data_size if grid is not None else 1
+    audit_every = 0 if args.serial else getattr(args, "lp_audit_every", 0)
     device = torch.device(args.device)
     optimizer = make_optimizer(args, model.parameters())
     history, start_epoch = [], 0
@@ -131,7 +145,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             bar = tqdm(total=per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch",
                        dynamic_ncols=True, leave=True, mininterval=0.5 if sys.stderr.isatty() else 10)
         losses, t0 = [], time.perf_counter()
-        solves = _SolveLog()
+        solves, audits = _SolveLog(), []
         loader.set_epoch(epoch)
         for b, (xb, yb) in enumerate(loader):
             if b >= per_epoch:
@@ -141,6 +155,11 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             optimizer.zero_grad()
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
+            if audit_every and b % audit_every == 0:  # the true gradient error, on the side
+                a = layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(xb), yb))
+                audits.append({"batch": b, "error": a.error, "estimate": a.estimate,
+                               "raw_estimate": a.raw_estimate, "calibration": a.calibration,
+                               "calibrated": a.calibrated, "seconds": a.seconds})
             optimizer.step()
             solves.add(model)
             if data_size > 1:  # report the whole batch's loss, not this group's shard
@@ -153,7 +172,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                     bar.set_postfix(loss=f"{sum(losses[-args.log_interval:]) / len(losses[-args.log_interval:]):.4f}",
                                     **{k: f"{v:.1f}" for k, v in solves.summary().items()
                                        if k.endswith("iters")})
-        seconds = time.perf_counter() - t0
+        audit_seconds = sum(a["seconds"] for a in audits)
+        seconds = time.perf_counter() - t0 - audit_seconds
         if bar is not None:
             bar.close()
         m = min(args.test_limit or len(test_set), len(test_set))
@@ -164,13 +184,15 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
         record = {"epoch": epoch + 1, "train_loss": sum(losses) / len(losses), "loss_curve": curve,
                   "test_accuracy": acc, "seconds_per_batch": seconds / len(losses),
                   "batches": len(losses), "first_losses": losses[:5], "last_losses": losses[-5:],
-                  **solves.summary()}
+                  **solves.summary(), "audits": audits, "audit_seconds": audit_seconds}
         history.append(record)
         if rank == 0:
             s = record
             print(f"epoch {s['epoch']}: loss {s['train_loss']:.4f} | test accuracy "
                   f"{100 * acc:.2f}% | {1000 * s['seconds_per_batch']:.1f} ms/batch"
                   f"{_mgrit_line(s)}", flush=True)
+            if audits:
+                print(_audit_line(audits, seconds), flush=True)
             if epoch == start_epoch and s.get("fwd_error_estimate") is not None:
                 print("  (it: MGRIT iterations per batch; est. error: the estimated relative "
                       "error of the forward's output and of the adjoint's input gradient, "

@@ -7,7 +7,8 @@ from .options import MGRITOptions
 __all__ = ["MGRIT", "MGRITResult", "MGRITOptions", "LayerParallelModule", "SolveStats",
            "SpatialCoarsening", "ProcessGrid", "shard_batches", "MGRITError", "RemoteRankError",
            "DivergenceError", "StallError", "set_timeout", "clip_grad_norm_", "check_launch",
-           "abort_on_exception", "save_checkpoint", "load_checkpoint", "CheckpointError"]
+           "abort_on_exception", "save_checkpoint", "load_checkpoint", "CheckpointError",
+           "audit_gradients", "GradientAudit"]
 __version__ = "0.1.0"
 
 # The names that need torch load on first use, so that the general solver works (and imports
@@ -15,7 +16,7 @@ __version__ = "0.1.0"
 _LAZY = {"LayerParallelModule": "module", "SolveStats": "stats", "ProcessGrid": "grid",
          "shard_batches": "grid", "SpatialCoarsening": "coarsening", "clip_grad_norm_": "clip",
          "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint",
-         "CheckpointError": "checkpoint"}
+         "CheckpointError": "checkpoint", "audit_gradients": "audit", "GradientAudit": "audit"}
 
 
 def __getattr__(name):

@@ -142,6 +142,9 @@ class _Chain:
             rule.
         store_all: the forward core keeps every state (else only what its cycles read again;
             the provider then takes what its output needs in the final relaxation).
+
+    ``calibration`` (default 1) multiplies the residuals' error estimates (Note [calibrated
+    estimate], audit.py); ``exact()`` is the same chain solved exactly.
     """
 
     def __init__(self, comm, num_steps, t_final, forward_options, backward_options, *,
@@ -150,6 +153,9 @@ class _Chain:
 
         self.comm = comm
         self.num_steps = num_steps
+        self.t_final, self.store_all = t_final, store_all
+        self.calibration = 1.0
+        self._exact = None
         rank, size = comm.Get_rank(), comm.Get_size()
         self.fwd = self.bwd = None
         self.fwd = _Core(comm, num_steps, 0.0, t_final, forward_options,
@@ -189,10 +195,25 @@ class _Chain:
         self.forward_stats, self.backward_stats = SolveStats(), SolveStats()
 
     def free(self):
-        """Frees both cores and the reversed communicator (owned by the adjoint core)."""
+        """Frees both cores and the reversed communicator (owned by the adjoint core), and the
+        exact chain's."""
         for core in (self.fwd, self.bwd):
             if core is not None:
                 core.close()
+        if self._exact is not None:
+            self._exact.free()
+
+    def exact(self):
+        """This chain solved exactly: one level, i.e. sequential stepping across the ranks, over
+        the same steps on the same ranks (the distribution does not depend on the levels).
+        Built on first use (collective), freed with this chain; no warm start, no target."""
+        if self._exact is None:
+            from .options import MGRITOptions
+
+            one = MGRITOptions(max_levels=1, final_fc_relax=True)
+            self._exact = _Chain(self.comm, self.num_steps, self.t_final, one, one,
+                                 store_all=self.store_all)
+        return self._exact
 
     @property
     def freed(self):
@@ -261,31 +282,34 @@ class _Chain:
         if final is not None:
             stats.final_residual, stats.state_norm = final, unorm
             stats.contraction = contraction(norms + [final])
-            stats.error_estimate = error_estimate(final_sum, unorm, core.num_c_points())
+            stats.raw_error_estimate = error_estimate(final_sum, unorm, core.num_c_points())
+            if stats.raw_error_estimate is not None:
+                stats.error_estimate = self.calibration * stats.raw_error_estimate
             if stats.contraction is not None:
                 self._contraction[id(core)] = stats.contraction
             if final > 0:
                 self._alignment[id(core)] = final_sum / final
         elif opts.max_levels == 1 or core.num_levels() == 1:
-            stats.error_estimate = 0.0
+            stats.error_estimate = stats.raw_error_estimate = 0.0
         return stats, states
 
     def _adaptive_rtol(self, core, target):
         """Note [adaptive iterations]: a solve stops at the first residual r with
-        ``a * sqrt(C) * q * r / |u| <= target``: the error estimate (Note [error estimate]) of
-        the solution after the final relaxation, which reduces the residual by about the last
-        measured contraction q, with the residuals' last measured alignment a (residual sum over
-        residual norm, between 1 and sqrt(C)); before any was measured q = 1 and a = sqrt(C).
+        ``k * a * sqrt(C) * q * r / |u| <= target``: the error estimate (Note [error estimate])
+        of the solution after the final relaxation, which reduces the residual by about the last
+        measured contraction q, with the residuals' last measured alignment a (the sum of their
+        norms over their 2-norm, between 1 and sqrt(C)), times the calibration k from the last
+        audits (Note [calibrated estimate]); before any was measured q = 1 and a = sqrt(C).
 
         The target splits unevenly: the adjoint gets half of ``target_error``, the forward a
         tenth.  The forward's error enters the gradients twice, through the adjoint's
         linearization: with ReLU steps a state error flips activations near their kink, and
-        a forward error of 1e-5 was measured to give a 7e-4 input-gradient error with an exact
-        adjoint (tests/test_accuracy.py).  A tighter forward costs about one iteration."""
+        a forward error of 1e-5 gave a 7e-4 input-gradient error with an exact adjoint in one
+        measurement on a ReLU chain.  A tighter forward costs about one iteration."""
         c = max(core.num_c_points(), 1)
         q = min(max(self._contraction.get(id(core), 1.0), 0.05), 1.0)
         a = min(max(self._alignment.get(id(core), math.sqrt(c)), 1.0), math.sqrt(c))
-        return target / (a * math.sqrt(c) * q)
+        return target / (self.calibration * a * math.sqrt(c) * q)
 
     @staticmethod
     def _usable(warm, run):

@@ -50,7 +50,8 @@ def _levels(text):
     return _positive_int(text)
 
 
-def add_lp_arguments(parser, *, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1, relax="F"):
+def add_lp_arguments(parser, *, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1, relax="F",
+                     audit_every=50):
     """Adds the ``--lp-*`` MGRIT flags (defaults can be changed per script)."""
     g = parser.add_argument_group("layer-parallel MGRIT")
     g.add_argument("--lp-levels", type=_levels, default=levels, metavar="L",
@@ -78,6 +79,12 @@ def add_lp_arguments(parser, *, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1, r
                    help="adaptive iterations: each solve iterates until its estimated relative "
                         "error meets its share of E (e.g. 1e-2), at most --lp-fwd-iters / "
                         "--lp-bwd-iters times (raise those, e.g. to 10); default: off")
+    g.add_argument("--lp-audit-every", type=_nonneg_int, default=audit_every, metavar="K",
+                   help="every K batches (and at each epoch's first), compute the exact "
+                        "gradient of the batch as well (one exact forward and backward) and "
+                        "report the true gradient error; the audits calibrate the error "
+                        "estimate and adaptive iterations (layerbraid.audit_gradients); 0 = "
+                        f"never (default {audit_every})")
     return g
 
 

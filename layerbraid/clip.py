@@ -3,6 +3,8 @@ import math
 
 import torch
 
+from ._parts import counted_parameters
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -32,19 +34,9 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type!r}")
-    parts = [m for m in model.modules() if hasattr(m, "_counted_parameters")]
-    comms = {id(m.comm): m.comm for m in parts}
-    if len(comms) > 1 and len({c.Get_size() for c in comms.values()}) > 1:
-        raise ValueError("clip_grad_norm_ needs every layer-parallel part of the model on one "
-                         "layer group")
-    comm = next(iter(comms.values())) if comms else None
-    rank = comm.Get_rank() if comm is not None else 0
-    inside, counted = set(), set()
-    for m in parts:
-        inside.update(id(p) for p in m.parameters())
-        counted.update(id(p) for p in m._counted_parameters())
+    comm, counted = counted_parameters(model)
     params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params if id(p) in counted or (id(p) not in inside and rank == 0)]
+    grads = [p.grad for p in counted if p.grad is not None]
     if grads:
         local = torch.nn.utils.get_total_norm(grads, norm_type, False).item()
     else:

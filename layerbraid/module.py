@@ -143,6 +143,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         object.__setattr__(self, "_comm", comm)
         object.__setattr__(self, "_grid", grid)
         self._built = False
+        self._solve_exactly = False  # set by audit_gradients
+        self._audit_ratios = []
 
     # ------------------------------------------------------------------ what subclasses define
     def step_layer(self, index: int) -> nn.Module:
@@ -239,13 +241,23 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         ``backward_stats.error_estimate + 5 * forward_stats.error_estimate`` (the forward's
         error also enters the adjoint, through the states it is linearized at; its weight is the
         ratio of the two solves' shares of ``target_error``, Note [adaptive iterations]).  0.0
-        for exact solves, None before a backward."""
-        from ._chain import _ADJOINT_SHARE, _FORWARD_SHARE
+        for exact solves, None before a backward.  The same on every rank and for any rank
+        count.  Calibrated by the audits run so far (``layerbraid.audit_gradients``, Note
+        [calibrated estimate]); before the first audit it is the residuals' raw estimate,
+        which on trained networks can be off by orders of magnitude."""
+        return _gradient_estimate(self.forward_stats, self.backward_stats, "error_estimate")
 
-        f, b = self.forward_stats.error_estimate, self.backward_stats.error_estimate
-        if f is None or b is None:
-            return None
-        return b + (_ADJOINT_SHARE / _FORWARD_SHARE) * f
+    def _raw_gradient_error_estimate(self):
+        return _gradient_estimate(self.forward_stats, self.backward_stats, "raw_error_estimate")
+
+    def _save_stats(self):
+        return None  # the stats live on the chain, which an audit's exact solves leave alone
+
+    def _restore_stats(self, saved):
+        pass
+
+    def _set_calibration(self, k):
+        self._chain.calibration = k
 
     def set_trace(self, on: bool = True):
         """Record the schedule of the following forward and adjoint solves (see ``trace``)."""
@@ -312,7 +324,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         run = Run(self._steps, shape, dtype, device, record, retain=self.retain_graphs)
         anchor = self._anchor.to(device) if self._anchor.device != device else self._anchor
         self._step_layers.exchange()
-        out = _ChainFn.apply(self._chain, run, anchor, h0, *self._owned_params())
+        chain = self._chain.exact() if self._solve_exactly else self._chain
+        out = _ChainFn.apply(chain, run, anchor, h0, *self._owned_params())
         status, error = None, None
         if last:
             try:
@@ -379,8 +392,12 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         serial = _SerialChain(_plain_copy(self.open), plain_modules(layers),
                               _plain_copy(self.close), self.dt,
                               None if rule is LayerParallelModule.step_rule else rule)
-        serial.load_state_dict(full)
-        return serial
+        # assign: each tensor keeps the dtype the model has (after .double(), say), not the
+        # fresh layers' default; then the device of this rank's own tensors.
+        # (Copies: on one rank the gathered tensors share the model's memory.)
+        serial.load_state_dict({k: v.clone() for k, v in full.items()}, assign=True)
+        ref = next(iter(super().state_dict().values()), None)
+        return serial if ref is None else serial.to(ref.device)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads a serial (or any rank count's) state_dict: each rank keeps its own layers."""
@@ -462,6 +479,17 @@ def _same_input(a, b):
     scale = 1e-9 * max(1, int(np.prod(a[0])))
     return all(u == v or (u != u and v != v) or abs(u - v) <= 1e-7 * (abs(u) + abs(v)) + scale
                for u, v in zip(a[2:], b[2:]))  # equal, both NaN, or round-off apart
+
+
+def _gradient_estimate(fwd, bwd, field):
+    """Note [adaptive iterations]: the adjoint's estimate plus the forward's weighted by the
+    ratio of the two solves' shares of a target."""
+    from ._chain import _ADJOINT_SHARE, _FORWARD_SHARE
+
+    f, b = getattr(fwd, field), getattr(bwd, field)
+    if f is None or b is None:
+        return None
+    return b + (_ADJOINT_SHARE / _FORWARD_SHARE) * f
 
 
 def _check_target(target):

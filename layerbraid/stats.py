@@ -18,9 +18,12 @@ class SolveStats:
         state_norm: the 2-norm of the states at those C-points.
         contraction: the residual's mean reduction per iteration over ``residual_norms +
             [final_residual]``; None with fewer than two.
-        error_estimate: the estimated relative error of the solution's states (the output of a
-            forward solve, the input gradient of an adjoint one): Note [error estimate].  0.0
-            for one level (exact to round-off).
+        raw_error_estimate: the estimated relative error of the solution's states (the output
+            of a forward solve, the input gradient of an adjoint one) from the residuals alone:
+            Note [error estimate].  0.0 for one level (exact to round-off).
+        error_estimate: ``raw_error_estimate`` times the model's calibration, the ratio of the
+            true gradient error to the raw estimate measured by the last audits (Note
+            [calibrated estimate] in audit.py); equal to the raw estimate before any audit.
         seconds: the whole solve; step_seconds: inside the steps (layers or VJPs);
         comm_seconds: in the core's MPI calls, waiting for other ranks included.  The rest is
             the MGRIT bookkeeping (vector sums, norms, packing).
@@ -35,6 +38,7 @@ class SolveStats:
     state_norm: Optional[float] = None
     contraction: Optional[float] = None
     error_estimate: Optional[float] = None
+    raw_error_estimate: Optional[float] = None
 
 
 def error_estimate(residual_sum, state_norm, num_c_points):
@@ -42,15 +46,19 @@ def error_estimate(residual_sum, state_norm, num_c_points):
     recurrence driven by the residuals, e_c = Phi^m(e_{c-m}) + r_c with e_0 = 0, so the error
     at the last point is the residuals propagated to it and summed (but the last point's own:
     the final C-relaxation removes it, and nothing comes after).  For steps that neither
-    amplify nor damp much that is the vector sum of the residuals, whose norm the core bounds
-    by ``residual_sum`` (each rank's vector sum, their norms added).  Relative to the states'
-    RMS, ``state_norm / sqrt(C-points)``, that gives the estimate
+    amplify nor damp much that is the vector sum of the residuals, whose norm is at most
+    ``residual_sum``, the sum of their norms (computed by the core over all ranks, so that
+    the estimate does not depend on the rank count).  Relative to the states' RMS,
+    ``state_norm / sqrt(C-points)``, that gives the estimate
     ``sqrt(C-points) * residual_sum / state_norm`` of the last state's relative error (the
-    forward's output, the adjoint's input gradient).  It follows the residuals' alignment: a
-    smooth error, all residuals one way, grows with the C-points; residuals of random direction
-    only with their square root.  Measured against serial in float64 (tests/test_accuracy.py,
-    docs/accuracy.md) it is within a factor 2.5 of the true relative error, mostly above it; a
-    chain that amplifies errors strongly can exceed it."""
+    forward's output, the adjoint's input gradient).
+
+    It is exact in its assumption only: a trained network's steps amplify or damp errors, and
+    the parameter gradients depend on the adjoint at every step, not only at the last.  On a
+    near-identity chain at initialization it bounds the true error from above, within the
+    factor tests/tolerances.py sets; in training it was seen off by up to a few hundred times either
+    way, which is why the estimate users see is calibrated against audits (Note [calibrated
+    estimate])."""
     if residual_sum is None or not state_norm:
         return None
     return math.sqrt(max(num_c_points, 1)) * residual_sum / state_norm

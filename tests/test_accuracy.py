@@ -6,7 +6,7 @@ from mpi4py import MPI
 
 from layerbraid import MGRITOptions
 from nets import ODEResNet
-from tolerances import ESTIMATE_FACTOR
+from tolerances import RAW_ESTIMATE_FACTOR
 
 WORLD = MPI.COMM_WORLD
 
@@ -70,7 +70,9 @@ def test_error_estimate_tracks_the_true_error(steps, levels, nrelax, solve):
                        else (model.backward_stats, err_in))
         est = stats.error_estimate
         assert est is not None and stats.final_residual is not None
-        assert est / ESTIMATE_FACTOR <= true <= est * ESTIMATE_FACTOR, (iters, est, true)
+        # the sum of the residuals' norms bounds their vector sum: an upper estimate here
+        assert true <= est <= true * RAW_ESTIMATE_FACTOR, (iters, est, true)
+        assert est == stats.raw_error_estimate  # no audit, no calibration
         assert est == WORLD.allreduce(est, op=MPI.MAX)  # the same on every rank
         model.free()
 

@@ -1,13 +1,18 @@
 """Training with the true gradient error measured on the side (a worker of bench/accuracy.py,
 run under mpiexec; prints JSON lines).
 
-    accuracy.py EXAMPLE MODE EPOCHS LOG_EVERY [TARGET [MAX_BATCHES]]
+    accuracy.py EXAMPLE MODE EPOCHS LOG_EVERY [TARGET [MAX_BATCHES [AUDIT_EVERY]]]
 
-EXAMPLE: mnist (examples/mnist.py's network and defaults) or volumes3d (examples/volumes3d.py's).
+EXAMPLE: mnist (examples/mnist.py's network and defaults), volumes3d (examples/volumes3d.py's),
+sequence (examples/sequence_classification.py's GRU on MNIST rows) or convchain (mnist's network
+with 24 steps over T = 2, a deeper ReLU conv chain than any example's default).
 MODE: serial (plain PyTorch, one rank), fixed (the example's MGRIT settings: 2 forward / 1
 adjoint iteration), warm (fixed, with warm starts), adaptive (target_error=TARGET, at most 10
 iterations per solve), adaptive_warm (adaptive, with warm starts).  Every LOG_EVERY batches, before the optimizer step, the layer-parallel
 gradients are compared with those of a serial copy with the same weights on the same batch.
+Every AUDIT_EVERY batches (default 50; 0: never) ``layerbraid.audit_gradients`` measures the
+true error too and calibrates the estimate (Note [calibrated estimate]); the batches logged in
+between judge the calibrated estimate, which saw only the audits before them.
 """
 import sys
 from pathlib import Path
@@ -25,9 +30,7 @@ def setup(example, mode, target):
     comm = MPI.COMM_WORLD
     serial = mode == "serial"
     lp_comm = MPI.COMM_SELF if serial else comm
-    if example == "mnist":
-        from mnist import MNISTNet
-
+    if example in ("mnist", "convchain", "sequence"):
         from layerbraid.data import load_mnist
 
         data = load_mnist(None)
@@ -36,9 +39,33 @@ def setup(example, mode, target):
         fwd = layerbraid.MGRITOptions(max_levels=2, cfactor=4, max_iters=2, nrelax=0, tol=0.0,
                                       skip_first_downcycle=True)
         batch, lr, opt = 64, 0.05, "sgd"
+    if example in ("mnist", "convchain"):
+        from mnist import MNISTNet
+
+        steps, t_final = (8, 1.0) if example == "mnist" else (24, 2.0)
 
         def build(f, b, warm, target=None):
-            return MNISTNet(lp_comm, 8, 8, 1.0, f, b, warm, target)
+            return MNISTNet(lp_comm, steps, 8, t_final, f, b, warm, target)
+    elif example == "sequence":
+        from sequence_classification import Classifier
+        from torch import nn
+
+        from layerbraid.nn import LayerParallelGRU
+
+        train = (train[0].reshape(-1, 28, 28), train[1])
+        test = (test[0].reshape(-1, 28, 28), test[1])
+        lr, opt = 2e-3, "adam"
+
+        def build(f, b, warm, target=None):
+            rnn = nn.GRU(28, 32, batch_first=True) if serial else \
+                LayerParallelGRU(28, 32, comm=comm, forward_options=f, backward_options=b,
+                                 target_error=target)
+            model = Classifier(rnn, 32, 10)
+            if not serial:
+                with torch.no_grad():
+                    for p in model.head.parameters():
+                        p.copy_(comm.bcast(p.detach(), root=0))
+            return model
     else:
         from volumes3d import VolumeNet, make_volumes
 
@@ -58,29 +85,21 @@ def setup(example, mode, target):
         model = build(cap, cap, mode == "adaptive_warm", target)
     else:
         model = build(fwd, bwd, mode == "warm")
-    if serial:
+    if serial and hasattr(model, "to_serial"):
         model = model.to_serial()
     return comm, model, train, test, batch, lr, opt
 
 
-def grad_error(model, xb, yb):
-    """The relative 2-norm error of all parameter gradients against a serial copy (collective)."""
-    import torch.nn.functional as F
-
-    serial = model.to_serial()
-    serial.zero_grad()
-    F.cross_entropy(serial(xb), yb).backward()
-    ref = dict(serial.named_parameters())
-    num = den = 0.0
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue  # held on another rank (open layer on the first, close on the last)
-        q = ref[name].grad
-        num += float((p.grad - q).pow(2).sum())
-        den += float(q.pow(2).sum())
-    comm = model.comm
-    num, den = comm.allreduce(num), comm.allreduce(den)
-    return (num / den) ** 0.5
+def _last_stats(model):
+    """(forward, backward) SolveStats of the model's first layer-parallel part (an RNN's: its
+    last layer's)."""
+    for m in model.modules():
+        f, b = getattr(m, "forward_stats", None), getattr(m, "backward_stats", None)
+        if isinstance(f, list):
+            return f[-1], b[0]  # the adjoint runs the last layer first
+        if f is not None:
+            return f, b
+    raise ValueError("no layer-parallel part")
 
 
 def main():
@@ -91,11 +110,13 @@ def main():
     import torch.nn.functional as F
     from torch.utils.data import TensorDataset
 
+    import layerbraid
     from layerbraid.data import LayerParallelLoader
 
     example, mode, epochs, log_every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     target = float(sys.argv[5]) if len(sys.argv) > 5 else None
-    max_batches = int(sys.argv[6]) if len(sys.argv) > 6 else None
+    max_batches = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "-" else None
+    audit_every = int(sys.argv[7]) if len(sys.argv) > 7 else 50
     torch.set_num_threads(1)
     comm, model, train, test, batch, lr, opt_name = setup(example, mode, target)
     serial = mode == "serial"
@@ -118,14 +139,25 @@ def main():
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
             seconds += time.perf_counter() - t0
-            if not serial and b % log_every == 0:
-                err = grad_error(model, xb, yb)
-                f, g = model.forward_stats, model.backward_stats
+            if not serial and audit_every and b % audit_every == 0:
+                a = layerbraid.audit_gradients(
+                    model, lambda: F.cross_entropy(model(xb), yb))
+                if rank == 0:
+                    print(json.dumps(dict(kind="audit", epoch=epoch + 1, batch=b,
+                                          grad_error=a.error, estimate=a.estimate,
+                                          raw_estimate=a.raw_estimate,
+                                          calibrated=a.calibrated, seconds=a.seconds)),
+                          flush=True)
+            elif not serial and b % log_every == 0:
+                f, g = _last_stats(model)
+                a = layerbraid.audit_gradients(
+                    model, lambda: F.cross_entropy(model(xb), yb), calibrate=False)
                 if rank == 0:
                     print(json.dumps(dict(kind="batch", epoch=epoch + 1, batch=b,
-                                          grad_error=err, est_fwd=f.error_estimate,
-                                          est_bwd=g.error_estimate, it_fwd=f.iterations,
-                                          it_bwd=g.iterations)), flush=True)
+                                          grad_error=a.error, estimate=a.estimate,
+                                          raw_estimate=a.raw_estimate,
+                                          calibration=a.calibration, calibrated=a.calibrated,
+                                          it_fwd=f.iterations, it_bwd=g.iterations)), flush=True)
             t0 = time.perf_counter()
             opt.step()
             seconds += time.perf_counter() - t0

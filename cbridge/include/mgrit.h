@@ -175,10 +175,10 @@ double mgrit_state_norm(const mgrit_core *core);
  * residual the next iteration would have started from; -1 when not measured. */
 double mgrit_final_residual(const mgrit_core *core);
 double mgrit_final_state_norm(const mgrit_core *core);
-/* The sum over the ranks of the norm of each rank's vector sum of those residuals, the last
- * point's left out (the relaxation removes it): at least the norm of their vector sum over the
- * chain, which is the error they leave at the last point when the steps neither amplify nor
- * damp (the error estimate of layerbraid). */
+/* The sum of the norms of those residuals, the last point's left out (the relaxation removes
+ * it): at least the norm of their vector sum over the chain, which is the error they leave at
+ * the last point when the steps neither amplify nor damp (layerbraid's error estimate), and the
+ * same on any number of ranks. */
 double mgrit_final_residual_sum(const mgrit_core *core);
 /* The level-0 points this rank owns, [*lo, *hi], and the id of the state at fine point i. */
 void mgrit_owned(const mgrit_core *core, int level, int64_t *lo, int64_t *hi);

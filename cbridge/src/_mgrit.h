@@ -74,7 +74,7 @@ struct mgrit_core {
   double state_norm;        /* at the C-points of the last residual; -1 if none */
   double final_residual;    /* measured by the final C-relaxation; -1 if not */
   double final_state_norm;
-  double final_residual_sum; /* the ranks' norms of their vector sums of the final residuals */
+  double final_residual_sum; /* the sum of the final residuals' norms */
   mgrit_trace_entry *trace;
   int64_t ntrace, cap_trace;
   char msg[512];

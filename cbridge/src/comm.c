@@ -213,8 +213,8 @@ int _mgrit_allreduce_status(mgrit_core *core, double *sums) {
   if (core->virt) return MGRIT_OK;
   int rc;
   if ((rc = _mgrit_wait_sends(core))) return rc;
-  /* sums (3): squared residual and state norms and a residual-sum norm, summed with a poison
-   * flag in one message */
+  /* sums (3): squared residual and state norms and the sum of residual norms, summed with a
+   * poison flag in one message */
   double local[4] = {core->err ? 0.0 : sums[0], core->err ? 0.0 : sums[1],
                      core->err ? 0.0 : sums[2], core->err ? 1.0 : 0.0}, global[4];
   double t0 = MPI_Wtime();

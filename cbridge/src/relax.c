@@ -150,15 +150,15 @@ mgrit_vec _mgrit_before(const _mgrit_level *L, int64_t i) {
 /* C-sweep of level l: each C-point c >= cf from the F-value just before it.  Needs the ghost of
  * the preceding F-sweep, no messages.  With sums (level 0), the squared norms of what the sweep
  * changes (the residual r_c, after an F-sweep) and of the old states are added to sums[0] and
- * sums[1], and the norm of this rank's vector sum of the r_c to sums[2], except the last
- * point's: the sweep removes that residual entirely, with no later point to carry it. */
+ * sums[1], and the norms of the r_c to sums[2] (a bound on the norm of their vector sum that
+ * does not depend on how the points are split over ranks), except the last point's: the sweep
+ * removes that residual entirely, with no later point to carry it. */
 int _mgrit_csweep(mgrit_core *core, int l, int done, double *sums) {
   _mgrit_level *L = &core->levels[l];
   if (L->lo > L->hi) return MGRIT_OK;
   int64_t cf = L->cf;
   int64_t c = (L->lo + cf - 1) / cf * cf;
   if (c == 0) c = cf;
-  mgrit_vec acc = MGRIT_NONE;
   for (; c <= L->hi; c += cf) {
     mgrit_vec out = _mgrit_step(core, l, c, _mgrit_before(L, c), done, MGRIT_OP_CSTEP, 1);
     if (sums && !core->err && out != MGRIT_NONE && L->u[c - L->lo] != MGRIT_NONE) {
@@ -167,25 +167,12 @@ int _mgrit_csweep(mgrit_core *core, int l, int done, double *sums) {
       _mgrit_sum(core, -1.0, L->u[c - L->lo], 1.0, d);
       if (!core->err) _MGRIT_CB(core, core->cb.norm(core->app, d, &nrm));
       if (!core->err) _MGRIT_CB(core, core->cb.norm(core->app, L->u[c - L->lo], &unrm));
-      if (c * L->stride == core->nsteps) {
-        _mgrit_set(core, &d, MGRIT_NONE);
-      } else if (acc == MGRIT_NONE) {
-        acc = d;
-        d = MGRIT_NONE;
-      } else {
-        _mgrit_sum(core, 1.0, d, 1.0, acc);
-        _mgrit_set(core, &d, MGRIT_NONE);
-      }
+      _mgrit_set(core, &d, MGRIT_NONE);
       sums[0] += nrm * nrm;
       sums[1] += unrm * unrm;
+      if (c * L->stride != core->nsteps) sums[2] += nrm;
     }
     _mgrit_set(core, &L->u[c - L->lo], out);
-  }
-  if (acc != MGRIT_NONE) {
-    double anrm = 0.0;
-    if (!core->err) _MGRIT_CB(core, core->cb.norm(core->app, acc, &anrm));
-    sums[2] += anrm;
-    _mgrit_set(core, &acc, MGRIT_NONE);
   }
   return MGRIT_OK;
 }

@@ -542,6 +542,9 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         self._chains = {}
         self.forward_stats = []
         self.backward_stats = []
+        self._solve_exactly = False  # set by audit_gradients
+        self._audit_ratios = []
+        self._calibration = 1.0
 
     def free(self):
         """Frees the communicators and MGRIT cores made for each sequence length (also done
@@ -570,7 +573,39 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
             self._chains[seq] = _Chain(self.comm, seq, float(seq), self.forward_options,
                                        self.backward_options, target_error=self.target_error,
                                        store_all=False)
-        return self._chains[seq]
+            self._chains[seq].calibration = self._calibration
+        chain = self._chains[seq]
+        return chain.exact() if self._solve_exactly else chain
+
+    def gradient_error_estimate(self):
+        """An estimate of the last backward's relative parameter-gradient error: the sum over
+        the layers of what ``LayerParallelModule.gradient_error_estimate`` gives for one
+        chain; None before a backward.  Calibrated by the audits run so far
+        (``layerbraid.audit_gradients``)."""
+        return self._estimate("error_estimate")
+
+    def _raw_gradient_error_estimate(self):
+        return self._estimate("raw_error_estimate")
+
+    def _estimate(self, field):
+        from ..module import _gradient_estimate
+
+        if not self.forward_stats or len(self.backward_stats) != len(self.forward_stats):
+            return None
+        values = [_gradient_estimate(f, b, field)
+                  for f, b in zip(self.forward_stats, self.backward_stats)]
+        return None if any(v is None for v in values) else sum(values)
+
+    def _save_stats(self):
+        return self.forward_stats, self.backward_stats
+
+    def _restore_stats(self, saved):
+        self.forward_stats, self.backward_stats = saved
+
+    def _set_calibration(self, k):
+        self._calibration = k
+        for chain in self._chains.values():
+            chain.calibration = k
 
     def forward(self, x, hx=None):
         """x: (batch, seq, input_size), the whole sequence, on every rank of the communicator.

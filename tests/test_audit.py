@@ -1,0 +1,206 @@
+"""Gradient audits and the calibrated error estimate, against serial copies, in training."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+import layerbraid
+from layerbraid import MGRITOptions
+from layerbraid.nn import ConvBlock, LayerParallelGRU, LPBatchNorm2d
+from nets import ODEResNet, batch
+from tolerances import CALIBRATED_FACTOR, ROUNDOFF
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.fixture(autouse=True)
+def _all_float64(float64):
+    pass
+
+
+def opts(iters, levels=2, cfactor=4):
+    return MGRITOptions(max_levels=levels, cfactor=cfactor, max_iters=iters, nrelax=0, tol=0.0,
+                        skip_first_downcycle=True)
+
+
+def net(comm, steps=24, **kw):
+    torch.manual_seed(0)
+    kw.setdefault("forward_options", opts(2))
+    kw.setdefault("backward_options", opts(1))
+    return ODEResNet(comm, num_steps=steps, channels=4, size=8, classes=3, **kw)
+
+
+def serial_error(model, x, y):
+    """The true relative error of the model's parameter gradients against a serial copy with
+    the same weights on the same batch (collective)."""
+    from layerbraid._parts import counted_parameters
+
+    serial = model.to_serial()
+    F.cross_entropy(serial(x), y).backward()
+    ref = dict(serial.named_parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    num = den = 0.0
+    for p in counted_parameters(model)[1]:
+        q = ref[names[id(p)]].grad
+        g = p.grad if p.grad is not None else torch.zeros_like(q)
+        num += float((g - q).pow(2).sum())
+        den += float(q.pow(2).sum())
+    return math.sqrt(WORLD.allreduce(num) / WORLD.allreduce(den))
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_audit_measures_the_serial_error_and_changes_nothing():
+    assert WORLD.Get_size() in (1, 2, 3)
+    model = net(WORLD)
+    x, y = batch(n=8, seed=0)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    fstats, bstats = model.forward_stats, model.backward_stats
+    audit = layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
+    true = serial_error(model, x, y)
+    assert 1e-4 < audit.error  # 2/1 iterations: a real error to measure
+    assert audit.error == pytest.approx(true, rel=1e-9)
+    assert audit.raw_estimate == pytest.approx(model.gradient_error_estimate(), rel=ROUNDOFF)
+    assert audit.estimate == audit.raw_estimate  # no audit before: uncalibrated
+    assert audit.calibration == pytest.approx(audit.error / audit.raw_estimate, rel=ROUNDOFF)
+    assert audit.seconds > 0 and audit.ratio == pytest.approx(1 / audit.calibration)
+    # the same everywhere, bit for bit
+    assert WORLD.allgather((audit.error, audit.calibration)) == \
+        [(audit.error, audit.calibration)] * WORLD.Get_size()
+    # nothing the training loop sees has changed
+    after = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert after.keys() == grads.keys()
+    assert all(torch.equal(after[n], grads[n]) for n in grads)
+    assert model.forward_stats is fstats and model.backward_stats is bstats
+    # the calibration applies from the next solve on
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    st = model.backward_stats
+    assert st.error_estimate == pytest.approx(audit.calibration * st.raw_error_estimate,
+                                              rel=ROUNDOFF)
+    model.free()
+
+
+class BNNet(layerbraid.LayerParallelModule):
+    def __init__(self, comm, **kw):
+        super().__init__(num_steps=8, comm=comm, **kw)
+        self.open = nn.Conv2d(1, 3, 3, padding=1)
+        self.close = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 3))
+
+    def step_layer(self, index):
+        return nn.Sequential(ConvBlock(3), LPBatchNorm2d(3))
+
+
+@pytest.mark.parallel([1, 2])
+def test_audit_leaves_batch_norm_statistics_and_warm_starts_alone():
+    assert WORLD.Get_size() in (1, 2)
+    torch.manual_seed(0)
+    o = opts(2, cfactor=2)
+    model = BNNet(WORLD, forward_options=o, backward_options=o, warm_start=True)
+    x, y = batch(n=8, seed=3)
+    F.cross_entropy(model(x), y).backward()
+    buffers = [b.clone() for b in model.buffers()]
+    warm = dict(model._chain._warm_fwd), dict(model._chain._warm_bwd)
+    audit = layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
+    assert audit.error == pytest.approx(serial_error(model, x, y), rel=1e-9)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+    assert model._chain._warm_fwd.keys() == warm[0].keys()
+    assert all(model._chain._warm_fwd[k] is v for k, v in warm[0].items())
+    assert all(model._chain._warm_bwd[k] is v for k, v in warm[1].items())
+    model.free()
+
+
+@pytest.mark.parallel([1, 3])
+def test_calibrated_estimate_holds_on_a_trained_amplifying_network():
+    """24 ReLU conv steps, 2/1 iterations, SGD with momentum: as training makes the steps
+    amplify, the true gradient error grows several times over; audits every 8 batches keep
+    the estimate, judged at the batches between them, within the factor of the truth, while
+    the raw estimate alone drifts away from it."""
+    assert WORLD.Get_size() in (1, 3)
+    model = net(WORLD)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    judged, errors = [], []
+    for b in range(41):
+        x, y = batch(n=16, seed=b)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if b % 8 == 0:
+            audit = layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
+            errors.append(audit.error)
+        elif b % 4 == 0 and b > 8:
+            true = serial_error(model, x, y)
+            judged.append((b, model.gradient_error_estimate(), true,
+                           model._raw_gradient_error_estimate()))
+        opt.step()
+    assert errors[-1] > 3 * errors[0], errors  # the network came to amplify errors
+    for b, est, true, raw in judged:
+        assert true / CALIBRATED_FACTOR <= est <= true * CALIBRATED_FACTOR, (b, est, true)
+    assert any(raw > true * CALIBRATED_FACTOR for _, _, true, raw in judged), judged
+    model.free()
+
+
+@pytest.mark.parallel([2, 3, 4])
+def test_estimate_does_not_depend_on_the_rank_count():
+    """The same solve on every rank count gives the same estimates: the model on all ranks
+    against a copy with the same weights on one rank (each rank runs one)."""
+    size = WORLD.Get_size()
+    assert size in (2, 3, 4)
+    x, y = batch(n=8, seed=1)
+    results = []
+    for comm in (WORLD, MPI.COMM_SELF):
+        model = net(comm, steps=16)
+        if comm is MPI.COMM_SELF:
+            model.load_state_dict(whole)
+        else:
+            whole = model.to_serial().state_dict()
+        F.cross_entropy(model(x), y).backward()
+        results.append((model.forward_stats.error_estimate, model.backward_stats.error_estimate))
+        model.free()
+    (f_p, b_p), (f_1, b_1) = results
+    assert f_p == pytest.approx(f_1, rel=1e-9) and b_p == pytest.approx(b_1, rel=1e-9)
+
+
+@pytest.mark.parallel([1, 2])
+def test_audit_of_a_layer_parallel_gru():
+    assert WORLD.Get_size() in (1, 2)
+    torch.manual_seed(0)
+    o = opts(1, cfactor=2)
+    model = LayerParallelGRU(3, 5, num_layers=2, comm=WORLD, forward_options=o,
+                             backward_options=o)
+    ref = torch.nn.GRU(3, 5, num_layers=2, batch_first=True)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 16, 3, generator=torch.Generator().manual_seed(1))
+
+    def loss_of(m):
+        return m(x)[0].pow(2).sum()
+
+    loss_of(model).backward()
+    loss_of(ref).backward()
+    num = sum(float((p.grad - q.grad).pow(2).sum()) for p, q in
+              zip(model.parameters(), ref.parameters()))
+    den = sum(float(q.grad.pow(2).sum()) for q in ref.parameters())
+    stats = model.forward_stats
+    audit = layerbraid.audit_gradients(model, lambda: loss_of(model))
+    assert audit.error > 1e-6
+    assert audit.error == pytest.approx(math.sqrt(num / den), rel=1e-9)
+    assert model.forward_stats is stats
+    assert audit.raw_estimate is not None and audit.calibration > 0
+    model.free()
+
+
+def test_audit_arguments_are_checked():
+    model = net(MPI.COMM_SELF, steps=4)
+    with pytest.raises(ValueError, match="history must be an int >= 1, got 0"):
+        layerbraid.audit_gradients(model, lambda: None, history=0)
+    with pytest.raises(ValueError, match="layer-parallel"):
+        layerbraid.audit_gradients(nn.Linear(2, 2), lambda: None)
+    x, y = batch(n=4, seed=0)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(TypeError, match="the closure must return the loss"):
+        layerbraid.audit_gradients(model, lambda: model(x))
+    assert not model._solve_exactly  # left as it was
+    model.free()
