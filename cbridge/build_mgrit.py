@@ -12,6 +12,12 @@ from pathlib import Path
 
 from cffi import FFI
 
+# cffi runs this file by path (setup.py's cffi_modules): its folder is not on sys.path.
+import sys  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from find_mpi import find_mpicc  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 SOURCES = sorted(str(p.relative_to(HERE.parent)) for p in (HERE / "src").glob("*.c"))
 
@@ -40,12 +46,14 @@ CDEF = cdef_from_header(HEADER.read_text())
 
 def _mpicc_flags():
     """Include dirs, library dirs, libraries and rpaths from `mpicc -show`."""
-    mpicc = os.environ.get("MPICC") or shutil.which("mpicc")
+    mpicc, origin = find_mpicc()
     if not mpicc:
         raise RuntimeError(
-            "layerbraid needs an MPI C compiler wrapper to build its core: set $MPICC or put "
-            "`mpicc` on PATH (`pip install mpich` provides one in the virtual environment)"
+            "layerbraid needs an MPI C compiler wrapper to build its core and found none: not "
+            "$MPICC, not next to the interpreter, not in mpi4py's configuration, not on PATH. "
+            "`pip install mpich` provides one in the virtual environment; or set $MPICC"
         )
+    print(f"layerbraid: building the MGRIT core with {mpicc} (from {origin})", file=sys.stderr)
     out = None
     for flag in ("-show", "--showme"):  # MPICH, then Open MPI
         try:

@@ -10,22 +10,28 @@ import numpy as np
 from mpi4py import MPI
 
 import layerbraid
+from layerbraid import cli
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=64, help="time steps (default 64)")
-    p.add_argument("--dt", type=float, default=0.5, help="step size (default 0.5)")
-    p.add_argument("--levels", type=int, default=2, help="MGRIT levels (default 2)")
-    p.add_argument("--cfactor", type=int, default=2, help="coarsening factor (default 2)")
+    p.add_argument("--steps", type=cli.int_at_least(2), default=64,
+                   help="time steps (default 64)")
+    p.add_argument("--dt", type=cli.positive_float, default=0.5, help="step size (default 0.5)")
+    p.add_argument("--levels", type=cli.positive_int, default=2, help="MGRIT levels (default 2)")
+    p.add_argument("--cfactor", type=cli.int_at_least(2), default=2,
+                   help="coarsening factor (default 2)")
     p.add_argument("--relax", choices=["F", "FCF"], default="FCF", help="relaxation (default FCF)")
     p.add_argument("--skip", action="store_true", help="skip the work of the first down-cycle")
     p.add_argument("--cycle", choices=["V", "F"], default="V")
-    p.add_argument("--tol", type=float, default=1e-10, help="absolute residual tolerance")
-    p.add_argument("--max-iters", type=int, default=100)
-    args = p.parse_args()
+    p.add_argument("--tol", type=cli.nonneg_float, default=1e-10,
+                   help="absolute residual tolerance")
+    p.add_argument("--max-iters", type=cli.positive_int, default=100)
+    args = cli.parse_args(p)
 
     comm = MPI.COMM_WORLD
+    if args.steps < comm.size:
+        p.error(f"--steps {args.steps} is smaller than the number of ranks ({comm.size})")
     options = layerbraid.MGRITOptions(
         max_levels=args.levels, cfactor=args.cfactor, max_iters=args.max_iters, tol=args.tol,
         nrelax=1 if args.relax == "FCF" else 0, skip_first_downcycle=args.skip, cycle=args.cycle)

@@ -20,7 +20,7 @@ from layerbraid import cli
 from layerbraid.data import load_mnist
 from layerbraid.nn import ConvBlock
 
-from training_loop import train  # examples/training_loop.py, beside this script
+from training_loop import mgrit_summary, train  # examples/training_loop.py, beside this script
 
 
 class MNISTNet(layerbraid.LayerParallelModule):
@@ -41,7 +41,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_training_arguments(parser, steps=8, channels=8, batch_size=64, epochs=2, lr=0.05)
-    cli.add_lp_arguments(parser, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1)
+    cli.add_lp_arguments(parser)
     parser.add_argument("--dataset", choices=["mnist", "fashion"], default="mnist",
                         help="mnist (default) or fashion")
     args = cli.parse_args(parser, argv)
@@ -50,7 +50,10 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # one core per rank
 
-    data = load_mnist(args.data_dir, args.dataset)
+    try:
+        data = load_mnist(args.data_dir, args.dataset)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--data-dir {args.data_dir}: {exc}" if args.data_dir else str(exc))
     fwd, bwd = cli.mgrit_options(args)
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
     model = MNISTNet(MPI.COMM_SELF if args.serial else grid, args.steps, args.channels,
@@ -61,9 +64,8 @@ def main(argv=None):
     if comm.rank == 0:
         kind = "serial PyTorch" if args.serial else (
             f"{args.dp_size} data-parallel x {comm.size // args.dp_size} layer-parallel rank(s), "
-            f"{args.lp_levels} MGRIT level(s), cfactor "
-            f"{args.lp_cfactor}, {args.lp_fwd_iters} forward / {args.lp_bwd_iters} backward "
-            f"iterations")
+            f"{mgrit_summary(model, args)}, {args.lp_fwd_iters} forward / "
+            f"{args.lp_bwd_iters} backward iterations")
         print(f"{args.dataset}: {len(data['train_x'])} training, {len(data['test_x'])} test images;"
               f" {args.steps} steps of {args.channels} channels; {kind}", flush=True)
     train(args, model, data, comm=comm, rank=comm.rank, name=args.dataset, grid=grid)

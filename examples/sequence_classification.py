@@ -57,16 +57,15 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_training_arguments(parser, batch_size=64, epochs=1, lr=2e-3, optimizer="adam",
                                ode=False)
-    cli.add_lp_arguments(parser, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1)
+    cli.add_lp_arguments(parser)
     parser.add_argument("--task", choices=["rows", "pixels", "synthetic"], default="rows",
                         help="rows (default), pixels or synthetic (see above)")
     parser.add_argument("--cell", choices=["gru", "lstm"], default="gru")
-    parser.add_argument("--hidden", type=int, default=32, help="hidden size (default 32)")
-    parser.add_argument("--length", type=int, default=200,
+    parser.add_argument("--hidden", type=cli.positive_int, default=32,
+                        help="hidden size (default 32)")
+    parser.add_argument("--length", type=cli.positive_int, default=200,
                         help="sequence length of --task synthetic (default 200)")
     args = cli.parse_args(parser, argv)
-    if args.hidden < 1:
-        parser.error(f"--hidden must be a positive integer, got {args.hidden}")
     comm = MPI.COMM_WORLD
     if args.task == "rows":
         args.steps, flag = 28, "--task rows: the sequence length"
@@ -83,7 +82,10 @@ def main(argv=None):
         data = {"train_x": x, "train_y": y, "test_x": xt, "test_y": yt}
         features, classes = x.shape[2], 6
     else:
-        m = load_mnist(args.data_dir)
+        try:
+            m = load_mnist(args.data_dir)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--data-dir {args.data_dir}: {exc}" if args.data_dir else str(exc))
         shape = (28, 28) if args.task == "rows" else (196, 4)
         data = {"train_x": m["train_x"].reshape(-1, *shape), "train_y": m["train_y"],
                 "test_x": m["test_x"].reshape(-1, *shape), "test_y": m["test_y"]}

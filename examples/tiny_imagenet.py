@@ -26,7 +26,7 @@ from layerbraid import cli
 from layerbraid.data import TinyImageNet
 from layerbraid.nn import ConvBlock, LPBatchNorm2d
 
-from training_loop import train  # examples/training_loop.py, beside this script
+from training_loop import mgrit_summary, train  # examples/training_loop.py, beside this script
 
 MEAN = torch.tensor([0.480, 0.448, 0.398]).view(1, 3, 1, 1)
 STD = torch.tensor([0.277, 0.269, 0.282]).view(1, 3, 1, 1)
@@ -94,10 +94,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_training_arguments(parser, steps=8, channels=16, batch_size=64, epochs=1, lr=0.05)
-    cli.add_lp_arguments(parser, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1)
+    cli.add_lp_arguments(parser)
     parser.add_argument("--stages", type=int, default=3, choices=[1, 2, 3, 4],
                         help="stages of --steps steps each (default 3)")
-    parser.add_argument("--max-per-class", type=int, default=None,
+    parser.add_argument("--max-per-class", type=cli.positive_int, default=None,
                         help="load at most this many training images per class (default all)")
     parser.add_argument("--synthetic", action="store_true",
                         help="random images and labels instead of Tiny-ImageNet: timing only")
@@ -122,8 +122,11 @@ def main(argv=None):
                          "/path/to/tiny-imagenet-200 (or --synthetic for a timing-only run on "
                          "random data)")
         # Lazy: the file list is read now, each image when its batch is drawn.
-        data = {"train": TinyImageNet(args.data_dir, "train", args.max_per_class),
-                "test": TinyImageNet(args.data_dir, "val")}
+        try:
+            data = {"train": TinyImageNet(args.data_dir, "train", args.max_per_class),
+                    "test": TinyImageNet(args.data_dir, "val")}
+        except (OSError, ValueError) as exc:
+            parser.error(f"--data-dir {args.data_dir}: {exc}")
     fwd, bwd = cli.mgrit_options(args)
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
     model = StagedNet(MPI.COMM_SELF if args.serial else grid, args.stages, args.steps,
@@ -136,8 +139,9 @@ def main(argv=None):
         print(f"tiny-imagenet from {source}: {len(data['train'])} training, "
               f"{len(data['test'])} validation images; {args.stages} stages x {args.steps} "
               f"steps, {args.channels} base channels; "
-              f"{'serial PyTorch' if args.serial else f'{args.dp_size} data x {comm.size // args.dp_size} layer-parallel ranks'}",
-              flush=True)
+              + ("serial PyTorch" if args.serial else
+                 f"{args.dp_size} data x {comm.size // args.dp_size} layer-parallel ranks, "
+                 f"{mgrit_summary(model, args)}"), flush=True)
     train(args, model, data, comm=comm, rank=comm.rank, name="tiny_imagenet", prepare=Prepare(args.seed),
           synthetic=args.synthetic, grid=grid)
 

@@ -63,12 +63,28 @@ class _SolveLog:
 
     def __init__(self):
         self.rows = {"fwd": [], "bwd": []}
+        self.missed = []  # (estimate, target) of solves that did not meet their target
 
     def add(self, model):
         f, b = _last_stats(model)
         for name, st in (("fwd", f), ("bwd", b)):
             if st is not None:
                 self.rows[name].append((st.iterations, st.error_estimate))
+                if st.target_met is False:
+                    self.missed.append((name, st.error_estimate, st.target))
+
+    def missed_line(self, args):
+        """The once-per-epoch warning for solves whose estimate did not reach their share of
+        --lp-target-error within the iteration caps; None when all did."""
+        if not self.missed:
+            return None
+        n = sum(len(r) for r in self.rows.values())
+        worst = max(self.missed, key=lambda m: m[1] / m[2])
+        return (f"  warning: {len(self.missed)} of {n} solves ended above their share of "
+                f"--lp-target-error {args.lp_target_error:g} (worst: {worst[0]} estimate "
+                f"{worst[1]:.1e} for {worst[2]:.1e}) at the iteration caps "
+                f"(--lp-fwd-iters {args.lp_fwd_iters}, --lp-bwd-iters {args.lp_bwd_iters}): "
+                "raise them to reach the target")
 
     def summary(self):
         """{fwd_iters, fwd_error_estimate, fwd_error_estimate_max, bwd_...}: means over the
@@ -98,6 +114,26 @@ def _mgrit_line(s):
     return " | MGRIT " + ", ".join(parts) if parts else ""
 
 
+def _depth_smoothness(model):
+    """The depth-smoothness penalty of every chain of ``model`` (layer-parallel or serial)."""
+    return sum(m.depth_smoothness() for m in model.modules() if hasattr(m, "depth_smoothness"))
+
+
+def mgrit_summary(model, args):
+    """'2 MGRIT levels (cfactor [4])' for an example's header: the levels that formed, with
+    what was asked when fewer formed."""
+    levels = [m.mgrit_levels() for m in model.modules() if hasattr(m, "mgrit_levels")]
+    if not levels:
+        return "serial PyTorch"
+    fwd, bwd = max(f for f, _ in levels), max(b for _, b in levels)
+    text = (f"{fwd} MGRIT level(s)" if fwd == bwd else
+            f"{fwd} forward / {bwd} adjoint MGRIT level(s)")
+    text += " (exact)" if max(fwd, bwd) == 1 else f", cfactor {args.lp_cfactor}"
+    if max(fwd, bwd) < args.lp_levels:
+        text += f" [asked for {args.lp_levels} levels, cfactor {args.lp_cfactor}]"
+    return text
+
+
 def _audit_line(audits, seconds):
     """'  audits: true gradient error ... ' for the epoch's audits."""
     errors = sorted(a["error"] for a in audits)
@@ -118,6 +154,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     of every batch."""
     data_size = grid.data_size if grid is not None else 1
     audit_every = 0 if args.serial else getattr(args, "lp_audit_every", 0)
+    smoothness = getattr(args, "lp_smoothness", 0.0)
     device = torch.device(args.device)
     optimizer = make_optimizer(args, model.parameters())
     history, start_epoch = [], 0
@@ -153,10 +190,15 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             xb = prepare(xb) if prepare else xb
             xb, yb = xb.to(device), yb.to(device)
             optimizer.zero_grad()
-            loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
+
+            def objective():
+                loss = F.cross_entropy(model(xb), yb)
+                return loss, loss + smoothness * _depth_smoothness(model) if smoothness else loss
+
+            loss, total = objective()
+            total.backward()
             if audit_every and b % audit_every == 0:  # the true gradient error, on the side
-                a = layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(xb), yb))
+                a = layerbraid.audit_gradients(model, lambda: objective()[1])
                 audits.append({"batch": b, "error": a.error, "estimate": a.estimate,
                                "raw_estimate": a.raw_estimate, "calibration": a.calibration,
                                "calibrated": a.calibrated, "seconds": a.seconds})
@@ -193,6 +235,9 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                   f"{_mgrit_line(s)}", flush=True)
             if audits:
                 print(_audit_line(audits, seconds), flush=True)
+            missed = solves.missed_line(args)
+            if missed:
+                print(missed, flush=True)
             if epoch == start_epoch and s.get("fwd_error_estimate") is not None:
                 print("  (it: MGRIT iterations per batch; est. error: the estimated relative "
                       "error of the forward's output and of the adjoint's input gradient, "

@@ -22,7 +22,7 @@ import layerbraid
 from layerbraid import cli
 from layerbraid.nn import ConvBlock
 
-from training_loop import train  # examples/training_loop.py, beside this script
+from training_loop import mgrit_summary, train  # examples/training_loop.py, beside this script
 
 SHAPES = ["ball", "cube", "shell", "rod"]
 
@@ -78,8 +78,10 @@ def main(argv=None):
                         help="branch (default): states stay fine, the coarse steps compute their "
                              "increment on the coarse grid; state: coarse levels store coarse "
                              "states (see layerbraid.SpatialCoarsening)")
-    parser.add_argument("--size", type=int, default=16, help="volume edge (default 16)")
-    parser.add_argument("--train-size", type=int, default=1024, help="training volumes")
+    parser.add_argument("--size", type=cli.positive_int, default=16,
+                        help="volume edge (default 16)")
+    parser.add_argument("--train-size", type=cli.positive_int, default=1024,
+                        help="training volumes")
     args = cli.parse_args(parser, argv)
     comm = MPI.COMM_WORLD
     cli.check_run(parser, args, comm)
@@ -110,7 +112,8 @@ def main(argv=None):
               f"{args.size}^3; {args.steps} steps; spatial coarsening on levels "
               f"{args.lp_sc_levels or 'none'}"
               f"{f' (mode {args.lp_sc_mode})' if args.lp_sc_levels else ''}; "
-              f"{'serial PyTorch' if args.serial else f'{comm.size} rank(s)'}", flush=True)
+              + ("serial PyTorch" if args.serial else
+                 f"{comm.size} rank(s), {mgrit_summary(model, args)}"), flush=True)
     train(args, model, data, comm=comm, rank=comm.rank, name="volumes3d", grid=grid)
 
 

@@ -183,6 +183,9 @@ class _Chain:
             self.free()
             raise
         self.strides = [m for (_, _, m) in self.bwd.level_info()]
+        if rank == 0:
+            _warn_if_reduced(num_steps, forward_options, self.fwd.num_levels(), "forward")
+            _warn_if_reduced(num_steps, backward_options, self.bwd.num_levels(), "adjoint")
         alo, ahi, _ = self.bwd.level_info()[0]
         starts = sorted(num_steps - j for j in range(max(alo, 1), ahi + 1))
         assert starts == self.owned, "adjoint distribution does not mirror the forward one"
@@ -291,6 +294,9 @@ class _Chain:
                 self._alignment[id(core)] = final_sum / final
         elif opts.max_levels == 1 or core.num_levels() == 1:
             stats.error_estimate = stats.raw_error_estimate = 0.0
+        if self.target_error is not None and stats.error_estimate is not None:
+            share = _FORWARD_SHARE if core is self.fwd else _ADJOINT_SHARE
+            stats.target = share * self.target_error
         return stats, states
 
     def _adaptive_rtol(self, core, target):
@@ -389,6 +395,23 @@ class _Chain:
         if graph.increment:
             return w + gx if gx is not None else w.clone()
         return gx if gx is not None else torch.zeros_like(w)
+
+
+def _warn_if_reduced(num_steps, options, levels, solve):
+    """Warns (once per place, on the calling rank) when the hierarchy that formed is smaller
+    than the options ask for: a level is coarsened only while the coarser one keeps
+    ``min_coarse`` steps, so few steps or large cfactors give fewer levels, down to exact
+    sequential stepping."""
+    if levels >= options.max_levels:
+        return
+    import warnings
+
+    what = "exact sequential stepping" if levels == 1 else f"{levels} levels"
+    warnings.warn(
+        f"the {solve} solve asked for {options.max_levels} MGRIT levels with cfactor "
+        f"{options.cfactor} over {num_steps} steps, but only {levels} level(s) form (a level is "
+        f"coarsened while the coarser one keeps at least min_coarse={options.min_coarse} "
+        f"steps): it runs {what}", UserWarning, stacklevel=4)
 
 
 def _one_by_one(step, run, u, times, level, index, stride, done, keep):

@@ -4,9 +4,36 @@ MPI here is not assumed to be CUDA-aware: a tensor on a GPU is staged through ho
 copy each way), and arrives on the device the receiver names.  Every dtype travels as its bytes,
 so float64 stays float64 and bfloat16 needs no numpy type.
 """
+import time
+
 import torch
 
 __all__ = []
+
+
+def wait(requests, comm, what):
+    """Waits, polling, for MPI ``requests`` of ``comm``: Ctrl-C gets through, and a rank that
+    waits longer than the stall timeout raises :class:`layerbraid.StallError` saying it waited
+    for ``what``.  Several tests per wake: MPI's progress can need more than one call to finish
+    what arrived during a nap (Note [polled waits] in cbridge/src/comm.c)."""
+    from mpi4py import MPI
+
+    from .errors import StallError
+    from .launch import timeout
+
+    limit = timeout()
+    t0 = time.perf_counter()
+    spins, nap = 0, 1e-5
+    while not any(MPI.Request.Testall(requests) for _ in range(4)):
+        spins += 1
+        if spins > 100:
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+        waited = time.perf_counter() - t0
+        if limit and waited > limit:
+            raise StallError(
+                f"stalled: rank {comm.Get_rank()} waited {waited:.0f} s for {what}.  "
+                "LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit")
 
 
 def _host_bytes(t):
@@ -18,6 +45,30 @@ def _host_bytes(t):
 def _empty(shape, dtype):
     host = torch.empty(shape, dtype=dtype).reshape(-1)
     return host, host.view(torch.uint8).numpy()
+
+
+def neighbour_exchange(comm, first, last, what):
+    """``(left's last, right's first)``: each rank sends ``first`` to the rank before it and
+    ``last`` to the one after it (same shape and dtype everywhere), and receives theirs; None
+    at the ends.  With the stall deadline."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    reqs, got = [], {}
+    keep = []
+    for peer, mine, tag in ((rank - 1, first, 7401), (rank + 1, last, 7402)):
+        if 0 <= peer < size:
+            host, buf = _host_bytes(mine)
+            keep.append(host)
+            reqs.append(comm.Isend(buf, dest=peer, tag=tag))
+            into, ibuf = _empty(mine.shape, mine.dtype)
+            # the left neighbour sends its last (tag 7402), the right one its first (7401)
+            reqs.append(comm.Irecv(ibuf, source=peer, tag=7402 if peer < rank else 7401))
+            got[peer] = into
+    if reqs:
+        wait(reqs, comm, f"its neighbours' layers for {what}")
+    left = got.get(rank - 1)
+    right = got.get(rank + 1)
+    return (None if left is None else left.reshape(first.shape).to(first.device),
+            None if right is None else right.reshape(last.shape).to(last.device))
 
 
 def bcast_tensor(comm, t, shape, dtype, device, root):

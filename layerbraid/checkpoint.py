@@ -179,8 +179,12 @@ def read_checkpoint(path):
     if not data:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes): its write did not finish")
     if not data.startswith(_MAGIC):
+        hint = ""
+        if data[:2] == b"PK" or data[:1] == b"\x80":  # a torch.save file (zip or pickle)
+            hint = (": it looks like a torch.save file; a plain state_dict loads with "
+                    "model.load_state_dict(torch.load(path, weights_only=True)) on every rank")
         raise CheckpointError(f"{path} is not a layerbraid checkpoint (it does not start with "
-                              f"{_MAGIC.strip().decode()!r}; {len(data)} bytes)")
+                              f"{_MAGIC.strip().decode()!r}; {len(data)} bytes){hint}")
     rest = data[len(_MAGIC):]
     digest, sep, payload = rest.partition(b"\n")
     if not sep or len(digest) != 64:
@@ -210,14 +214,17 @@ def load_checkpoint(model, path, optimizer=None):
                              f"has num_steps={m.num_steps}")
     full = ckpt["model"]
     for prefix, m in parts:
-        m.load_state_dict({_strip(k, prefix): v for k, v in full.items() if _under(k, prefix)})
+        try:
+            m.load_state_dict({_strip(k, prefix): v for k, v in full.items() if _under(k, prefix)})
+        except RuntimeError as exc:
+            raise CheckpointError(f"{path} does not match this model: {exc}") from exc
     if not any(p == "" for p, _ in parts):
         rest = {k: v for k, v in full.items() if not any(_under(k, p) for p, _ in parts)}
         result = model.load_state_dict(rest, strict=False)
         missing = [k for k in result.missing_keys if not any(_under(k, p) for p, _ in parts)]
         if missing or result.unexpected_keys:
-            raise ValueError(f"{path} does not match this model: missing {missing[:5]}, "
-                             f"unexpected {result.unexpected_keys[:5]}")
+            raise CheckpointError(f"{path} does not match this model: missing {missing[:5]}, "
+                                  f"unexpected {result.unexpected_keys[:5]}")
     if optimizer is not None and "optimizer" in ckpt:
         names = {id(p): k for k, p in model.named_parameters()}
         saved = ckpt["optimizer"]["state"]

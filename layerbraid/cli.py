@@ -13,7 +13,8 @@ import argparse
 from .options import MGRITOptions
 
 __all__ = ["add_lp_arguments", "add_training_arguments", "parse_args", "mgrit_options",
-           "check_run"]
+           "check_run", "positive_int", "nonneg_int", "positive_float", "nonneg_float",
+           "int_at_least"]
 
 
 def _number(convert, ok, what):
@@ -37,6 +38,16 @@ _nonneg_float = _number(float, lambda v: 0 <= v < _finite, "a number >= 0")
 _fraction = _number(float, lambda v: 0 < v < 1, "a number between 0 and 1")
 
 
+def int_at_least(minimum):
+    """An argparse type: an int >= minimum, else a one-line error naming the value."""
+    return _number(int, lambda v: v >= minimum, f"an integer >= {minimum}")
+
+
+# Public argparse types for scripts' own flags (one-line errors that name the bad value).
+positive_int, nonneg_int = _positive_int, _nonneg_int
+positive_float, nonneg_float = _positive_float, _nonneg_float
+
+
 def _cfactor(text):
     v = _positive_int(text)
     if v < 2:
@@ -50,9 +61,15 @@ def _levels(text):
     return _positive_int(text)
 
 
-def add_lp_arguments(parser, *, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1, relax="F",
-                     audit_every=50):
-    """Adds the ``--lp-*`` MGRIT flags (defaults can be changed per script)."""
+_DEFAULT = MGRITOptions()
+
+
+def add_lp_arguments(parser, *, levels=_DEFAULT.max_levels, cfactor=_DEFAULT.cfactor,
+                     fwd_iters=2, bwd_iters=1,
+                     relax="FCF" if _DEFAULT.nrelax else "F", audit_every=50):
+    """Adds the ``--lp-*`` MGRIT flags.  The defaults are MGRITOptions' (levels, cfactor,
+    relaxation, skip, cycle), with 2 forward / 1 adjoint iterations and no residual tolerance;
+    a script may change them."""
     g = parser.add_argument_group("layer-parallel MGRIT")
     g.add_argument("--lp-levels", type=_levels, default=levels, metavar="L",
                    help="MGRIT levels; 1 = exact sequential stepping across ranks; auto = the "
@@ -70,15 +87,23 @@ def add_lp_arguments(parser, *, levels=2, cfactor=4, fwd_iters=2, bwd_iters=1, r
                         "the set iterations (default 0)")
     g.add_argument("--lp-relax", choices=["F", "FCF"], nargs="+", default=[relax],
                    help=f"relaxation, or one per coarsened level (default {relax})")
-    g.add_argument("--lp-skip-downcycle", action=argparse.BooleanOptionalAction, default=True,
-                   help="skip the work of the first down-cycle (default: on)")
-    g.add_argument("--lp-cycle", choices=["V", "F"], default="V", help="cycle type (default V)")
+    skip = _DEFAULT.skip_first_downcycle
+    g.add_argument("--lp-skip-downcycle", action=argparse.BooleanOptionalAction, default=skip,
+                   help="skip the work of the first down-cycle (default: "
+                        f"{'on' if skip else 'off'})")
+    g.add_argument("--lp-cycle", choices=["V", "F"], default=_DEFAULT.cycle,
+                   help=f"cycle type (default {_DEFAULT.cycle})")
     g.add_argument("--lp-warm-start", action=argparse.BooleanOptionalAction, default=False,
                    help="start each solve from the previous batch's states (default: off)")
     g.add_argument("--lp-target-error", type=_fraction, default=None, metavar="E",
                    help="adaptive iterations: each solve iterates until its estimated relative "
                         "error meets its share of E (e.g. 1e-2), at most --lp-fwd-iters / "
                         "--lp-bwd-iters times (raise those, e.g. to 10); default: off")
+    g.add_argument("--lp-smoothness", type=_nonneg_float, default=0.0, metavar="GAMMA",
+                   help="add GAMMA times the depth-smoothness penalty (the squared change of "
+                        "the weights from layer to layer, LayerParallelModule.depth_smoothness) "
+                        "to the loss, which keeps MGRIT's coarse steps close to the fine ones "
+                        "as the network trains; the serial network gets the same (default 0)")
     g.add_argument("--lp-audit-every", type=_nonneg_int, default=audit_every, metavar="K",
                    help="every K batches (and at each epoch's first), compute the exact "
                         "gradient of the batch as well (one exact forward and backward) and "
@@ -137,7 +162,10 @@ def add_training_arguments(parser, *, steps=8, channels=8, t_final=1.0, batch_si
 
 
 def parse_args(parser, argv=None):
-    """Parses argv and checks the flags against each other; errors exit before any training."""
+    """Parses argv and checks the flags against each other; errors exit before any training.
+    Every rank parses the same argv and exits on the same error; only rank 0 prints it, with
+    the usage (N ranks would print it N times)."""
+    _quiet_off_rank_zero(parser)
     args = parser.parse_args(argv)
     if getattr(args, "lp_levels", None) == "auto":
         for flag, values in (("--lp-cfactor", args.lp_cfactor), ("--lp-relax", args.lp_relax)):
@@ -169,6 +197,19 @@ def parse_args(parser, argv=None):
         if not os.path.exists(args.resume):
             parser.error(f"--resume {args.resume}: no such file")
     return args
+
+
+def _quiet_off_rank_zero(parser):
+    """parser.error exits silently (status 2) on ranks other than 0 of an MPI launch."""
+    import os
+    import sys
+
+    if not any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
+        return  # not under mpiexec: one process, which prints
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        parser.error = lambda message: sys.exit(2)
 
 
 def check_run(parser, args, comm=None, *, steps=None, steps_flag="--steps"):

@@ -208,29 +208,13 @@ def arrive(comm, what):
     barrier), so that a rank that never comes is reported instead of waited for forever: after
     the timeout, :class:`layerbraid.StallError` names ``what``.  Polling also lets Ctrl-C
     through.  Costs one barrier."""
-    from .errors import StallError
+    from ._transport import wait
 
     if comm.Get_size() == 1:
         return
-    req = comm.Ibarrier()
-    limit = timeout()
-    t0 = time.perf_counter()
-    spins, nap = 0, 1e-5
-    # several tests per wake: MPI's progress can need more than one call to finish what
-    # arrived during a nap (Note [polled waits] in cbridge/src/comm.c)
-    while not any(req.Test() for _ in range(4)):
-        spins += 1
-        if spins > 100:
-            time.sleep(nap)
-            nap = min(2 * nap, 1e-3)
-        waited = time.perf_counter() - t0
-        if limit and waited > limit:
-            rank = comm.Get_rank()
-            raise StallError(
-                f"stalled: rank {rank} waited {waited:.0f} s for every rank of its layer group "
-                f"to reach {what}; at least one never did (it stopped, or called model(x) or "
-                f"backward() a different number of times, or with another batch).  "
-                f"LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit")
+    wait([comm.Ibarrier()], comm,
+         f"every rank of its layer group to reach {what}; at least one never did (it stopped, "
+         "or called model(x) or backward() a different number of times, or with another batch)")
 
 
 class FreedOnExit:

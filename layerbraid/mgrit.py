@@ -77,8 +77,9 @@ class MGRIT:
         if step_interval is not None and not callable(step_interval):
             raise TypeError(f"MGRIT step_interval must be callable or None, got "
                             f"{type(step_interval).__name__}")
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"MGRIT num_steps must be an int >= 1, got {num_steps!r}")
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or \
+                not 1 <= num_steps <= 2**62:  # the C core counts steps in int64
+            raise ValueError(f"MGRIT num_steps must be an int in 1..2**62, got {num_steps!r}")
         if not float(t_stop) > float(t_start):
             raise ValueError(f"MGRIT needs t_stop > t_start, got t_start={t_start!r}, "
                              f"t_stop={t_stop!r}")

@@ -22,6 +22,7 @@ __all__ = ["LayerParallelModule", "SolveStats"]
 logger = logging.getLogger(__name__)
 
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
+_MAX_STEPS = 2**62  # the C core counts steps in int64
 
 
 class _BuildStepsAfterInit(type(nn.Module)):
@@ -30,6 +31,9 @@ class _BuildStepsAfterInit(type(nn.Module)):
 
     def __call__(cls, *args, **kwargs):
         obj = super().__call__(*args, **kwargs)
+        if "_comm" not in obj.__dict__:
+            raise TypeError(f"{cls.__name__}.__init__ must call super().__init__(num_steps, ...) "
+                            "(LayerParallelModule's), before setting any layer")
         obj._build_steps()
         return obj
 
@@ -100,8 +104,13 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
 
         _enter()
 
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or \
+                not 1 <= num_steps <= _MAX_STEPS:
+            raise ValueError(f"num_steps must be an int in 1..2**62, got {num_steps!r}")
+        for name, flag in (("warm_start", warm_start), ("check_inputs", check_inputs),
+                           ("check_finite", check_finite)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         if isinstance(t_final, bool) or not isinstance(t_final, (int, float)) or \
                 not 0 < t_final < float("inf"):
             raise ValueError(f"t_final must be a finite number > 0, got {t_final!r}")
@@ -226,6 +235,11 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         """``[(global step index, step module)]`` for the steps this rank owns, in order."""
         return [(i, self.layers[str(i)]) for i in self._chain.owned]
 
+    def mgrit_levels(self):
+        """``(forward, adjoint)``: the MGRIT levels that formed, which can be fewer than the
+        options ask for (few steps, large cfactors: a warning says so); 1 is exact."""
+        return self._chain.fwd.num_levels(), self._chain.bwd.num_levels()
+
     @property
     def forward_stats(self) -> SolveStats:
         """The last forward solve's SolveStats on this rank."""
@@ -259,6 +273,42 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
     def _set_calibration(self, k):
         self._chain.calibration = k
 
+    def depth_smoothness(self) -> torch.Tensor:
+        """The depth-smoothness penalty of layer-parallel training (Günther et al., 2020):
+        ``sum_i |theta_{i+1} - theta_i|^2 / (2 dt)`` over consecutive step layers, the
+        discretized integral of the weights' squared derivative in depth.  Add ``gamma`` times
+        it to the loss to keep neighbouring layers alike: MGRIT's coarse steps use one fine
+        layer's weights for ``cfactor`` steps, which approximates the fine steps only where
+        the weights change slowly with depth.
+
+        Collective over the layer group (each rank exchanges its first and last layer with its
+        neighbours).  Returns the whole network's penalty on every rank, differentiable with
+        respect to the layers this rank owns (each gets exactly its gradient); needs step
+        layers whose parameters have the same shapes."""
+        from ._transport import neighbour_exchange
+
+        owned = self._chain.owned
+        params = [[p for p in self.layers[str(i)].parameters() if p.requires_grad]
+                  for i in owned]
+        shapes = [tuple(tuple(p.shape) for p in ps) for ps in params]
+        if any(s != shapes[0] for s in shapes):
+            raise ValueError("depth_smoothness needs step layers whose parameters have the "
+                             f"same shapes; steps {owned[0]}..{owned[-1]} have {set(shapes)}")
+        flat = [torch.cat([p.reshape(-1) for p in ps]) for ps in params]
+        left, right = neighbour_exchange(self._comm, flat[0].detach(), flat[-1].detach(),
+                                         "the depth-smoothness penalty")
+        inner = sum(((b - a).pow(2).sum() for a, b in zip(flat[:-1], flat[1:])),
+                    flat[0].new_zeros(()))
+        graph = inner
+        if left is not None:
+            graph = graph + (flat[0] - left).pow(2).sum()
+        if right is not None:
+            right_pair = (right - flat[-1]).pow(2).sum()
+            graph = graph + right_pair
+        mine = float(inner.detach()) + (float(right_pair.detach()) if right is not None else 0.0)
+        total = _allreduce_sum(self._comm, mine, "the depth-smoothness penalty")
+        return (graph + (total - graph).detach()) / (2 * self.dt)
+
     def set_trace(self, on: bool = True):
         """Record the schedule of the following forward and adjoint solves (see ``trace``)."""
         self._chain.fwd.set_trace(on)
@@ -281,6 +331,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         h0, meta, error = None, None, None
         if first:
             try:
+                _check_input(x, self.check_finite)
                 h0 = self.open(x) if self.open is not None else x
                 if not isinstance(h0, torch.Tensor):
                     raise TypeError(f"the open layer must return a tensor, got {type(h0).__name__}")
@@ -446,6 +497,13 @@ class _SerialChain(nn.Module):
         self.dt = dt
         self.rule = rule
 
+    def depth_smoothness(self):
+        """LayerParallelModule.depth_smoothness of the same layers."""
+        flat = [torch.cat([p.reshape(-1) for p in layer.parameters() if p.requires_grad])
+                for layer in self.layers]
+        return sum(((b - a).pow(2).sum() for a, b in zip(flat[:-1], flat[1:])),
+                   flat[0].new_zeros(())) / (2 * self.dt)
+
     def forward(self, x):
         if self.open is not None:
             x = self.open(x)
@@ -459,6 +517,19 @@ class _SerialChain(nn.Module):
         return self.close(x) if self.close is not None else x
 
 
+def _check_input(x, check_finite):
+    """A batch the forward cannot take: empty, or (with check_finite) holding NaN or Inf."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return
+    if x.shape[0] == 0:
+        raise ValueError(f"the batch is empty: an input of shape {tuple(x.shape)}")
+    if check_finite and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"the input holds {bad} NaN or Inf value(s) (shape {tuple(x.shape)}): "
+                         "bad input, before any step ran (check_finite=False turns this check "
+                         "off)")
+
+
 def _fingerprint(x):
     """(shape, dtype, sum, position-weighted sum) of an input batch; None for what is not a
     batch (None, a 0-d placeholder).  The weights (1, 2, ...) over the samples make a reordered
@@ -466,7 +537,8 @@ def _fingerprint(x):
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         return None
     with torch.no_grad():
-        per_sample = x.detach().reshape(x.shape[0], -1).to(torch.float64).sum(1)
+        rows = x.detach().reshape(len(x), -1) if x.numel() else x.new_zeros(len(x), 0)
+        per_sample = rows.to(torch.float64).sum(1)
         pos = torch.arange(1, x.shape[0] + 1, dtype=torch.float64, device=per_sample.device)
         total, weighted = float(per_sample.sum()), float((per_sample * pos).sum())
     return (tuple(x.shape), str(x.dtype), total, weighted)
@@ -479,6 +551,19 @@ def _same_input(a, b):
     scale = 1e-9 * max(1, int(np.prod(a[0])))
     return all(u == v or (u != u and v != v) or abs(u - v) <= 1e-7 * (abs(u) + abs(v)) + scale
                for u, v in zip(a[2:], b[2:]))  # equal, both NaN, or round-off apart
+
+
+def _allreduce_sum(comm, value, what):
+    """The sum of a float over ``comm``, with the stall deadline."""
+    if comm.Get_size() == 1:
+        return value
+    from ._transport import wait
+
+    send, recv = np.array([value], dtype=np.float64), np.empty(1, dtype=np.float64)
+    from mpi4py import MPI
+
+    wait([comm.Iallreduce(send, recv, op=MPI.SUM)], comm, f"every rank's part of {what}")
+    return float(recv[0])
 
 
 def _gradient_estimate(fwd, bwd, field):

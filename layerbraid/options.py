@@ -12,11 +12,16 @@ def _is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# The C core keeps counts and factors in C ints.
+_C_INT_MAX = 2**31 - 1
+
+
 def _per_level(name, value, minimum, max_levels):
     """An int, or one int per coarsened level (max_levels - 1 of them), each >= minimum."""
     if _is_int(value):
-        if value < minimum:
-            raise ValueError(f"MGRITOptions.{name} must be at least {minimum}, got {value!r}")
+        if not minimum <= value <= _C_INT_MAX:
+            raise ValueError(f"MGRITOptions.{name} must be in {minimum}..{_C_INT_MAX}, got "
+                             f"{value!r}")
         return value
     if isinstance(value, (list, tuple)):
         value = tuple(value)
@@ -25,9 +30,9 @@ def _per_level(name, value, minimum, max_levels):
                 f"MGRITOptions.{name} must be an int or {max(max_levels - 1, 1)} ints (one per "
                 f"level that has a coarser level, max_levels={max_levels}), got {value!r}")
         for k, v in enumerate(value):
-            if v < minimum:
-                raise ValueError(
-                    f"MGRITOptions.{name}[{k}] must be at least {minimum}, got {v!r} in {value!r}")
+            if not minimum <= v <= _C_INT_MAX:
+                raise ValueError(f"MGRITOptions.{name}[{k}] must be in {minimum}..{_C_INT_MAX}, "
+                                 f"got {v!r} in {value!r}")
         return value
     raise ValueError(f"MGRITOptions.{name} must be an int or a tuple of ints, got {value!r}")
 
@@ -35,6 +40,12 @@ def _per_level(name, value, minimum, max_levels):
 @dataclass(frozen=True)
 class MGRITOptions:
     """Settings of an MGRIT solve (XBraid's algorithm).
+
+    The defaults are the settings the examples, the command line (``layerbraid.cli``) and the
+    planner (``layerbraid.plan``) use for training: two levels, cfactor 4, F-relaxation, the
+    first down-cycle skipped.  (XBraid's own defaults are FCF-relaxation without the skip:
+    ``nrelax=1, skip_first_downcycle=False``, which converge in fewer iterations at about twice
+    the cost of each.)
 
     Args:
         max_levels: the most levels of the time hierarchy; 1 is plain sequential stepping.
@@ -56,11 +67,11 @@ class MGRITOptions:
     """
 
     max_levels: int = 2
-    cfactor: IntOrPerLevel = 2
+    cfactor: IntOrPerLevel = 4
     max_iters: int = 10
     tol: float = 1e-9
-    nrelax: IntOrPerLevel = 1
-    skip_first_downcycle: bool = False
+    nrelax: IntOrPerLevel = 0
+    skip_first_downcycle: bool = True
     cycle: str = "V"
     min_coarse: int = 2
     final_fc_relax: bool = False
@@ -72,8 +83,9 @@ class MGRITOptions:
                 f"MGRITOptions.max_levels must be an int in 1..64, got {self.max_levels!r}")
         object.__setattr__(self, "cfactor", _per_level("cfactor", self.cfactor, 2, self.max_levels))
         object.__setattr__(self, "nrelax", _per_level("nrelax", self.nrelax, 0, self.max_levels))
-        if not _is_int(self.max_iters) or self.max_iters < 1:
-            raise ValueError(f"MGRITOptions.max_iters must be an int >= 1, got {self.max_iters!r}")
+        if not _is_int(self.max_iters) or not 1 <= self.max_iters <= _C_INT_MAX:
+            raise ValueError(f"MGRITOptions.max_iters must be an int in 1..{_C_INT_MAX}, got "
+                             f"{self.max_iters!r}")
         if (isinstance(self.tol, bool) or not isinstance(self.tol, (int, float))
                 or not math.isfinite(self.tol) or self.tol < 0):
             raise ValueError(f"MGRITOptions.tol must be a finite number >= 0, got {self.tol!r}")
@@ -84,9 +96,9 @@ class MGRITOptions:
         object.__setattr__(self, "rtol", float(self.rtol))
         if self.cycle not in ("V", "F"):
             raise ValueError(f"MGRITOptions.cycle must be 'V' or 'F', got {self.cycle!r}")
-        if not _is_int(self.min_coarse) or self.min_coarse < 1:
-            raise ValueError(
-                f"MGRITOptions.min_coarse must be an int >= 1, got {self.min_coarse!r}")
+        if not _is_int(self.min_coarse) or not 1 <= self.min_coarse <= _C_INT_MAX:
+            raise ValueError(f"MGRITOptions.min_coarse must be an int in 1..{_C_INT_MAX}, got "
+                             f"{self.min_coarse!r}")
         for name in ("skip_first_downcycle", "final_fc_relax"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MGRITOptions.{name} must be True or False, "

@@ -24,6 +24,8 @@ class SolveStats:
         error_estimate: ``raw_error_estimate`` times the model's calibration, the ratio of the
             true gradient error to the raw estimate measured by the last audits (Note
             [calibrated estimate] in audit.py); equal to the raw estimate before any audit.
+        target: with adaptive iterations, the solve's share of ``target_error`` (else None);
+            ``target_met`` says whether the estimate reached it.
         seconds: the whole solve; step_seconds: inside the steps (layers or VJPs);
         comm_seconds: in the core's MPI calls, waiting for other ranks included.  The rest is
             the MGRIT bookkeeping (vector sums, norms, packing).
@@ -39,6 +41,15 @@ class SolveStats:
     contraction: Optional[float] = None
     error_estimate: Optional[float] = None
     raw_error_estimate: Optional[float] = None
+    target: Optional[float] = None
+
+    @property
+    def target_met(self) -> Optional[bool]:
+        """With adaptive iterations (``target_error``): whether the solve's estimate met its
+        share of the target within ``max_iters``; None without a target."""
+        if self.target is None or self.error_estimate is None:
+            return None
+        return self.error_estimate <= self.target
 
 
 def error_estimate(residual_sum, state_norm, num_c_points):

@@ -69,7 +69,7 @@ def test_batch_norm_exact_mode_equals_serial_batch_norm():
 @pytest.mark.parallel([1, 3])
 def test_batch_norm_multilevel_converges_to_serial():
     torch.manual_seed(0)
-    opts = MGRITOptions(max_levels=2, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
+    opts = MGRITOptions(skip_first_downcycle=False, max_levels=2, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
     check_bn(BNNet(WORLD, forward_options=opts, backward_options=opts), CONVERGED)
 
 

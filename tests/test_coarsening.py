@@ -161,7 +161,7 @@ def test_spatial_coarsening_converges_to_the_serial_answer():
     """Coarse levels coarse in space: MGRIT still converges to serial PyTorch (fine level
     unchanged), forward and adjoint, in 2D and 3D."""
     for (dims, size), mode in itertools.product(((2, 16), (3, 8)), ("state", "branch")):
-        opts = MGRITOptions(max_levels=3, cfactor=2, max_iters=12, tol=1e-12, nrelax=1)
+        opts = MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=12, tol=1e-12, nrelax=1)
         torch.manual_seed(0)
         model = Net(WORLD, size, dims, forward_options=opts, backward_options=opts,
                     spatial=SpatialCoarsening(levels=[1, 2], mode=mode))
@@ -180,7 +180,7 @@ def test_spatial_coarsening_converges_to_the_serial_answer():
 
 @pytest.mark.parallel([1, 2])
 def test_a_grid_too_small_for_the_levels_is_a_clear_error_on_every_rank():
-    opts = MGRITOptions(max_levels=3, cfactor=2, max_iters=2)
+    opts = MGRITOptions(nrelax=1, skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=2)
     model = Net(WORLD, 6, 2, forward_options=opts, backward_options=opts,
                 spatial=SpatialCoarsening(levels=[1, 2]))
     with pytest.raises(ValueError, match=r"spatial shape \(6, 6\)"):
@@ -195,7 +195,7 @@ def test_branch_mode_approximates_as_well_as_coarsening_in_time_alone():
     spatial coarsening, and keeps MGRIT's exactness after enough iterations (8 steps, 3 levels,
     cfactor 2: 2 FCF iterations), which mode="state" loses (P R is not the identity)."""
     def output_error(size, iters, spatial):
-        opts = MGRITOptions(max_levels=3, cfactor=2, max_iters=iters, tol=0.0, nrelax=1)
+        opts = MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=iters, tol=0.0, nrelax=1)
         torch.manual_seed(0)
         model = Net(WORLD, size, 2, forward_options=opts, backward_options=opts, spatial=spatial)
         serial = model.to_serial()

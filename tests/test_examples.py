@@ -37,6 +37,11 @@ def test_mnist_layer_parallel_on_two_ranks_learns(tmp_path):
     assert 0 < h["fwd_error_estimate"] <= h["fwd_error_estimate_max"] < 1
     assert 0 < h["bwd_error_estimate"] <= h["bwd_error_estimate_max"] < 1
     assert "est. error" in proc.stdout
+    # the default audit (every 50 batches: the first) is recorded and printed
+    audit, = h["audits"]
+    assert audit["batch"] == 0 and 0 < audit["error"] < 1 and audit["seconds"] > 0
+    assert audit["calibration"] == pytest.approx(audit["error"] / audit["raw_estimate"])
+    assert proc.stdout.count("audits (1): true gradient error median") == 1
     assert (tmp_path / "training_curve.png").stat().st_size > 1000
     assert "test accuracy" in proc.stdout
     # resume on one rank from the two-rank checkpoint, for one more epoch
@@ -59,7 +64,54 @@ def test_mnist_bad_flag_fails_before_training_on_every_rank(tmp_path):
                            "--lp-levels", "3", "--lp-cfactor", "2", "2", "2"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0
-    assert proc.stderr.count("--lp-cfactor takes one value or one per coarsened level") == 2
+    # every rank stops; the message and the usage are printed once
+    assert proc.stderr.count("--lp-cfactor takes one value or one per coarsened level") == 1
+    assert proc.stderr.count("usage:") == 1
+
+
+def test_a_hierarchy_smaller_than_asked_is_said_in_the_header_and_a_warning(tmp_path):
+    proc = run(2, "mnist.py", "--steps", 3, "--lp-levels", 10, "--lp-cfactor", 16,
+               "--epochs", 1, "--max-batches", 2, "--test-limit", 100, "--out-dir", tmp_path)
+    assert proc.stdout.count("1 MGRIT level(s) (exact) [asked for 10 levels, cfactor [16]]") == 1
+    assert proc.stderr.count("asked for 10 MGRIT levels with cfactor 16 over 3 steps") == 2
+
+
+def test_a_target_error_the_caps_cannot_reach_is_said_once_per_epoch(tmp_path):
+    proc = run(2, "mnist.py", "--lp-target-error", "1e-6", "--lp-fwd-iters", 1,
+               "--lp-bwd-iters", 1, "--epochs", 2, "--max-batches", 3, "--test-limit", 100,
+               "--out-dir", tmp_path, "--lp-audit-every", 0)
+    assert proc.stdout.count("solves ended above their share of --lp-target-error 1e-06") == 2
+    assert "raise them to reach the target" in proc.stdout
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--levels", "0", "expected a positive integer, got '0'"),
+    ("--cfactor", "1", "expected an integer >= 2, got '1'"),
+    ("--steps", "1", "expected an integer >= 2, got '1'"),
+    ("--dt", "nan", "expected a positive number, got 'nan'")])
+def test_dahlquist_bad_flags_are_one_line_errors(flag, value, words):
+    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable,
+                           str(ROOT / "examples" / "dahlquist.py"), flag, value],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count(words) == 1 and proc.stderr.count("usage:") == 1
+    assert "Traceback" not in proc.stderr
+
+
+def test_readme_training_snippet_runs_on_two_ranks(tmp_path):
+    """The README's layer-parallel training loop, as written, for its first batches."""
+    text = (ROOT / "README.md").read_text()
+    code = text.split("## Training, layer-parallel", 1)[1].split("```python", 1)[1]
+    code = code.split("```", 1)[0]
+    loop = "for step, (x, y) in enumerate(loader):"
+    assert code.count(loop) == 1
+    script = tmp_path / "train.py"
+    script.write_text(code.replace(loop, "for step, (x, y) in zip(range(3), loader):"))
+    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("batch 0: loss") == 1
+    assert "MGRIT iterations 2 forward / 1 adjoint" in proc.stdout
 
 
 def test_tiny_imagenet_on_a_miniature_folder_learns(tmp_path):
@@ -74,10 +126,18 @@ def test_tiny_imagenet_on_a_miniature_folder_learns(tmp_path):
     assert hist[-1]["train_loss"] < hist[0]["train_loss"]
 
 
-def test_tiny_imagenet_without_data_says_so():
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_imagenet.py")],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 2 and "ships in no package" in proc.stderr
+def test_tiny_imagenet_without_data_says_so(tmp_path):
+    def fails(*args):
+        proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_imagenet.py"),
+                               *map(str, args)], capture_output=True, text=True, timeout=120,
+                              cwd=ROOT)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        return proc.stderr
+
+    assert "ships in no package" in fails()
+    assert f"--data-dir {tmp_path}: " in fails("--data-dir", tmp_path)
+    assert "--max-per-class: expected a positive integer, got '0'" in fails(
+        "--max-per-class", 0)
 
 
 def test_sequence_classification_layer_parallel_equals_serial_in_exact_mode(tmp_path):

@@ -72,8 +72,15 @@ def test_step_layer_failing_on_one_rank_is_an_error_on_every_rank(what, error, t
 def test_non_finite_outputs_and_gradients_are_errors_on_every_rank_with_one_level():
     model = ODEResNet(WORLD, num_steps=6)  # one level: no residual check
     x, y = batch()
+    with pytest.raises(ValueError, match=r"the input holds 384 NaN or Inf value\(s\)"):
+        model(x * float("inf"))  # bad input is named before any step runs
+    weight = model.open.weight.detach().clone()
+    with torch.no_grad():
+        model.open.weight.mul_(1e300)
     with pytest.raises(FloatingPointError, match="non-finite output"):
-        model(x * float("inf"))
+        model(x * 1e10)  # finite, but the layers overflow
+    with torch.no_grad():
+        model.open.weight.copy_(weight)
     out = model(x)
     with pytest.raises(FloatingPointError, match="non-finite gradients"):
         (out.sum() * float("nan")).backward()

@@ -57,11 +57,12 @@ def test_one_level_equals_serial_pytorch_to_roundoff():
 
 @pytest.mark.parallel(RANKS)
 def test_three_levels_run_to_convergence_equal_serial():
-    opts = MGRITOptions(max_levels=3, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
+    opts = MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
     for fwd_cycle in ("V", "F"):
         torch.manual_seed(0)
         model = ODEResNet(WORLD, num_steps=12, forward_options=opts,
-                          backward_options=MGRITOptions(max_levels=3, cfactor=(2, 3), max_iters=40,
+                          backward_options=MGRITOptions(skip_first_downcycle=False, max_levels=3,
+                                                        cfactor=(2, 3), max_iters=40,
                                                         tol=1e-13, nrelax=(0, 1), cycle=fwd_cycle))
         compare_with_serial(model, *batch(), tol=CONVERGED)
         assert model.forward_stats.residual_norms[-1] < 1e-13
@@ -71,8 +72,8 @@ def test_three_levels_run_to_convergence_equal_serial():
 @pytest.mark.parallel([1, 3])
 def test_cheap_settings_are_approximate_and_warm_start_helps():
     """2 forward / 1 backward iteration: an approximation that warm starts make better."""
-    cheap_f = MGRITOptions(max_levels=2, cfactor=4, max_iters=2, nrelax=0)
-    cheap_b = MGRITOptions(max_levels=2, cfactor=4, max_iters=1, nrelax=0)
+    cheap_f = MGRITOptions(skip_first_downcycle=False, max_levels=2, cfactor=4, max_iters=2, nrelax=0)
+    cheap_b = MGRITOptions(skip_first_downcycle=False, max_levels=2, cfactor=4, max_iters=1, nrelax=0)
     x, y = batch()
     errors = {}
     for warm in (False, True):
@@ -223,7 +224,7 @@ def test_fewer_steps_than_ranks_is_a_clear_error():
 def test_options_that_differ_between_ranks_are_a_clear_error():
     with pytest.raises(ValueError, match="cfactor ranges from 2 to"):
         ODEResNet(WORLD, num_steps=8,
-                  forward_options=MGRITOptions(max_levels=2, cfactor=2 + WORLD.rank))
+                  forward_options=MGRITOptions(nrelax=1, skip_first_downcycle=False, max_levels=2, cfactor=2 + WORLD.rank))
 
 
 @pytest.mark.parallel([1, 2, 3])
@@ -267,8 +268,8 @@ def test_bad_constructor_arguments():
 def test_cuda_states_match_cpu():
     torch.manual_seed(0)
     model = ODEResNet(MPI.COMM_SELF, num_steps=6,
-                      forward_options=MGRITOptions(max_levels=2, cfactor=2, max_iters=20, tol=1e-13),
-                      backward_options=MGRITOptions(max_levels=2, cfactor=2, max_iters=20, tol=1e-13))
+                      forward_options=MGRITOptions(nrelax=1, skip_first_downcycle=False, max_levels=2, cfactor=2, max_iters=20, tol=1e-13),
+                      backward_options=MGRITOptions(nrelax=1, skip_first_downcycle=False, max_levels=2, cfactor=2, max_iters=20, tol=1e-13))
     serial = model.to_serial()
     model.cuda()
     x, y = batch()
@@ -290,7 +291,7 @@ def test_a_custom_step_rule_equals_serial():
     model = Midpoint(WORLD, num_steps=6)
     compare_with_serial(model, *batch(), tol=ROUNDOFF)
     torch.manual_seed(0)
-    opts = MGRITOptions(max_levels=2, cfactor=3, max_iters=30, tol=1e-13)
+    opts = MGRITOptions(nrelax=1, skip_first_downcycle=False, max_levels=2, cfactor=3, max_iters=30, tol=1e-13)
     model = Midpoint(WORLD, num_steps=6, forward_options=opts, backward_options=opts)
     compare_with_serial(model, *batch(), tol=CONVERGED)
 

@@ -7,7 +7,23 @@ def test_defaults_are_valid_and_frozen():
     o = MGRITOptions()
     with pytest.raises(Exception):
         o.max_levels = 3
-    assert o.cfactors() == (2,) and o.nrelaxes() == (1,)
+    assert o.cfactors() == (4,) and o.nrelaxes() == (0,) and o.skip_first_downcycle
+
+
+def test_defaults_are_the_command_lines_and_the_planners():
+    """One set of defaults: the CLI takes its own from MGRITOptions."""
+    import argparse
+
+    from layerbraid import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_lp_arguments(parser)
+    fwd, bwd = cli.mgrit_options(parser.parse_args([]))
+    o = MGRITOptions()
+    for opts in (fwd, bwd):
+        assert (opts.max_levels, opts.cfactor, opts.nrelax, opts.skip_first_downcycle,
+                opts.cycle) == (o.max_levels, o.cfactor, o.nrelax, o.skip_first_downcycle,
+                                o.cycle)
 
 
 def test_per_level_values():
@@ -32,6 +48,12 @@ def test_per_level_values():
     (dict(min_coarse=0), ["min_coarse", "0"]),
     (dict(skip_first_downcycle=1), ["skip_first_downcycle", "1"]),
     (dict(final_fc_relax="yes"), ["final_fc_relax", "'yes'"]),
+    # values the C core's ints cannot hold are named here, not as an OverflowError later
+    (dict(cfactor=2**40), ["cfactor", "2..2147483647", str(2**40)]),
+    (dict(max_levels=3, cfactor=(2, 2**31)), ["cfactor[1]", str(2**31)]),
+    (dict(max_iters=2**40), ["max_iters", str(2**40)]),
+    (dict(nrelax=2**40), ["nrelax", str(2**40)]),
+    (dict(min_coarse=2**40), ["min_coarse", str(2**40)]),
 ])
 def test_bad_values_name_field_and_value(kwargs, words):
     with pytest.raises(ValueError) as info:

@@ -11,8 +11,9 @@ from problems import nonlinear_init, nonlinear_step
 WORLD = MPI.COMM_WORLD
 OPTION_SETS = [
     MGRITOptions(max_levels=2, cfactor=4, max_iters=2, nrelax=0, skip_first_downcycle=True),
-    MGRITOptions(max_levels=3, cfactor=(2, 3), max_iters=3, nrelax=(0, 1)),
-    MGRITOptions(max_levels=4, cfactor=2, max_iters=2, nrelax=1, cycle="F"),
+    MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=(2, 3), max_iters=3,
+                 nrelax=(0, 1)),
+    MGRITOptions(skip_first_downcycle=False, max_levels=4, cfactor=2, max_iters=2, nrelax=1, cycle="F"),
     MGRITOptions(max_levels=1),
 ]
 
@@ -45,7 +46,7 @@ def test_planner_schedule_is_the_cores_trace_on_every_rank():
 
 @pytest.mark.parallel([1, 2, 3])
 def test_planner_adjoint_schedule_is_the_training_backward_trace(float64):
-    opts = MGRITOptions(max_levels=2, cfactor=2, max_iters=2, nrelax=0)
+    opts = MGRITOptions(skip_first_downcycle=False, max_levels=2, cfactor=2, max_iters=2, nrelax=0)
     torch.manual_seed(0)
     model = ODEResNet(WORLD, num_steps=7, forward_options=opts, backward_options=opts)
     model.set_trace(True)
@@ -82,7 +83,7 @@ def test_multilevel_beats_serial_on_many_ranks():
 
 
 def test_bad_arguments():
-    o = MGRITOptions()
+    o = MGRITOptions(cfactor=2, nrelax=1, skip_first_downcycle=False)
     with pytest.raises(ValueError, match="ranks=9 is more than num_steps=8"):
         plan.schedule(8, 9, o)
     with pytest.raises(ValueError, match="num_steps must be an int >= 1, got 0"):
@@ -181,7 +182,7 @@ def test_shared_cores_model_shares_the_cores():
         t, _ = shared.simulate(traces, 1.0, 1.0, 0.0, 0.0, cores=cores, cpu=1.0, wait_cpu=0.0)
         assert 12.0 < t <= 12.0 + 3 * shared.NAP_MAX / 2 + 1e-9
     # multilevel work that is all CPU takes at least the ranks' work over the cores
-    opts = MGRITOptions(max_levels=2, cfactor=4, max_iters=2, nrelax=0, tol=0.0)
+    opts = MGRITOptions(skip_first_downcycle=False, max_levels=2, cfactor=4, max_iters=2, nrelax=0, tol=0.0)
     traces = plan.schedule(64, 8, opts)
     work = sum(sum(c.values()) for c in plan.step_counts(traces)) * 1e-3
     for cores in (1, 2, 4):

@@ -67,7 +67,7 @@ def test_exact_mode_equals_torch_rnns():
 
 @pytest.mark.parallel([1, 3])
 def test_multilevel_converges_to_torch_rnns():
-    opts = MGRITOptions(max_levels=3, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
+    opts = MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
     for cls, ref in PAIRS:
         model = compare(cls, ref, 16, CONVERGED, opts)
         assert all(s.residual_norms[-1] < 1e-13 for s in model.forward_stats)
@@ -125,9 +125,9 @@ def test_fused_path_equals_per_step_path():
     configs = [None,
                MGRITOptions(max_levels=2, cfactor=4, max_iters=2, nrelax=0,
                             skip_first_downcycle=True),
-               MGRITOptions(max_levels=3, cfactor=2, max_iters=1, nrelax=1),
+               MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=1, nrelax=1),
                # F-intervals of 5 steps: the LSTM's kept runs through the kernel, not cells
-               MGRITOptions(max_levels=2, cfactor=6, max_iters=2, nrelax=1)]
+               MGRITOptions(skip_first_downcycle=False, max_levels=2, cfactor=6, max_iters=2, nrelax=1)]
     for cls in (LayerParallelGRU, LayerParallelLSTM):
         for opts in configs:
             for rule in ("cell", "euler"):
@@ -157,7 +157,7 @@ def test_fused_path_runs_blocks_and_intervals_in_one_kernel_call(monkeypatch):
     out.sum().backward()
     assert calls == [seq // WORLD.size] * 2
     calls.clear()
-    opts = MGRITOptions(max_levels=2, cfactor=4, max_iters=1, nrelax=0)
+    opts = MGRITOptions(skip_first_downcycle=False, max_levels=2, cfactor=4, max_iters=1, nrelax=0)
     gru = LayerParallelGRU(3, 5, comm=WORLD, forward_options=opts)
     gru(torch.randn(4, seq, 3))
     assert calls and 3 in calls

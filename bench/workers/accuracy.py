@@ -1,14 +1,16 @@
 """Training with the true gradient error measured on the side (a worker of bench/accuracy.py,
 run under mpiexec; prints JSON lines).
 
-    accuracy.py EXAMPLE MODE EPOCHS LOG_EVERY [TARGET [MAX_BATCHES [AUDIT_EVERY]]]
+    accuracy.py EXAMPLE MODE EPOCHS LOG_EVERY [TARGET [MAX_BATCHES [AUDIT_EVERY [GAMMA]]]]
 
 EXAMPLE: mnist (examples/mnist.py's network and defaults), volumes3d (examples/volumes3d.py's),
 sequence (examples/sequence_classification.py's GRU on MNIST rows) or convchain (mnist's network
 with 24 steps over T = 2, a deeper ReLU conv chain than any example's default).
 MODE: serial (plain PyTorch, one rank), fixed (the example's MGRIT settings: 2 forward / 1
 adjoint iteration), warm (fixed, with warm starts), adaptive (target_error=TARGET, at most 10
-iterations per solve), adaptive_warm (adaptive, with warm starts).  Every LOG_EVERY batches, before the optimizer step, the layer-parallel
+iterations per solve), adaptive_warm (adaptive, with warm starts), smooth (fixed, the loss
+plus GAMMA times the depth-smoothness penalty).  Every LOG_EVERY batches, before the optimizer
+step, the layer-parallel
 gradients are compared with those of a serial copy with the same weights on the same batch.
 Every AUDIT_EVERY batches (default 50; 0: never) ``layerbraid.audit_gradients`` measures the
 true error too and calibrates the estimate (Note [calibrated estimate]); the batches logged in
@@ -80,7 +82,9 @@ def setup(example, mode, target):
             return VolumeNet(lp_comm, 16, 4, f, b, spatial, warm, target)
     bwd = fwd.__class__(**{**fwd.__dict__, "max_iters": 1})
     torch.manual_seed(0)
-    if mode.startswith("adaptive"):
+    if mode.startswith("smooth"):
+        model = build(fwd, bwd, False)
+    elif mode.startswith("adaptive"):
         cap = fwd.__class__(**{**fwd.__dict__, "max_iters": 10})
         model = build(cap, cap, mode == "adaptive_warm", target)
     else:
@@ -117,6 +121,7 @@ def main():
     target = float(sys.argv[5]) if len(sys.argv) > 5 else None
     max_batches = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "-" else None
     audit_every = int(sys.argv[7]) if len(sys.argv) > 7 else 50
+    gamma = float(sys.argv[8]) if len(sys.argv) > 8 and mode.startswith("smooth") else 0.0
     torch.set_num_threads(1)
     comm, model, train, test, batch, lr, opt_name = setup(example, mode, target)
     serial = mode == "serial"
@@ -136,12 +141,16 @@ def main():
                 break
             t0 = time.perf_counter()
             opt.zero_grad()
-            loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
+
+            def objective():
+                loss = F.cross_entropy(model(xb), yb)
+                return loss, loss + gamma * model.depth_smoothness() if gamma else loss
+
+            loss, total = objective()
+            total.backward()
             seconds += time.perf_counter() - t0
             if not serial and audit_every and b % audit_every == 0:
-                a = layerbraid.audit_gradients(
-                    model, lambda: F.cross_entropy(model(xb), yb))
+                a = layerbraid.audit_gradients(model, lambda: objective()[1])
                 if rank == 0:
                     print(json.dumps(dict(kind="audit", epoch=epoch + 1, batch=b,
                                           grad_error=a.error, estimate=a.estimate,
@@ -150,8 +159,7 @@ def main():
                           flush=True)
             elif not serial and b % log_every == 0:
                 f, g = _last_stats(model)
-                a = layerbraid.audit_gradients(
-                    model, lambda: F.cross_entropy(model(xb), yb), calibrate=False)
+                a = layerbraid.audit_gradients(model, lambda: objective()[1], calibrate=False)
                 if rank == 0:
                     print(json.dumps(dict(kind="batch", epoch=epoch + 1, batch=b,
                                           grad_error=a.error, estimate=a.estimate,

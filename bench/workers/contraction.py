@@ -1,10 +1,11 @@
 """How fast MGRIT's forward and adjoint converge on volumes3d's network, at initialization and
 after training (a worker of bench/contraction.py, run under mpiexec; prints JSON lines).
 
-    contraction.py CHECKPOINT TRAIN_BATCHES
+    contraction.py CHECKPOINT TRAIN_BATCHES [GAMMA [VARIANT ...]]
 
-Trains examples/volumes3d.py's network serially (plain PyTorch, its default optimizer) for
-TRAIN_BATCHES batches on rank 0 and saves it to CHECKPOINT (skipped when the file exists), then,
+Trains examples/volumes3d.py's network serially (plain PyTorch, its default optimizer; with
+GAMMA > 0 the loss adds GAMMA times the depth-smoothness penalty) for TRAIN_BATCHES batches on
+rank 0 and saves it to CHECKPOINT (skipped when the file exists), then,
 for the initial and the trained weights and every variation of the MGRIT settings, measures on
 one batch: the forward's relative output error after k = 1..4 iterations with an exact adjoint,
 the adjoint's relative input-gradient error after k = 1..4 iterations with an exact forward, and
@@ -29,7 +30,7 @@ VARIANTS = {
 }
 
 
-def train_serial(path, batches):
+def train_serial(path, batches, gamma):
     import torch
     import torch.nn.functional as F
 
@@ -43,7 +44,10 @@ def train_serial(path, batches):
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for b in range(batches):
         opt.zero_grad()
-        F.cross_entropy(model(x[16 * b:16 * (b + 1)]), y[16 * b:16 * (b + 1)]).backward()
+        loss = F.cross_entropy(model(x[16 * b:16 * (b + 1)]), y[16 * b:16 * (b + 1)])
+        if gamma:
+            loss = loss + gamma * model.depth_smoothness()
+        loss.backward()
         opt.step()
     torch.save(model.state_dict(), path)
 
@@ -62,8 +66,10 @@ def main():
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     path, batches = sys.argv[1], int(sys.argv[2])
+    gamma = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    variants = sys.argv[4:] or list(VARIANTS)
     if comm.rank == 0 and not os.path.exists(path):
-        train_serial(path, batches)
+        train_serial(path, batches, gamma)
     comm.Barrier()
     x, y = make_volumes(16, 16, 7)
     exact = layerbraid.MGRITOptions(max_levels=1)
@@ -86,8 +92,9 @@ def main():
         ref = build(exact, exact, None, weights)
         out_ref, gin_ref = run(ref)
         ref.free()
-        for name, (levels, cf, nrelax, sc) in VARIANTS.items():
-            row = dict(weights=weights, variant=name, fwd=[], bwd=[])
+        for name in variants:
+            levels, cf, nrelax, sc = VARIANTS[name]
+            row = dict(weights=weights, variant=name, gamma=gamma, fwd=[], bwd=[])
 
             def opts(k):
                 return layerbraid.MGRITOptions(max_levels=levels, cfactor=cf, max_iters=k,

@@ -89,9 +89,10 @@ int _mgrit_build_levels(mgrit_core *core) {
       if (L->lo > 0) L->left = (int)_mgrit_owner(core, (L->lo - 1) * m);
       if (L->hi < L->npoints - 1) L->right = (int)_mgrit_owner(core, (L->hi + 1) * m);
       size_t count = (size_t)(L->hi - L->lo + 1);
-      L->u = malloc(count * sizeof(mgrit_vec));
-      L->v = malloc(count * sizeof(mgrit_vec));
-      L->g = malloc(count * sizeof(mgrit_vec));
+      /* calloc checks count * size for overflow (a huge num_steps) and fails cleanly */
+      L->u = calloc(count, sizeof(mgrit_vec));
+      L->v = calloc(count, sizeof(mgrit_vec));
+      L->g = calloc(count, sizeof(mgrit_vec));
       if (!L->u || !L->v || !L->g) {
         _mgrit_free_levels(core); /* frees what was allocated; the states are all NONE */
         snprintf(core->msg, sizeof core->msg, "rank %d is out of memory building level %d",

@@ -43,8 +43,8 @@ static int run_interval(mgrit_core *core, int l, int64_t a, int64_t b, mgrit_vec
   if (l > 0)
     for (int64_t i = a; i <= b; i++)
       if (i >= L->lo && i <= L->hi && L->g[i - L->lo] != MGRIT_NONE) return 0;
-  mgrit_vec *out = malloc((size_t)n * sizeof *out);
-  double *t = malloc((size_t)(n + 1) * sizeof *t);
+  mgrit_vec *out = calloc((size_t)n, sizeof *out);
+  double *t = calloc((size_t)n + 1, sizeof *t);
   if (!out || !t) {
     free(out);
     free(t);

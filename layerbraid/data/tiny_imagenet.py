@@ -33,6 +33,9 @@ class TinyImageNet(torch.utils.data.Dataset):
     """
 
     def __init__(self, root, split="train", max_per_class=None):
+        if max_per_class is not None and (isinstance(max_per_class, bool) or
+                                          not isinstance(max_per_class, int) or max_per_class < 1):
+            raise ValueError(f"max_per_class must be an int >= 1 or None, got {max_per_class!r}")
         root = Path(root)
         wnids_file = root / "wnids.txt"
         if not wnids_file.exists():
