@@ -47,6 +47,23 @@ def _empty(shape, dtype):
     return host, host.view(torch.uint8).numpy()
 
 
+def allreduce_floats(comm, values, op, what):
+    """``values`` (floats) reduced over ``comm`` with ``op`` ("sum" or "max"), the same on every
+    rank bit for bit (the reduction, then rank 0's result broadcast: MPI does not promise the
+    same rounding everywhere), with the stall deadline."""
+    import numpy as np
+    from mpi4py import MPI
+
+    values = np.asarray(values, dtype=np.float64)
+    if comm.Get_size() == 1:
+        return [float(v) for v in values]
+    out = np.empty_like(values)
+    wait([comm.Iallreduce(values, out, op={"sum": MPI.SUM, "max": MPI.MAX}[op])], comm,
+         f"every rank's part of {what}")
+    wait([comm.Ibcast(out, root=0)], comm, f"rank 0's result of {what}")
+    return [float(v) for v in out]
+
+
 def neighbour_exchange(comm, first, last, what):
     """``(left's last, right's first)``: each rank sends ``first`` to the rank before it and
     ``last`` to the one after it (same shape and dtype everywhere), and receives theirs; None

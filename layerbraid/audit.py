@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ._parts import counted_parameters, layer_parallel_parts
+from ._transport import allreduce_floats
 
 __all__ = ["GradientAudit", "audit_gradients"]
 
@@ -80,8 +81,6 @@ def audit_gradients(model, closure, *, history: int = 3, calibrate: bool = True)
     Returns:
         A :class:`GradientAudit`, the same on every rank.
     """
-    from mpi4py import MPI
-
     if not isinstance(history, int) or isinstance(history, bool) or history < 1:
         raise ValueError(f"history must be an int >= 1, got {history!r}")
     if not isinstance(calibrate, bool):
@@ -134,19 +133,15 @@ def audit_gradients(model, closure, *, history: int = 3, calibrate: bool = True)
             den += float(ref.double().pow(2).sum())
             eps = max(eps, torch.finfo(ref.dtype).eps if ref.is_floating_point() else 0.0)
     if comm is not None and comm.Get_size() > 1:
-        num, den = comm.allreduce(num, op=MPI.SUM), comm.allreduce(den, op=MPI.SUM)
-        eps = comm.allreduce(eps, op=MPI.MAX)
+        num, den = allreduce_floats(comm, [num, den], "sum", "a gradient audit")
+        eps, = allreduce_floats(comm, [eps], "max", "a gradient audit")
+    # the same on every rank, bit for bit: each rank's adaptive stopping rule uses it
     error = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
     calibrated = bool(parts[0]._audit_ratios)
     if calibrate:
         calibration = _calibrate(parts, error, raw, eps, history)
     else:
         calibration = _calibration(parts[0]._audit_ratios)
-    if comm is not None and comm.Get_size() > 1:
-        # One value everywhere, bit for bit: each rank's adaptive stopping rule uses it.
-        error, calibration = comm.bcast((error, calibration), root=0)
-        for part in parts:
-            part._set_calibration(calibration)
     return GradientAudit(error, estimate, raw, calibration, calibrated,
                          time.perf_counter() - t0)
 

@@ -285,7 +285,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         neighbours).  Returns the whole network's penalty on every rank, differentiable with
         respect to the layers this rank owns (each gets exactly its gradient); needs step
         layers whose parameters have the same shapes."""
-        from ._transport import neighbour_exchange
+        from ._transport import allreduce_floats, neighbour_exchange
 
         owned = self._chain.owned
         params = [[p for p in self.layers[str(i)].parameters() if p.requires_grad]
@@ -306,7 +306,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             right_pair = (right - flat[-1]).pow(2).sum()
             graph = graph + right_pair
         mine = float(inner.detach()) + (float(right_pair.detach()) if right is not None else 0.0)
-        total = _allreduce_sum(self._comm, mine, "the depth-smoothness penalty")
+        total, = allreduce_floats(self._comm, [mine], "sum", "the depth-smoothness penalty")
         return (graph + (total - graph).detach()) / (2 * self.dt)
 
     def set_trace(self, on: bool = True):
@@ -551,19 +551,6 @@ def _same_input(a, b):
     scale = 1e-9 * max(1, int(np.prod(a[0])))
     return all(u == v or (u != u and v != v) or abs(u - v) <= 1e-7 * (abs(u) + abs(v)) + scale
                for u, v in zip(a[2:], b[2:]))  # equal, both NaN, or round-off apart
-
-
-def _allreduce_sum(comm, value, what):
-    """The sum of a float over ``comm``, with the stall deadline."""
-    if comm.Get_size() == 1:
-        return value
-    from ._transport import wait
-
-    send, recv = np.array([value], dtype=np.float64), np.empty(1, dtype=np.float64)
-    from mpi4py import MPI
-
-    wait([comm.Iallreduce(send, recv, op=MPI.SUM)], comm, f"every rank's part of {what}")
-    return float(recv[0])
 
 
 def _gradient_estimate(fwd, bwd, field):

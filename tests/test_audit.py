@@ -204,3 +204,31 @@ def test_audit_arguments_are_checked():
         layerbraid.audit_gradients(model, lambda: model(x))
     assert not model._solve_exactly  # left as it was
     model.free()
+
+
+@pytest.mark.parallel([2])
+def test_a_rank_that_stops_before_the_audits_reduction_is_reported(monkeypatch):
+    """Rank 1 never reaches the audit's reduction: rank 0 raises StallError naming it after
+    the timeout instead of waiting forever; rank 1 ends with its own error."""
+    import layerbraid.audit as audit_module
+
+    assert WORLD.Get_size() == 2
+    model = net(WORLD, steps=8)
+    x, y = batch(n=4, seed=0)
+    F.cross_entropy(model(x), y).backward()
+    if WORLD.rank == 1:
+        def stop(*args, **kwargs):
+            raise RuntimeError("rank 1 stops before the reduction")
+        monkeypatch.setattr(audit_module, "allreduce_floats", stop)
+    old = layerbraid.launch.timeout()
+    layerbraid.set_timeout(2)
+    try:
+        if WORLD.rank == 0:
+            with pytest.raises(layerbraid.StallError, match="every rank's part of a gradient "
+                                                            "audit"):
+                layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
+        else:
+            with pytest.raises(RuntimeError, match="rank 1 stops before the reduction"):
+                layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
+    finally:
+        layerbraid.set_timeout(old)

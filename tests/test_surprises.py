@@ -62,6 +62,17 @@ def test_to_serial_keeps_the_models_dtype():
     m.free()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_to_serial_keeps_the_models_device():
+    m = model(MPI.COMM_SELF).cuda()
+    serial = m.to_serial()
+    assert {p.device.type for p in serial.parameters()} == {"cuda"}
+    x, _ = batch(n=4, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(serial(x.cuda()), m(x.cuda()), rtol=1e-5, atol=1e-6)
+    m.free()
+
+
 def test_a_hierarchy_smaller_than_asked_is_said():
     with pytest.warns(UserWarning, match=r"forward solve asked for 10 MGRIT levels with cfactor "
                                          r"16 over 8 steps, but only 1 level\(s\) form.*exact "
