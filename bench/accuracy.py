@@ -1,16 +1,16 @@
 """Gradient accuracy in real training: the true error of every mode's gradients (audits), the
 calibrated estimate judged against it, test accuracy and time beside plain PyTorch.
 
-    python bench/accuracy.py            (docs/accuracy.md, .json and .png; ~45 minutes here)
+    python bench/accuracy.py            (docs/accuracy.md, .json and .png; ~25 minutes here)
     python bench/accuracy.py --report   (rewrites the .md and .png from the .json)
     python bench/accuracy.py --only EXAMPLE/MODE [...]   (reruns those into the .json)
 
 Four networks, each trained in one run per mode with the same seed, batches and initial weights,
-on 2 ranks: examples/mnist.py's demo network (3 epochs; 2 levels, cfactor 4, F-relaxation, first
-down-cycle skipped), examples/volumes3d.py's (6 epochs; 3 levels, cfactor 2, spatial coarsening
+on 2 ranks: examples/mnist.py's demo network (1 epoch; 2 levels, cfactor 4, F-relaxation, first
+down-cycle skipped), examples/volumes3d.py's (3 epochs; 3 levels, cfactor 2, spatial coarsening
 "branch" on levels 1 and 2), examples/sequence_classification.py's GRU on MNIST rows (1 epoch;
 2 levels, cfactor 4) and a deeper ReLU conv chain no example uses by default (mnist's network
-with 24 steps over T = 2, SGD with momentum, 1 epoch).  Modes: serial (plain PyTorch on one
+with 24 steps over T = 2, SGD with momentum, its first 300 batches).  Modes: serial (plain PyTorch on one
 rank, the speedup reference, without any penalty), fixed (2 forward / 1 adjoint iteration),
 smooth (fixed, the loss plus 0.1 times the depth-smoothness penalty,
 ``LayerParallelModule.depth_smoothness``), adaptive (target_error 1e-2, at most 10 iterations
@@ -35,11 +35,11 @@ TARGET = 1e-2
 FLOOR = 1e-5  # float32 round-off of a gradient, and a margin
 FACTOR = 3.0  # an estimate "holds" within this factor of the true error, either way
 GAMMA = 0.1  # the depth-smoothness penalty's weight in mode smooth
-RUNS = {"mnist": dict(epochs=3, log_every=25, audit_every=100, max_batches="-"),
-        "volumes3d": dict(epochs=6, log_every=4, audit_every=16, max_batches="-"),
+RUNS = {"mnist": dict(epochs=1, log_every=25, audit_every=100, max_batches="-"),
+        "volumes3d": dict(epochs=3, log_every=4, audit_every=16, max_batches="-"),
         "sequence": dict(epochs=1, log_every=25, audit_every=100, max_batches="-",
                          modes=["serial", "fixed", "adaptive"]),  # shared weights: no penalty
-        "convchain": dict(epochs=1, log_every=25, audit_every=100, max_batches="-")}
+        "convchain": dict(epochs=1, log_every=10, audit_every=50, max_batches=300)}
 MODES = ["serial", "fixed", "smooth", "adaptive"]
 OUT = ROOT / "docs" / "accuracy"
 
