@@ -136,10 +136,13 @@ def mgrit_summary(model, args):
 
 def _audit_line(audits, seconds):
     """'  audits: true gradient error ... ' for the epoch's audits."""
+    import statistics
+
     errors = sorted(a["error"] for a in audits)
     ratios = sorted(a["estimate"] / a["error"] for a in audits
                     if a["calibrated"] and a["estimate"] and a["error"])
-    text = (f"  audits ({len(audits)}): true gradient error median {errors[len(errors) // 2]:.1e} "
+    text = (f"  audits ({len(audits)}): true gradient error median "
+            f"{statistics.median(errors):.1e} "
             f"(max {errors[-1]:.1e})")
     if ratios:
         text += f", calibrated estimate / true {ratios[0]:.2f}-{ratios[-1]:.2f}"
@@ -241,9 +244,9 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             if epoch == start_epoch and s.get("fwd_error_estimate") is not None:
                 print("  (it: MGRIT iterations per batch; est. error: the estimated relative "
                       "error of the forward's output and of the adjoint's input gradient, "
-                      "layerbraid.SolveStats.error_estimate; near 1e-2 and below the gradients "
-                      "are close to exact ones; --lp-target-error adapts the iterations to a "
-                      "target)", flush=True)
+                      "layerbraid.SolveStats.error_estimate, calibrated by the audits, whose "
+                      "line gives the true gradient error; --lp-target-error adapts the "
+                      "iterations to a target)", flush=True)
         if args.checkpoint:  # one file, atomic, loadable on any number of ranks
             layerbraid.save_checkpoint(model, args.checkpoint, optimizer,
                                        extra={"epoch": epoch + 1, "history": history})
