@@ -19,7 +19,8 @@ from mpi4py import MPI as _MPI
 from ._mgrit_core import ffi, lib  # noqa: E402
 from ._states import _as_state, _clone, _from_bytes, _header, _is_torch, _norm, _raw_bytes
 from .errors import DivergenceError, MGRITError, RemoteRankError, StallError
-from .launch import timeout, wait_sleep
+from ._timeouts import timeout, wait_sleep
+from ._comm import add_peers, barrier, bcast_obj, check_exits
 
 __all__ = []
 
@@ -72,8 +73,12 @@ class _Core:
     def __init__(self, comm, num_steps, t_start, t_stop, options, init, step, trace=False,
                  mirror=False, coarsen=None, refine=None, store_all=True, real_ranks=None,
                  owns_comm=False, step_interval=None):
-        from mpi4py import MPI
-
+        MPI = _MPI
+        # MPI_Comm_dup below is a blocking collective: every rank arrives first, with the
+        # deadline, so that one that never builds this solver is reported, not waited for.
+        barrier(comm, "the construction of an MGRIT solver (every rank builds the same models "
+                "and solvers, in the same order)")
+        add_peers(comm)
         self._init_fn, self._step_fn, self._interval_fn = init, step, step_interval
         self._app = None
         self._coarsen_fn, self._refine_fn = coarsen, refine
@@ -189,7 +194,7 @@ class _Core:
             if err is not None:
                 text = f"{type(err).__name__}: {err}"
             if 0 <= failed < self.comm.Get_size():
-                text = self.comm.bcast(text, root=failed)
+                text = bcast_obj(self.comm, text, failed, "report of the failed callback")
             if rc in (lib.MGRIT_ERR_CALLBACK, lib.MGRIT_ERR_NOMEM) and err is not None:
                 raise err
             real = self._real[failed] if 0 <= failed < len(self._real) else -1
@@ -501,5 +506,7 @@ def _refine_cb(self, x, level, out):
 @_callback("_lb_poll", "wait")
 def _poll_cb(self):
     """Called while the core waits: a pending Ctrl-C is raised here (Python runs signal handlers
-    between bytecodes), stored, and stops the wait."""
+    between bytecodes), stored, and stops the wait; so is the notice of a rank of this
+    communicator that exited (Note [exit notices] in _comm)."""
+    check_exits(self.comm, "a message of an MGRIT solve", self._real)
     return 0

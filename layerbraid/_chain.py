@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from ._bridge import _Core
+from .options import MGRITOptions
 from .stats import SolveStats, contraction, error_estimate
 
 __all__ = []
@@ -149,8 +151,6 @@ class _Chain:
 
     def __init__(self, comm, num_steps, t_final, forward_options, backward_options, *,
                  spatial=None, warm_start=False, target_error=None, store_all=True):
-        from ._bridge import _Core
-
         self.comm = comm
         self.num_steps = num_steps
         self.t_final, self.store_all = t_final, store_all
@@ -211,8 +211,6 @@ class _Chain:
         the same steps on the same ranks (the distribution does not depend on the levels).
         Built on first use (collective), freed with this chain; no warm start, no target."""
         if self._exact is None:
-            from .options import MGRITOptions
-
             one = MGRITOptions(max_levels=1, final_fc_relax=True)
             self._exact = _Chain(self.comm, self.num_steps, self.t_final, one, one,
                                  store_all=self.store_all)
@@ -449,3 +447,23 @@ class _ChainFn(torch.autograd.Function):
             ctx.run = None  # the kept graphs are consumed
         assert len(grads) == ctx.num_inputs
         return (None, None, None, *grads)
+
+
+def _gradient_estimate(fwd, bwd, field):
+    """Note [adaptive iterations]: the adjoint's estimate plus the forward's weighted by the
+    ratio of the two solves' shares of a target."""
+    f, b = getattr(fwd, field), getattr(bwd, field)
+    if f is None or b is None:
+        return None
+    return b + (_ADJOINT_SHARE / _FORWARD_SHARE) * f
+
+
+def _check_target(target):
+    """``target_error``: None or a number in (0, 1)."""
+    if target is None:
+        return None
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or \
+            not 0 < target < 1:
+        raise ValueError(f"target_error must be a number in (0, 1) (a relative error, e.g. "
+                         f"1e-2), or None, got {target!r}")
+    return float(target)

@@ -6,6 +6,7 @@ layer's input); each rank differentiates the layers it owns.
 import torch
 
 from ._chain import Steps, _Graph
+from ._comm import first_rank_where
 
 __all__ = []
 
@@ -78,14 +79,11 @@ class _LayerSteps(Steps):
 
     def _check_finite(self, grad_h0, grads):
         """Raises on every rank if any rank's input or parameter gradients are not finite."""
-        from mpi4py import MPI
-
         with torch.no_grad():
             bad = any(g is not None and not bool(torch.isfinite(g).all())
                       for g in [grad_h0] + grads)
-        first = self.comm.allreduce(self.rank if bad else self.size, op=MPI.MIN) \
-            if self.size > 1 else (0 if bad else 1)
-        if first < self.size:
+        first = first_rank_where(self.comm, bad, "the finiteness check of the gradients")
+        if first is not None:
             raise FloatingPointError(
                 f"the layer-parallel backward produced non-finite gradients (NaN or Inf) on rank "
                 f"{first}: the loss, the weights or the steps overflowed (check_finite=False "

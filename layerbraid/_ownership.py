@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._comm import allgather_obj, exchange_bytes
 from .errors import RemoteRankError
 
 __all__ = []
@@ -60,19 +61,24 @@ class _StepLayers:
                          for i in range(max(lo, 1), hi + 1)} - set(owned))
         report = None if error is None else f"{type(error).__name__}: {error}"
         mine = (owned[0], owned[-1]) if owned else None
-        everyone = comm.allgather((needed, report, mine))
-        failed = [(r, msg) for r, (_, msg, _) in enumerate(everyone) if msg is not None]
+        layout = None if error is not None else [_layout(layers[str(i)]) for i in owned]
+        everyone = allgather_obj(comm, (needed, report, mine, layout),
+                                 "the step layers' construction")
+        failed = [(r, msg) for r, (_, msg, _, _) in enumerate(everyone) if msg is not None]
         if failed:
             if error is not None:
                 raise error
             r, msg = failed[0]
             raise RemoteRankError(f"building the step layers failed on rank {r}: {msg}", r)
-        ranges = [rng for _, _, rng in everyone]
+        ranges = [rng for _, _, rng, _ in everyone]
+        layouts = {i: lay for (_, _, rng, lays) in everyone if rng is not None
+                   for i, lay in zip(range(rng[0], rng[1] + 1), lays)}
         have = set(owned)
-        self.sends = {r: [i for i in idx if i in have] for r, (idx, _, _) in enumerate(everyone)
+        self.sends = {r: [i for i in idx if i in have] for r, (idx, _, _, _) in enumerate(everyone)
                       if r != rank and any(i in have for i in idx)}
         self.copies = {}
         self.recvs = {}
+        mismatch = None
         for i in needed:
             layer = seeded_layer(factory, i, base, device)
             for p in layer.parameters():
@@ -81,6 +87,18 @@ class _StepLayers:
             owner = next(r for r, rng in enumerate(ranges)
                          if rng is not None and rng[0] <= i <= rng[1])
             self.recvs.setdefault(owner, []).append(i)
+            if mismatch is None and _layout(layer) != layouts[i]:
+                mismatch = (i, owner, _layout(layer), layouts[i])
+        # The copies are filled with the owners' bytes: every copy must have its owner's
+        # parameter and buffer layout, decided here, the same on every rank.
+        bad = allgather_obj(comm, mismatch, "the step layers' layouts")
+        wrong = [(r, m) for r, m in enumerate(bad) if m is not None]
+        if wrong:
+            r, (i, owner, here, there) = wrong[0]
+            raise ValueError(
+                f"step_layer({i}) built a different layer on rank {r} than on rank {owner}, "
+                f"which owns step {i}: {_describe(here, there)}.  step_layer(index) must build "
+                "the same parameters and buffers for a given index on every rank")
 
     def layer(self, index):
         """The layer of step ``index``: the owned one, else the copy."""
@@ -91,16 +109,11 @@ class _StepLayers:
         """Refreshes the copies from their owners (weights and buffers, as bytes)."""
         if not self.sends and not self.recvs:
             return
-        from mpi4py import MPI
-
-        comm = self.comm
-        reqs, keep = [], []
+        sends = {}
         for dest, idx in self.sends.items():
-            buf = np.concatenate([_bytes(t) for i in idx
-                                  for t in self.layers[str(i)].state_dict().values()])
-            keep.append(buf)
-            reqs.append(comm.Isend([buf, MPI.BYTE], dest=dest, tag=_WEIGHT_TAG))
-        incoming = []
+            sends[dest] = np.concatenate([_bytes(t) for i in idx
+                                          for t in self.layers[str(i)].state_dict().values()])
+        incoming, recvs = [], {}
         ref = next((p for m in self.layers.values() for p in m.parameters()), None)
         for src, idx in self.recvs.items():
             if ref is not None:  # follow model.to(...) / .double() on the owned layers
@@ -108,9 +121,10 @@ class _StepLayers:
                     self.copies[i].to(device=ref.device, dtype=ref.dtype)
             tensors = [t for i in idx for t in self.copies[i].state_dict().values()]
             buf = np.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=np.uint8)
-            reqs.append(comm.Irecv([buf, MPI.BYTE], source=src, tag=_WEIGHT_TAG))
+            recvs[src] = buf
             incoming.append((buf, tensors))
-        MPI.Request.Waitall(reqs)
+        exchange_bytes(self.comm, sends, recvs, _WEIGHT_TAG,
+                       "the weights of the step layers that coarse steps copy")
         for buf, tensors in incoming:
             off = 0
             for t in tensors:
@@ -119,6 +133,20 @@ class _StepLayers:
                 with torch.no_grad():
                     t.copy_(src)
                 off += n
+
+
+def _layout(layer):
+    """[(name, shape, dtype)] of a layer's state: what its bytes mean."""
+    return [(k, tuple(v.shape), str(v.dtype)) for k, v in layer.state_dict().items()]
+
+
+def _describe(here, there):
+    if [k for k, _, _ in here] != [k for k, _, _ in there]:
+        return f"state names {[k for k, _, _ in here]} against {[k for k, _, _ in there]}"
+    for (k, s1, d1), (_, s2, d2) in zip(here, there):
+        if (s1, d1) != (s2, d2):
+            return f"{k} has shape {s1} and dtype {d1} against shape {s2} and dtype {d2}"
+    return "different layouts"
 
 
 def _bytes(t):

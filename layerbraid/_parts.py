@@ -8,6 +8,14 @@ def layer_parallel_parts(model):
     return [m for m in model.modules() if hasattr(m, "_counted_parameters")]
 
 
+def sharded_parts(model):
+    """[(name, module)] of the layer-parallel parts of ``model`` whose state is spread over the
+    ranks (each rank holds its own step layers: ``_holds_key``), outermost first.  A
+    layer-parallel RNN holds every weight on every rank, so it is not one: a checkpoint saves
+    it as any replicated module."""
+    return [(name, m) for name, m in model.named_modules() if hasattr(m, "_holds_key")]
+
+
 def counted_parameters(model):
     """``(comm, params)``: the layer group's communicator (None if the model holds no
     layer-parallel part) and the parameters of ``model`` whose gradients this rank counts, so
@@ -28,3 +36,14 @@ def counted_parameters(model):
     params = [p for p in model.parameters()
               if id(p) in counted or (id(p) not in inside and rank == 0)]
     return comm, params
+
+
+class FreedOnExit:
+    """``with obj:`` calls ``obj.free()`` at the end of the block (models, RNNs, grids)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+        return False

@@ -1,154 +1,142 @@
-"""Tensors between ranks as raw bytes: MPI sends the tensor's memory, never a pickle.
+"""Tensors between ranks as raw bytes: MPI sends the tensor's memory, never a pickle; every
+call has the stall deadline (Note [deadlines] in _comm.py).
 
-MPI here is not assumed to be CUDA-aware: a tensor on a GPU is staged through host memory (one
-copy each way), and arrives on the device the receiver names.  Every dtype travels as its bytes,
-so float64 stays float64 and bfloat16 needs no numpy type.
+Note [staging]: MPI here is not assumed to be CUDA-aware.  A tensor on a GPU is staged through
+host memory (one copy each way) and arrives on the device the receiver names.  Every dtype
+travels as its bytes (bool as one byte each), so float64 stays float64 and bfloat16 needs no
+numpy type.
 """
-import time
-
 import torch
+from mpi4py import MPI
+
+from ._comm import _check_received, allgather_obj, start_allreduce_sum, wait
 
 __all__ = []
 
 
-def wait(requests, comm, what):
-    """Waits, polling, for MPI ``requests`` of ``comm``: Ctrl-C gets through, and a rank that
-    waits longer than the stall timeout raises :class:`layerbraid.StallError` saying it waited
-    for ``what``.  Several tests per wake: MPI's progress can need more than one call to finish
-    what arrived during a nap (Note [polled waits] in cbridge/src/comm.c)."""
-    from mpi4py import MPI
-
-    from .errors import StallError
-    from .launch import timeout
-
-    limit = timeout()
-    t0 = time.perf_counter()
-    spins, nap = 0, 1e-5
-    while not any(MPI.Request.Testall(requests) for _ in range(4)):
-        spins += 1
-        if spins > 100:
-            time.sleep(nap)
-            nap = min(2 * nap, 1e-3)
-        waited = time.perf_counter() - t0
-        if limit and waited > limit:
-            raise StallError(
-                f"stalled: rank {comm.Get_rank()} waited {waited:.0f} s for {what}.  "
-                "LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit")
-
-
-def _host_bytes(t):
-    """A contiguous CPU copy of ``t`` (or ``t`` itself when it is one) and its uint8 view."""
-    host = t.detach().to("cpu").contiguous().reshape(-1)
+# ---------------------------------------------------------------- staging (Note [staging])
+def host_bytes(t):
+    """A contiguous CPU copy of ``t`` (``t`` itself when it is one) and its bytes as a uint8
+    numpy array sharing its memory."""
+    host = t.detach().reshape(-1)
+    if host.device.type != "cpu":
+        host = host.to("cpu")
+    host = host.contiguous()
     return host, host.view(torch.uint8).numpy()
 
 
-def _empty(shape, dtype):
+def empty_bytes(shape, dtype):
+    """A new CPU tensor of ``shape`` and ``dtype`` (flat) and its bytes, to receive into."""
     host = torch.empty(shape, dtype=dtype).reshape(-1)
     return host, host.view(torch.uint8).numpy()
 
 
-def allreduce_floats(comm, values, op, what):
-    """``values`` (floats) reduced over ``comm`` with ``op`` ("sum" or "max"), the same on every
-    rank bit for bit (the reduction, then rank 0's result broadcast: MPI does not promise the
-    same rounding everywhere), with the stall deadline."""
-    import numpy as np
-    from mpi4py import MPI
+def nbytes(t):
+    return t.numel() * t.element_size()
 
-    values = np.asarray(values, dtype=np.float64)
-    if comm.Get_size() == 1:
-        return [float(v) for v in values]
-    out = np.empty_like(values)
-    wait([comm.Iallreduce(values, out, op={"sum": MPI.SUM, "max": MPI.MAX}[op])], comm,
-         f"every rank's part of {what}")
-    wait([comm.Ibcast(out, root=0)], comm, f"rank 0's result of {what}")
-    return [float(v) for v in out]
+
+# ---------------------------------------------------------------- reductions
+def allreduce_sum(comm, tensors, what):
+    """The sums over ``comm`` of ``tensors`` (one message, in float64), as new tensors of their
+    shapes, dtypes and devices."""
+    tensors = list(tensors)
+    flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors]).numpy()
+    if comm.Get_size() > 1:
+        wait([start_allreduce_sum(comm, flat)], comm, f"every rank's part of {what}")
+    out, off = [], 0
+    for t in tensors:
+        out.append(torch.from_numpy(flat[off:off + t.numel()]).view(t.shape)
+                   .to(t.device, t.dtype))
+        off += t.numel()
+    return out
+
+
+# ---------------------------------------------------------------- tensors
+def bcast_tensor(comm, t, shape, dtype, device, root, what="a broadcast tensor"):
+    """``t`` of the root on every rank of ``comm`` (shape and dtype known everywhere)."""
+    if comm.Get_rank() == root:
+        _, buf = host_bytes(t)
+        wait([comm.Ibcast(buf, root=root)], comm, f"rank {root}'s {what}")
+        return t
+    host, buf = empty_bytes(shape, dtype)
+    wait([comm.Ibcast(buf, root=root)], comm, f"rank {root}'s {what}")
+    return host.reshape(shape).to(device)
+
+
+def send_tensor(comm, t, dest, tag, what="a tensor"):
+    host, buf = host_bytes(t)
+    wait([comm.Isend(buf, dest=dest, tag=tag)], comm, f"rank {dest} to take {what}")
+
+
+def recv_tensor(comm, shape, dtype, device, source, tag, what="a tensor"):
+    host, buf = empty_bytes(shape, dtype)
+    status = MPI.Status()
+    wait([comm.Irecv(buf, source=source, tag=tag)], comm, f"{what} from rank {source}",
+         [status])
+    _check_received(status, buf.size, f"{what} from rank {source}")
+    return host.reshape(shape).to(device)
+
+
+def bcast_into(comm, tensors, root=0, what="the weights"):
+    """Overwrites ``tensors`` (the same shapes and dtypes on every rank) with the root's, in
+    one message."""
+    tensors = list(tensors)
+    if comm.Get_size() == 1 or not tensors:
+        return
+    flat = torch.cat([host_bytes(t)[0].view(torch.uint8) for t in tensors]).contiguous()
+    wait([comm.Ibcast(flat.numpy(), root=root)], comm, f"rank {root}'s {what}")
+    off = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = nbytes(t)
+            t.copy_(flat[off:off + n].view(t.dtype).view(t.shape).to(t.device))
+            off += n
 
 
 def neighbour_exchange(comm, first, last, what):
     """``(left's last, right's first)``: each rank sends ``first`` to the rank before it and
     ``last`` to the one after it (same shape and dtype everywhere), and receives theirs; None
-    at the ends.  With the stall deadline."""
+    at the ends."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    reqs, got = [], {}
-    keep = []
+    reqs, got, keep, checks = [], {}, [], []
     for peer, mine, tag in ((rank - 1, first, 7401), (rank + 1, last, 7402)):
         if 0 <= peer < size:
-            host, buf = _host_bytes(mine)
+            host, buf = host_bytes(mine)
             keep.append(host)
             reqs.append(comm.Isend(buf, dest=peer, tag=tag))
-            into, ibuf = _empty(mine.shape, mine.dtype)
+            into, ibuf = empty_bytes(mine.shape, mine.dtype)
             # the left neighbour sends its last (tag 7402), the right one its first (7401)
             reqs.append(comm.Irecv(ibuf, source=peer, tag=7402 if peer < rank else 7401))
+            checks.append((len(reqs) - 1, peer, ibuf.size))
             got[peer] = into
+    statuses = [MPI.Status() for _ in reqs]
     if reqs:
-        wait(reqs, comm, f"its neighbours' layers for {what}")
+        wait(reqs, comm, f"its neighbours' layers for {what}", statuses)
+    for k, peer, n in checks:
+        _check_received(statuses[k], n, f"rank {peer}'s layer for {what}")
     left = got.get(rank - 1)
     right = got.get(rank + 1)
     return (None if left is None else left.reshape(first.shape).to(first.device),
             None if right is None else right.reshape(last.shape).to(last.device))
 
 
-def bcast_tensor(comm, t, shape, dtype, device, root):
-    """``t`` of the root on every rank of ``comm`` (shape and dtype known everywhere)."""
-    if comm.Get_rank() == root:
-        _, buf = _host_bytes(t)
-        comm.Bcast(buf, root=root)
-        return t
-    host, buf = _empty(shape, dtype)
-    comm.Bcast(buf, root=root)
-    return host.reshape(shape).to(device)
-
-
-def send_tensor(comm, t, dest, tag):
-    _, buf = _host_bytes(t)
-    comm.Send(buf, dest=dest, tag=tag)
-
-
-def recv_tensor(comm, shape, dtype, device, source, tag):
-    host, buf = _empty(shape, dtype)
-    comm.Recv(buf, source=source, tag=tag)
-    return host.reshape(shape).to(device)
-
-
-def bcast_into(comm, tensors, root=0):
-    """Overwrites ``tensors`` (the same shapes and dtypes on every rank) with the root's, in
-    one message."""
-    tensors = list(tensors)
-    if comm.Get_size() == 1 or not tensors:
-        return
-    flat = torch.cat([t.detach().reshape(-1).to("cpu").view(torch.uint8)
-                      if t.dtype != torch.bool else t.detach().reshape(-1).to("cpu", torch.uint8)
-                      for t in tensors]).contiguous()
-    comm.Bcast(flat.numpy(), root=root)
-    off = 0
-    with torch.no_grad():
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            part = flat[off:off + n]
-            t.copy_((part.view(t.dtype) if t.dtype != torch.bool else part.to(torch.bool))
-                    .view(t.shape).to(t.device))
-            off += n
-
-
-def allgather_rows(comm, t):
+def allgather_rows(comm, t, what="every rank's rows"):
     """The concatenation, in rank order, of every rank's ``t`` (shape (n_rank, ...), the same
     trailing shape and dtype everywhere) along dimension 0, on every rank.
 
     Every rank sends as many rows as the largest block (a shorter block is padded), through
-    MPI_Allgather: MPICH's Allgatherv of the same bytes took 25x longer on one node (40 ms
-    against 1.5 ms for 4 MB per rank, 2 ranks)."""
-    from mpi4py import MPI
-
-    counts = comm.allgather(int(t.shape[0]))
+    MPI_Allgather: MPICH's Allgatherv of the same bytes was many times slower on one node."""
+    counts = [int(c) for c in allgather_obj(comm, int(t.shape[0]), f"the row counts of {what}")]
     most, rest = max(counts), tuple(t.shape[1:])
     if t.shape[0] == most:
-        _, send = _host_bytes(t)
+        _, send = host_bytes(t)
     else:
         padded = torch.zeros((most,) + rest, dtype=t.dtype)
         padded[:t.shape[0]] = t.detach().to("cpu")
-        _, send = _host_bytes(padded)
-    host, recv = _empty((len(counts) * most,) + rest, t.dtype)
-    comm.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
+        _, send = host_bytes(padded)
+    host, recv = empty_bytes((len(counts) * most,) + rest, t.dtype)
+    wait([comm.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])], comm,
+         f"every rank's part of {what}")
     host = host.reshape((len(counts), most) + rest)
     rows = host.reshape((-1,) + rest) if min(counts) == most else \
         torch.cat([host[k, :c] for k, c in enumerate(counts)])

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ._parts import counted_parameters, layer_parallel_parts
-from ._transport import allreduce_floats
+from ._comm import allreduce_floats
 
 __all__ = ["GradientAudit", "audit_gradients"]
 

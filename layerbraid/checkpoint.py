@@ -13,10 +13,15 @@ torn file.  Loading checks the header and the checksum before unpickling, and un
 import hashlib
 import io
 import os
+import stat
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
+
+from ._parts import sharded_parts
+from ._comm import gather_obj, raise_on_every_rank
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "CheckpointError"]
 
@@ -31,9 +36,7 @@ class CheckpointError(ValueError):
 # ---------------------------------------------------------------- which rank holds what
 def _parts(model):
     """[(prefix, layer-parallel module)], outermost first, and the layer communicator."""
-    from .module import LayerParallelModule
-
-    parts = [(name, m) for name, m in model.named_modules() if isinstance(m, LayerParallelModule)]
+    parts = sharded_parts(model)
     comm = parts[0][1].comm if parts else None
     for _, m in parts[1:]:
         if m.comm.Get_size() != comm.Get_size():
@@ -101,7 +104,7 @@ def save_checkpoint(model, path, optimizer=None, extra=None):
                     opt_state[name] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
                                        for k, v in optimizer.state[p].items()}
     if comm is not None and comm.Get_size() > 1:
-        gathered = comm.gather((mine, opt_state), root=0)
+        gathered = gather_obj(comm, (mine, opt_state), 0, f"the state to save in {path}")
     else:
         gathered = [(mine, opt_state)]
     writer, world = _world(model, comm)
@@ -117,6 +120,7 @@ def save_checkpoint(model, path, optimizer=None, extra=None):
                 ckpt["num_steps"], ckpt["t_final"] = m.num_steps, m.t_final
             if optimizer is not None:
                 ckpt["optimizer"] = {
+                    "type": type(optimizer).__name__,
                     "state": merged,
                     "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                      for g in optimizer.param_groups]}
@@ -124,10 +128,7 @@ def save_checkpoint(model, path, optimizer=None, extra=None):
         except Exception as exc:  # every rank learns of it below
             error = exc
     if world is not None and world.Get_size() > 1:
-        failed = world.allreduce(error is not None)
-        if failed and error is None:
-            raise RuntimeError(f"writing the checkpoint {path} failed on the writing rank (see "
-                               "its error)")
+        raise_on_every_rank(world, error, f"writing the checkpoint {path}")
     if error is not None:
         raise error
 
@@ -139,21 +140,43 @@ def _encode(ckpt):
     return _MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
 
 
+def _temp_files(path):
+    """Temporary files a save of ``path`` leaves only when its process dies mid-write."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        return sorted(p for p in directory.glob(f".{path.name}.*.tmp") if p.is_file())
+    except OSError:
+        return []
+
+
 def _write_atomic(path, data):
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    for stale in _temp_files(path):  # left by a save that was killed: never a checkpoint
+        try:
+            stale.unlink()
+        except OSError:
+            pass
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot write checkpoint {path}: {exc.strerror or exc}") \
+            from exc
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, OSError):  # ENOSPC, EDQUOT, EIO...: say which file
+            raise OSError(exc.errno, f"writing checkpoint {path} failed: "
+                                     f"{exc.strerror or exc}") from exc
         raise
     try:  # the rename itself is durable once the directory is synced
         dfd = os.open(directory, os.O_RDONLY)
@@ -173,9 +196,20 @@ def read_checkpoint(path):
     :class:`CheckpointError` naming the file and what is wrong with it."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):  # a device, a pipe: no size, maybe no end
+                raise CheckpointError(f"checkpoint {path} is not a regular file")
+            data = f.read(info.st_size)  # never more than the file held when opened
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from exc
+    except MemoryError as exc:
+        raise CheckpointError(f"checkpoint {path} ({info.st_size} bytes) does not fit in this "
+                              "process's memory") from exc
+    stale = _temp_files(path)
+    if stale:
+        warnings.warn(f"beside checkpoint {path} lie {len(stale)} temporary file(s) of a save "
+                      f"that did not finish ({', '.join(p.name for p in stale[:3])}); the next "
+                      "save removes them", stacklevel=3)
     if not data:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes): its write did not finish")
     if not data.startswith(_MAGIC):
@@ -207,6 +241,9 @@ def load_checkpoint(model, path, optimizer=None):
     """Resumes ``model`` (and ``optimizer``) from :func:`save_checkpoint`'s file on any number of
     ranks; returns its ``extra``.  Each rank reads the file and keeps what it holds."""
     ckpt = read_checkpoint(path)
+    # checked before anything is loaded: a mismatch leaves the model and the optimizer as
+    # they were
+    opt_state = None if optimizer is None else _optimizer_state(model, optimizer, ckpt, path)
     parts, _ = _parts(model)
     for _, m in parts[:1]:
         if ckpt.get("num_steps") is not None and ckpt["num_steps"] != m.num_steps:
@@ -225,17 +262,43 @@ def load_checkpoint(model, path, optimizer=None):
         if missing or result.unexpected_keys:
             raise CheckpointError(f"{path} does not match this model: missing {missing[:5]}, "
                                   f"unexpected {result.unexpected_keys[:5]}")
-    if optimizer is not None and "optimizer" in ckpt:
-        names = {id(p): k for k, p in model.named_parameters()}
-        saved = ckpt["optimizer"]["state"]
-        flat = [p for g in optimizer.param_groups for p in g["params"]]
-        state = {}
-        for pid, p in enumerate(flat):
-            name = names.get(id(p))
-            if name is not None and name in saved:
-                state[pid] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
-                              for k, v in saved[name].items()}
-        groups = [{**s, "params": g["params"]} for g, s in
-                  zip(optimizer.state_dict()["param_groups"], ckpt["optimizer"]["param_groups"])]
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    if opt_state is not None:
+        optimizer.load_state_dict(opt_state)
     return ckpt.get("extra")
+
+
+def _optimizer_state(model, optimizer, ckpt, path):
+    """The state dict to load into ``optimizer``, checked against it (CheckpointError
+    otherwise); nothing is modified here."""
+    saved_opt = ckpt.get("optimizer")
+    if saved_opt is None:
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state (it was saved without "
+                              "an optimizer): load it with optimizer=None, or save the "
+                              "optimizer with it")
+    kind = saved_opt.get("type")
+    if kind is not None and kind != type(optimizer).__name__:
+        raise CheckpointError(f"checkpoint {path} holds the state of a {kind} optimizer, not of "
+                              f"this {type(optimizer).__name__}")
+    if len(saved_opt["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {path} holds {len(saved_opt['param_groups'])} "
+                              f"optimizer parameter group(s); this optimizer has "
+                              f"{len(optimizer.param_groups)}")
+    names = {id(p): k for k, p in model.named_parameters()}
+    saved = saved_opt["state"]
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for pid, p in enumerate(flat):
+        name = names.get(id(p))
+        if name is not None and name in saved:
+            state[pid] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
+                          for k, v in saved[name].items()}
+    for pid, values in state.items():
+        p = flat[pid]
+        for k, v in values.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape != p.shape:
+                raise CheckpointError(
+                    f"checkpoint {path}: the optimizer state {k!r} of {names[id(p)]} has "
+                    f"shape {tuple(v.shape)}, the parameter {tuple(p.shape)}")
+    groups = [{**s, "params": g["params"]} for g, s in
+              zip(optimizer.state_dict()["param_groups"], saved_opt["param_groups"])]
+    return {"state": state, "param_groups": groups}

@@ -10,6 +10,7 @@ Every rank parses the same argv, so a bad value stops every rank with the same m
 """
 import argparse
 
+from ._comm import world
 from .options import MGRITOptions
 
 __all__ = ["add_lp_arguments", "add_training_arguments", "parse_args", "mgrit_options",
@@ -183,9 +184,7 @@ def parse_args(parser, argv=None):
                          f"({coarsened} for --lp-levels {args.lp_levels}), got "
                          f"{' '.join(args.lp_relax)}")
     if getattr(args, "dp_size", 1) > 1:
-        from mpi4py import MPI
-
-        size = MPI.COMM_WORLD.Get_size()
+        size = world().Get_size()
         if size % args.dp_size:
             parser.error(f"--dp-size {args.dp_size} does not divide the {size} ranks")
         if args.batch_size < args.dp_size:
@@ -206,9 +205,7 @@ def _quiet_off_rank_zero(parser):
 
     if not any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
         return  # not under mpiexec: one process, which prints
-    from mpi4py import MPI
-
-    if MPI.COMM_WORLD.Get_rank() != 0:
+    if world().Get_rank() != 0:
         parser.error = lambda message: sys.exit(2)
 
 
@@ -220,9 +217,8 @@ def check_run(parser, args, comm=None, *, steps=None, steps_flag="--steps"):
     ``args.steps``); ``steps_flag`` names where it comes from in the message.  Errors exit
     through ``parser.error`` before any training starts."""
     import torch
-    from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = world() if comm is None else comm
     serial, dp = getattr(args, "serial", False), getattr(args, "dp_size", 1)
     if serial and comm.Get_size() > 1:
         parser.error("--serial trains in one process: run it without mpiexec")

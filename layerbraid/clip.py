@@ -4,6 +4,7 @@ import math
 import torch
 
 from ._parts import counted_parameters
+from ._comm import allreduce_floats
 
 __all__ = ["clip_grad_norm_"]
 
@@ -29,8 +30,6 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
     Returns:
         The total norm of the gradients (a 0-d tensor), the same on every rank.
     """
-    from mpi4py import MPI
-
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type!r}")
@@ -42,10 +41,12 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
     else:
         local = 0.0
     if comm is not None and comm.Get_size() > 1:
+        what = "the gradient norm of clip_grad_norm_"
         if math.isinf(norm_type):
-            total = comm.allreduce(local, op=MPI.MAX)
+            total = allreduce_floats(comm, [local], "max", what)[0]
         else:
-            total = comm.allreduce(local ** norm_type, op=MPI.SUM) ** (1.0 / norm_type)
+            total = allreduce_floats(comm, [local ** norm_type], "sum", what)[0] \
+                ** (1.0 / norm_type)
     else:
         total = local
     ref = params[0].grad if params else None

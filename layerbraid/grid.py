@@ -2,7 +2,9 @@
 import numpy as np
 import torch
 
-from .launch import FreedOnExit
+from ._parts import FreedOnExit
+from ._comm import finalized, is_null, split, start_allreduce_sum, wait, world
+from .launch import _enter
 
 __all__ = ["ProcessGrid", "shard_batches"]
 
@@ -23,13 +25,9 @@ class ProcessGrid(FreedOnExit):
     """
 
     def __init__(self, comm=None, data_parallel: int = 1):
-        from mpi4py import MPI
-
-        from .launch import _enter
-
         _enter()
 
-        comm = MPI.COMM_WORLD if comm is None else comm
+        comm = world() if comm is None else comm
         size = comm.Get_size()
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) \
                 or data_parallel < 1:
@@ -43,16 +41,15 @@ class ProcessGrid(FreedOnExit):
         self.world = comm
         self.layer_size, self.data_size = layers, data_parallel
         self.layer_rank, self.data_rank = rank % layers, rank // layers
-        self.layer_comm = comm.Split(self.data_rank, self.layer_rank)
-        self.data_comm = comm.Split(self.layer_rank, self.data_rank)
+        what = "the construction of a ProcessGrid"
+        self.layer_comm = split(comm, self.data_rank, self.layer_rank, what)
+        self.data_comm = split(comm, self.layer_rank, self.data_rank, what)
 
     def free(self):
         """Frees the two communicators the grid made (also at the end of a ``with`` block)."""
-        from mpi4py import MPI
-
-        if not MPI.Is_finalized():
+        if not finalized():
             for c in (self.layer_comm, self.data_comm):
-                if c != MPI.COMM_NULL:
+                if not is_null(c):
                     c.Free()
 
     def __repr__(self):
@@ -128,8 +125,6 @@ class _GradAverager:
             self.launched += 1
 
     def _launch(self, k):
-        from mpi4py import MPI
-
         params = [p for p in self.buckets[k] if p.grad is not None]
         if not params:
             self.pending.append((None, [], None))
@@ -139,16 +134,15 @@ class _GradAverager:
         dtype = dtypes.pop() if len(dtypes) == 1 and grads[0].dtype in (
             torch.float32, torch.float64) else torch.float64
         flat = torch.cat([g.reshape(-1).to("cpu", dtype) for g in grads]).numpy()
-        req = self.comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        req = start_allreduce_sum(self.comm, flat)
         self.pending.append((req, params, flat))
 
     def _finish(self):
-        from mpi4py import MPI
-
         while self.launched < len(self.buckets):  # buckets some of whose params got no grad
             self._launch(self.launched)
             self.launched += 1
-        MPI.Request.Waitall([r for r, _, _ in self.pending if r is not None])
+        wait([r for r, _, _ in self.pending if r is not None], self.comm,
+             "every data group's gradients (the data-parallel average after backward)")
         for req, params, flat in self.pending:
             off = 0
             for p in params:

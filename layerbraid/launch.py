@@ -1,5 +1,5 @@
-"""What every multi-rank job needs: the right launcher, an uncaught exception on one rank ending
-the whole job, and a stall timeout instead of a wait forever.
+"""What every multi-rank job needs: the right launcher, and an uncaught exception or an early exit
+on one rank ending the whole job (the stall timeout lives in ``_timeouts``).
 
 The launch check and the abort hook run by themselves when a layer-parallel model, a
 ProcessGrid, an MGRIT solver or a LayerParallelLoader is built; call them directly to get
@@ -9,6 +9,11 @@ import os
 import sys
 import threading
 import time
+
+from mpi4py import MPI
+
+from . import _comm
+from ._timeouts import set_timeout  # public here as well
 
 __all__ = ["check_launch", "abort_on_exception", "set_timeout"]
 
@@ -53,8 +58,6 @@ def check_launch(world=None):
     ``srun --mpi=pmi2`` / ``--mpi=pmix`` on Slurm.
     """
     global _checked
-    from mpi4py import MPI
-
     world = MPI.COMM_WORLD if world is None else world
     size = world.Get_size()
     bad = [(var, who, n) for var, who, n in _promised() if n > size]
@@ -104,17 +107,13 @@ def _abort(code=1):
         sys.stderr.flush()
         # The launcher forwards each rank's output through a pipe; an abort tears the job down
         # at once and can drop the traceback still in transit.  A moment lets it through.
-        time.sleep(0.3)
+        time.sleep(0.5)
     finally:
-        from mpi4py import MPI
-
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.COMM_WORLD.Abort(code)
 
 
 def _abort_hook(exc_type, exc, tb):
-    from mpi4py import MPI
-
     rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() and not MPI.Is_finalized() else "?"
     _previous["sys"](exc_type, exc, tb)
     print(f"layerbraid: uncaught {exc_type.__name__} on rank {rank}: aborting every rank of the "
@@ -131,98 +130,9 @@ def _abort_thread_hook(args):
 def _enter():
     """Called by every entry point that starts collectives: the launch check, once, and the
     abort hook in a job of 2+ ranks (unless switched off)."""
-    from mpi4py import MPI
-
     if not _checked:
         check_launch(MPI.COMM_WORLD)
     if (MPI.COMM_WORLD.Get_size() > 1 and os.environ.get(_ENV_ABORT, "1") != "0"
             and not _hook_installed and not _switched_off):
         abort_on_exception(True)
-
-
-_DEFAULT_TIMEOUT = 600.0
-_timeout = [None]
-
-
-def set_timeout(seconds: float) -> None:
-    """Seconds a rank may wait for another, in layerbraid's collectives and in the MGRIT core's
-    waits, before it raises :class:`layerbraid.StallError` saying what it waited for (and, for
-    the core's messages, from which rank); uncaught, that ends the job.  The default is 600 s,
-    or the environment variable ``LAYERBRAID_TIMEOUT``; 0 waits forever.  Applies to solvers
-    built afterwards; every rank must use the same value."""
-    seconds = float(seconds)
-    if not 0 <= seconds < float("inf"):
-        raise ValueError(f"the timeout must be a finite number of seconds >= 0, got {seconds!r}")
-    _timeout[0] = seconds
-
-
-def timeout() -> float:
-    """The stall timeout in seconds now in force (see :func:`set_timeout`)."""
-    if _timeout[0] is not None:
-        return _timeout[0]
-    text = os.environ.get("LAYERBRAID_TIMEOUT")
-    if text is None:
-        return _DEFAULT_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise ValueError(f"LAYERBRAID_TIMEOUT must be a number of seconds >= 0, got {text!r}")
-    return value
-
-
-# Seconds a long wait of the MGRIT core sleeps between tests when this node runs more ranks than
-# it has cores (Note [polled waits] in cbridge/src/comm.c).
-_OVERSUBSCRIBED_SLEEP = 1e-4
-
-
-def wait_sleep() -> float:
-    """Seconds the MGRIT core's waits sleep at least between tests once a short spin has not
-    ended them (up to a tenth of the time waited, at most 1 ms; 0: they yield the core
-    instead).  ``LAYERBRAID_WAIT_SLEEP`` sets it; by default it is 0.1 ms when this node runs
-    more ranks (as the launcher reports them: MPICH's MPI_LOCALNRANKS, Open MPI's
-    OMPI_COMM_WORLD_LOCAL_SIZE) than this process may use cores, where yielding ranks would take
-    turns on the CPU with the ranks that compute, else 0."""
-    text = os.environ.get("LAYERBRAID_WAIT_SLEEP")
-    if text is not None:
-        try:
-            value = float(text)
-        except ValueError:
-            value = -1.0
-        if not 0 <= value <= 1e-3:
-            raise ValueError(f"LAYERBRAID_WAIT_SLEEP must be a number of seconds between 0 and "
-                             f"0.001, got {text!r}")
-        return value
-    local = 1
-    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            local = int(os.environ[name])
-            break
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return _OVERSUBSCRIBED_SLEEP if local > (cores or 1) else 0.0
-
-
-def arrive(comm, what):
-    """Waits, polling, until every rank of ``comm`` has reached this point (a non-blocking
-    barrier), so that a rank that never comes is reported instead of waited for forever: after
-    the timeout, :class:`layerbraid.StallError` names ``what``.  Polling also lets Ctrl-C
-    through.  Costs one barrier."""
-    from ._transport import wait
-
-    if comm.Get_size() == 1:
-        return
-    wait([comm.Ibarrier()], comm,
-         f"every rank of its layer group to reach {what}; at least one never did (it stopped, "
-         "or called model(x) or backward() a different number of times, or with another batch)")
-
-
-class FreedOnExit:
-    """``with obj:`` calls ``obj.free()`` at the end of the block (models, RNNs, grids)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.free()
-        return False
+        _comm._start_notices()  # Note [exit notices]

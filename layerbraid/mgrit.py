@@ -2,6 +2,8 @@
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List
 
+from ._comm import world
+from .launch import _enter
 from .options import MGRITOptions
 
 __all__ = ["MGRIT", "MGRITResult"]
@@ -64,12 +66,10 @@ class MGRIT:
                  t_stop: float = 1.0, *, options: MGRITOptions = None, comm=None,
                  trace: bool = False, coarsen: Callable = None, refine: Callable = None,
                  store_all: bool = True, step_interval: Callable = None):
-        from mpi4py import MPI
-
-        from .launch import _enter
-
         _enter()
 
+        # here, not at the top: `import layerbraid` does not load the compiled core (the
+        # state format and the planner work without it)
         from ._bridge import _Core
 
         if not callable(step) or not callable(init):
@@ -87,7 +87,7 @@ class MGRIT:
         if not isinstance(options, MGRITOptions):
             raise TypeError(f"options must be an MGRITOptions, got {type(options).__name__}")
         self.options = options
-        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.comm = world() if comm is None else comm
         self.num_steps = num_steps
         self._core = _Core(self.comm, num_steps, t_start, t_stop, options,
                            init=lambda app, t, index: init(t),

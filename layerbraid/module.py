@@ -8,12 +8,20 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import checkpoint
 from ._autograd import _BroadcastFn, _ToFirstFn
-from ._chain import Run, _ChainFn
-from ._layer_steps import check_shape
-from ._transport import bcast_into
+from ._chain import Run, _Chain, _ChainFn, _check_target, _gradient_estimate
+from ._layer_steps import _LayerSteps, check_shape
+from ._ownership import _StepLayers, draw_seed, seeded_layer
+from ._parts import FreedOnExit
+from ._comm import allgather_obj, allreduce_floats, barrier, bcast_obj, gather_obj, is_comm, \
+    world
+from ._transport import bcast_into, neighbour_exchange
+from .coarsening import SpatialCoarsening
 from .errors import RemoteRankError
-from .launch import FreedOnExit, arrive
+from .grid import _GradAverager
+from .launch import _enter
+from .nn.batchnorm import _plain_copy, plain_modules
 from .options import MGRITOptions
 from .stats import SolveStats
 
@@ -98,10 +106,6 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                  check_inputs: bool = True, check_finite: bool = True,
                  target_error: Optional[float] = None):
         super().__init__()
-        from mpi4py import MPI
-
-        from .launch import _enter
-
         _enter()
 
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or \
@@ -114,10 +118,10 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         if isinstance(t_final, bool) or not isinstance(t_final, (int, float)) or \
                 not 0 < t_final < float("inf"):
             raise ValueError(f"t_final must be a finite number > 0, got {t_final!r}")
-        comm = MPI.COMM_WORLD if comm is None else comm
+        comm = world() if comm is None else comm
         grid = comm if hasattr(comm, "layer_comm") else None  # a ProcessGrid
         comm = grid.layer_comm if grid is not None else comm
-        if not isinstance(comm, MPI.Intracomm):
+        if not is_comm(comm):
             raise TypeError(f"comm must be an mpi4py communicator or a ProcessGrid, got "
                             f"{type(comm).__name__}")
         if num_steps < comm.Get_size():
@@ -141,8 +145,6 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         if output not in ("all", "next"):
             raise ValueError(f"output must be 'all' or 'next', got {output!r}")
         self.output = output
-        from .coarsening import SpatialCoarsening
-
         if spatial is not None and not isinstance(spatial, SpatialCoarsening):
             raise TypeError(f"spatial must be a SpatialCoarsening, got {type(spatial).__name__}")
         object.__setattr__(self, "spatial", spatial)
@@ -174,10 +176,6 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         return self._comm
 
     def _build_steps(self):
-        from ._chain import _Chain
-        from ._layer_steps import _LayerSteps
-        from ._ownership import _StepLayers, draw_seed
-
         comm = self._comm
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         sp = self.spatial
@@ -199,8 +197,6 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                                   self.step_rule if custom else None, sp, self.check_finite)
         self._averager = None
         if self._grid is not None and self._grid.data_size > 1:
-            from .grid import _GradAverager
-
             # The replicas in a data group start from rank 0's weights (as DDP does), then
             # average their gradients at the end of every backward.
             data = self._grid.data_comm
@@ -285,8 +281,6 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         neighbours).  Returns the whole network's penalty on every rank, differentiable with
         respect to the layers this rank owns (each gets exactly its gradient); needs step
         layers whose parameters have the same shapes."""
-        from ._transport import allreduce_floats, neighbour_exchange
-
         owned = self._chain.owned
         params = [[p for p in self.layers[str(i)].parameters() if p.requires_grad]
                   for i in owned]
@@ -340,18 +334,21 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                 error = exc
                 meta = ("error", f"{type(exc).__name__}: {exc}", tuple(getattr(x, "shape", ())))
         if self._size > 1:
-            arrive(comm, f"the forward of model(x) (layer-parallel rank {self._rank})")
+            barrier(comm, f"the forward of model(x) (layer-parallel rank {self._rank})")
             mine = _fingerprint(x) if self.check_inputs else None
-            gathered = comm.allgather((meta, mine) if first else mine)
-            meta, ref = gathered[0]
+            gathered = allgather_obj(comm, (meta if first else None, mine, self._settings()),
+                                     "the input's fingerprints in model(x)")
+            meta, ref = gathered[0][0], gathered[0][1]
         if meta[0] == "error":
             if error is not None:
                 raise error
             raise ValueError(f"the layer-parallel forward failed on rank 0, where the input of "
                              f"shape {meta[2]} went through the open layer: {meta[1]}")
+        if self._size > 1:
+            _check_settings([g[2] for g in gathered])
         if self._size > 1 and self.check_inputs and ref is not None:
-            bad = [(r, fp) for r, fp in enumerate(gathered[1:], 1)
-                   if fp is not None and not _same_input(fp, ref)]
+            bad = [(r, g[1]) for r, g in enumerate(gathered[1:], 1)
+                   if g[1] is not None and not _same_input(g[1], ref)]
             if bad:
                 r, fp = bad[0]
                 raise ValueError(
@@ -391,7 +388,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             except Exception as exc:  # tell every rank, then raise here
                 error, status = exc, ("error", f"{type(exc).__name__}: {exc}")
         if self._size > 1:
-            status = comm.bcast(status, root=self._size - 1)
+            status = bcast_obj(comm, status, self._size - 1,
+                               "close layer's status at the end of model(x)")
         if status[0] == "error":
             if error is not None:
                 raise error
@@ -406,6 +404,20 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             return _ToFirstFn.apply(comm, out, status[1], status[2])
         return _BroadcastFn.apply(comm, self._size - 1, out, status[1], status[2])
 
+    def _settings(self):
+        """What every rank of the layer group must agree on for a forward and its backward: the
+        settings that change a solve's schedule or stopping, and what the step layers do."""
+        modes = [m.training for m in self.modules()]
+        chain = self._chain
+        return {"training mode (model.train() / model.eval())": (all(modes), any(modes)),
+                "target_error": chain.target_error,
+                "the calibration of the error estimate": chain.calibration,
+                "warm_start": chain.warm_start,
+                "output": self.output,
+                "check_finite": (self.check_finite, self._steps.check_finite),
+                "check_inputs": self.check_inputs,
+                "an exact solve (audit_gradients)": self._solve_exactly}
+
     def _owned_params(self):
         return [p for i in self._chain.owned for p in self.layers[str(i)].parameters()
                 if p.requires_grad]
@@ -417,7 +429,9 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                 if self._holds_key(k)}
         if self._size == 1:
             return mine
-        parts = self._comm.allgather(mine) if root is None else self._comm.gather(mine, root=root)
+        what = "the weights of every step layer"
+        parts = allgather_obj(self._comm, mine, what) if root is None else \
+            gather_obj(self._comm, mine, root, what)
         if parts is None:
             return None
         full = {}
@@ -433,9 +447,6 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         and runs anywhere; layer-parallel batch norms become plain ``nn.BatchNorm*`` with the
         same state.  A custom ``step_rule`` is called with the serial network as ``self``: it
         should depend only on its arguments."""
-        from ._ownership import seeded_layer
-        from .nn import _plain_copy, plain_modules
-
         full = self._gather_state()
         layers = nn.ModuleList(seeded_layer(self.step_layer, i, self._layer_seed)
                                for i in range(self.num_steps))
@@ -474,16 +485,12 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
     def save_checkpoint(self, path, optimizer=None, extra=None):
         """Writes one file that any number of ranks can resume from (collective); see
         :func:`layerbraid.save_checkpoint`."""
-        from .checkpoint import save_checkpoint
-
-        save_checkpoint(self, path, optimizer, extra)
+        checkpoint.save_checkpoint(self, path, optimizer, extra)
 
     def load_checkpoint(self, path, optimizer=None):
         """Resumes from :meth:`save_checkpoint`'s file on any number of ranks; returns ``extra``
         (see :func:`layerbraid.load_checkpoint`)."""
-        from .checkpoint import load_checkpoint
-
-        return load_checkpoint(self, path, optimizer)
+        return checkpoint.load_checkpoint(self, path, optimizer)
 
 
 class _SerialChain(nn.Module):
@@ -515,6 +522,18 @@ class _SerialChain(nn.Module):
             else:
                 x = self.rule(self, layer, x, self.dt, i)
         return self.close(x) if self.close is not None else x
+
+
+def _check_settings(settings):
+    """Raises the same ValueError on every rank when the ranks' settings differ."""
+    for name, value in settings[0].items():
+        other = next(((r, s[name]) for r, s in enumerate(settings) if s[name] != value), None)
+        if other is not None:
+            r, theirs = other
+            raise ValueError(
+                f"the layer-parallel ranks disagree on {name}: rank 0 has {value!r}, rank {r} "
+                f"has {theirs!r}.  Every rank of a layer group runs the same solve: set it alike "
+                "on every rank")
 
 
 def _check_input(x, check_finite):
@@ -551,25 +570,3 @@ def _same_input(a, b):
     scale = 1e-9 * max(1, int(np.prod(a[0])))
     return all(u == v or (u != u and v != v) or abs(u - v) <= 1e-7 * (abs(u) + abs(v)) + scale
                for u, v in zip(a[2:], b[2:]))  # equal, both NaN, or round-off apart
-
-
-def _gradient_estimate(fwd, bwd, field):
-    """Note [adaptive iterations]: the adjoint's estimate plus the forward's weighted by the
-    ratio of the two solves' shares of a target."""
-    from ._chain import _ADJOINT_SHARE, _FORWARD_SHARE
-
-    f, b = getattr(fwd, field), getattr(bwd, field)
-    if f is None or b is None:
-        return None
-    return b + (_ADJOINT_SHARE / _FORWARD_SHARE) * f
-
-
-def _check_target(target):
-    """``target_error``: None or a number in (0, 1)."""
-    if target is None:
-        return None
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or \
-            not 0 < target < 1:
-        raise ValueError(f"target_error must be a number in (0, 1) (a relative error, e.g. "
-                         f"1e-2), or None, got {target!r}")
-    return float(target)

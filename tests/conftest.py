@@ -8,12 +8,38 @@ sys.path.insert(0, os.path.dirname(__file__))
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _ranks_as_marked(request):
+    """Every multi-rank test runs on the number of ranks its ``parallel`` marker names: a test
+    must not pass on one rank because its launch silently did not happen.  (The launching
+    process itself, of one rank, only starts the job: mpi-pytest replaces the test there.)"""
+    marker = request.node.get_closest_marker("parallel")
+    if marker is None:
+        yield
+        return
+    from mpi4py import MPI
+
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and "_nprocs" in callspec.params:
+        wanted = callspec.params["_nprocs"]
+    else:
+        wanted = marker.args[0] if marker.args else marker.kwargs.get("nprocs", 3)
+        wanted = wanted[0] if isinstance(wanted, (list, tuple)) else wanted
+    size = MPI.COMM_WORLD.Get_size()
+    child = os.environ.get("_PYTEST_MPI_CHILD_PROCESS") is not None
+    if wanted > 1 and not child and size == 1:
+        yield  # the launcher: the test itself runs in the job it starts
+        return
+    assert size == wanted, f"marked for {wanted} rank(s), running on {size}"
+    yield
+
+
 @pytest.fixture
 def short_timeout():
     """A 2 s stall timeout for the test, restored afterwards (stall scenarios)."""
     import layerbraid
 
-    old = layerbraid.launch.timeout()
+    old = layerbraid._timeouts.timeout()
     layerbraid.set_timeout(2)
     yield 2
     layerbraid.set_timeout(old)

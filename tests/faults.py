@@ -59,69 +59,142 @@ class BadStep(ODEResNet):
         return super().step_layer(index)
 
 
-# scenario: (what happens, text of the cause that the job's output must show)
+# scenario: (what happens, the text of the cause, which rank must print it: "faulty" (the rank
+# that printed FAULT), "waiting" (another rank, which caught the fault in a collective) or "job"
+# (the launcher's output))
 SCENARIOS = {
     "loader": ("rank 1 raises before the loader's seed agreement",
-               "InjectedFault: injected fault on rank 1"),
-    "forward": ("rank 1 raises before a forward", "InjectedFault: injected fault on rank 1"),
+               "InjectedFault: injected fault on rank 1", "faulty"),
+    "forward": ("rank 1 raises before a forward", "InjectedFault: injected fault on rank 1",
+                "faulty"),
     "backward": ("rank 1 raises between forward and backward",
-                 "InjectedFault: injected fault on rank 1"),
-    "clip": ("rank 1 raises before clip_grad_norm_", "InjectedFault: injected fault on rank 1"),
+                 "InjectedFault: injected fault on rank 1", "faulty"),
+    "clip": ("rank 1 raises before clip_grad_norm_", "InjectedFault: injected fault on rank 1",
+             "faulty"),
     "checkpoint": ("rank 1 raises before save_checkpoint",
-                   "InjectedFault: injected fault on rank 1"),
+                   "InjectedFault: injected fault on rank 1", "faulty"),
     "close-layer": ("the close layer raises on the last rank",
-                    "InjectedFault: injected fault in the close layer"),
+                    "InjectedFault: injected fault in the close layer", "faulty"),
     "step-layer": ("step_layer raises on the last rank while the model is built",
-                   "InjectedFault: injected fault in step_layer"),
+                   "InjectedFault: injected fault in step_layer", "faulty"),
     "nan": ("the input holds Inf: named as bad input on every rank, before any step",
-            "the input holds 256 NaN or Inf value(s)"),
-    "skip-forward": ("rank 1 skips the last forward: a stall (timeout 3 s)",
-                     "StallError: stalled: rank 0 waited"),
-    "skip-backward": ("rank 1 skips the last backward: a stall in the MGRIT core (timeout 3 s)",
-                      "StallError: stalled: rank 0 waited"),
-    "sigint": ("Ctrl-C: SIGINT to mpiexec while training", "KeyboardInterrupt"),
-    "kill": ("rank 1 is killed (SIGKILL) while training", "signal 9"),
+            "the input holds 256 NaN or Inf value(s)", "faulty"),
+    "skip-forward": ("rank 1 skips the last forward: a stall in the forward's barrier",
+                     "to reach the forward of model(x)", "waiting"),
+    "skip-backward": ("rank 1 skips the last backward: a stall in the MGRIT core",
+                      "from rank 1 (level", "waiting"),
+    "sigint": ("Ctrl-C: SIGINT to mpiexec while training", "KeyboardInterrupt", "faulty"),
+    "kill": ("rank 1 is killed (SIGKILL) while training", "signal 9", "job"),
     "rnn": ("rank 1 raises before a layer-parallel GRU forward",
-            "InjectedFault: injected fault on rank 1"),
+            "InjectedFault: injected fault on rank 1", "faulty"),
     "grid": ("rank 1 raises before a data-parallel model broadcasts its weights",
-             "InjectedFault: injected fault on rank 1"),
+             "InjectedFault: injected fault on rank 1", "faulty"),
+    # the named collective itself sees the fault: rank 1 never arrives, or exits
+    "stall-start": ("rank 1 never builds anything of layerbraid's",
+                    "every rank to build its first layer-parallel model", "waiting"),
+    "stall-construction": ("rank 1 never builds a second model",
+                           "the construction of an MGRIT solver", "waiting"),
+    "stall-grid": ("rank 1 never builds the ProcessGrid", "the construction of a ProcessGrid",
+                   "waiting"),
+    "stall-loader": ("rank 1 never builds the loader", "the loader's seed", "waiting"),
+    "stall-close": ("the close layer never returns on the last rank",
+                    "close layer's status at the end of model(x)", "waiting"),
+    "stall-clip": ("rank 1 never calls clip_grad_norm_", "the gradient norm of clip_grad_norm_",
+                   "waiting"),
+    "stall-checkpoint": ("rank 1 never calls save_checkpoint",
+                         "every rank's part of the state to save in", "waiting"),
+    "stall-to-serial": ("to_serial() called on rank 0 only",
+                        "every rank's part of the weights of every step layer", "waiting"),
+    "exit-forward": ("rank 1 calls sys.exit(3) before a forward",
+                     "rank 1 exited (SystemExit 3) while rank 0 waited for every rank of its "
+                     "layer group to reach the forward", "waiting"),
+    "exit-backward": ("rank 1 calls sys.exit(0) between forward and backward",
+                      "rank 1 exited (SystemExit 0) while rank 0 waited for a message of an "
+                      "MGRIT solve", "waiting"),
+    "exit-end": ("rank 1's script ends before the checkpoint",
+                 "rank 1 exited (the end of its script) while rank 0 waited", "waiting"),
 }
-TIMEOUT = 3  # LAYERBRAID_TIMEOUT for the stall scenarios
+TIMEOUT = 3  # LAYERBRAID_TIMEOUT for every scenario
 
 
-def run(scenario, ranks=2, limit=120):
-    """Runs the job; returns {"rc", "seconds" (fault to the end of the job), "cause" (found in
-    the output), "output"}."""
+def run(scenario, ranks=2, limit=60):
+    """Runs the job under a wall-time limit (enforced whether or not output arrives: the whole
+    job is killed at ``limit`` s).  Returns {"rc", "hung", "seconds" (fault to the end of the
+    job), "faulty" (the rank that printed FAULT), "outputs" ({rank: its lines}), "job" (lines
+    no rank printed), "cause_on" (the ranks that printed the cause), "cause" (the cause
+    printed where the scenario says), "output" (everything)}."""
     import subprocess
+    import threading
 
     # Not the calling process's MPI job: a fresh one (no PMI variables of a singleton).
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA", "_PYTEST_MPI"))}
     env.update(PYTHONUNBUFFERED="1", LAYERBRAID_TIMEOUT=str(TIMEOUT))
-    proc = subprocess.Popen(["mpiexec", "-n", str(ranks), sys.executable, __file__, scenario],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines, fault = [], None
-    deadline = time.time() + limit
-    for line in proc.stdout:  # the job's output, as it comes
-        lines.append(line)
-        found = re.search(r"FAULT (\d+\.\d+)", line)  # mpiexec may still join two ranks' lines
-        if found and fault is None:
-            fault = float(found.group(1))
-            if scenario == "sigint":
-                proc.send_signal(signal.SIGINT)
-        if time.time() > deadline:
-            proc.kill()
-            break
-    rc = proc.wait()
+    proc = subprocess.Popen(["mpiexec", "-l", "-n", str(ranks), sys.executable, __file__,
+                             scenario], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    lines, state = [], {"fault": None, "faulty": None}
+
+    def read():
+        for line in proc.stdout:  # the job's output, as it comes; each line tagged "[rank] "
+            lines.append(line)
+            found = re.match(r"\[(\d+)\] FAULT (\d+\.\d+)", line)
+            if found and state["fault"] is None:
+                state["faulty"], state["fault"] = int(found.group(1)), float(found.group(2))
+                if scenario == "sigint":
+                    proc.send_signal(signal.SIGINT)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    hung = False
+    try:
+        rc = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        hung = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        rc = proc.wait()
     end = time.time()
-    output = "".join(lines)
-    return {"rc": rc, "seconds": None if fault is None else end - fault,
-            "cause": SCENARIOS[scenario][1] in output, "output": output}
+    reader.join(5)
+    outputs, job = {r: "" for r in range(ranks)}, ""
+    for line in lines:
+        tagged = re.match(r"\[(\d+)\] (.*\n?)", line)
+        if tagged and int(tagged.group(1)) in outputs:
+            outputs[int(tagged.group(1))] += tagged.group(2)
+        else:
+            job += line
+    cause, where = SCENARIOS[scenario][1], SCENARIOS[scenario][2]
+    cause_on = [r for r, text in outputs.items() if cause in text]
+    faulty = state["faulty"]
+    if where == "faulty":
+        shown = faulty in cause_on
+    elif where == "waiting":
+        shown = any(r != faulty for r in cause_on)
+    else:
+        shown = cause in job or bool(cause_on)
+    return {"rc": rc, "hung": hung, "faulty": faulty, "outputs": outputs, "job": job,
+            "seconds": None if state["fault"] is None else end - state["fault"],
+            "cause_on": cause_on, "cause": shown, "output": "".join(lines)}
+
+
+def sleep_forever():
+    fault_here()
+    time.sleep(3600)
+
+
+def exit_now(status):
+    fault_here()
+    sys.exit(status)
+
+
+class StallingClose(nn.Module):
+    def forward(self, x):
+        sleep_forever()
 
 
 def main(scenario):
     torch.set_default_dtype(torch.float64)
     x, y = batch(n=16)
+    one = WORLD.rank == 1
     if scenario == "rnn":
         gru = LayerParallelGRU(3, 4, comm=WORLD)
         gru(torch.ones(2, 6, 3))[0].sum().backward()
@@ -133,11 +206,23 @@ def main(scenario):
         ODEResNet(grid, num_steps=4)
     if scenario == "step-layer":
         BadStep(WORLD, num_steps=4)
+    if scenario == "stall-start" and one:
+        sleep_forever()
     model = ODEResNet(WORLD, num_steps=4)
+    if scenario == "stall-construction":
+        if one:
+            sleep_forever()
+        ODEResNet(WORLD, num_steps=4)
+    if scenario == "stall-grid":
+        if one:
+            sleep_forever()
+        layerbraid.ProcessGrid(WORLD, data_parallel=WORLD.size)
     if scenario == "close-layer" and WORLD.rank == WORLD.size - 1:
         model.close = FailingClose()
     if scenario == "loader":
         fail_on(1, "the loader's seed agreement")
+    if scenario == "stall-loader" and one:
+        sleep_forever()
     loader = LayerParallelLoader(TensorDataset(x, y), 4, comm=model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     steps = 100000 if scenario in ("sigint", "kill") else 6
@@ -150,33 +235,51 @@ def main(scenario):
         last = step == steps - 1
         if scenario == "forward" and step == 2:
             fail_on(1, "a forward")
+        if scenario == "exit-forward" and step == 2 and one:
+            exit_now(3)
         if scenario == "nan" and step == 2:
             fault_here()
             xb = xb * float("inf")
-        if scenario == "skip-forward" and last and WORLD.rank == 1:
+        if scenario == "skip-forward" and last and one:
             fault_here()
             continue
-        if scenario == "kill" and step == 3 and WORLD.rank == 1:
+        if scenario == "kill" and step == 3 and one:
             fault_here()
             os.kill(os.getpid(), signal.SIGKILL)
         if scenario == "sigint" and step == 3 and WORLD.rank == 0:
             fault_here()  # the driver sends SIGINT to mpiexec when it reads this
+        if scenario == "stall-close" and step == 2 and WORLD.rank == WORLD.size - 1:
+            model.close = StallingClose()
         opt.zero_grad()
         loss = F.cross_entropy(model(xb), yb)
         if scenario == "backward" and step == 2:
             fail_on(1, "the backward")
-        if scenario == "skip-backward" and last and WORLD.rank == 1:
+        if scenario == "exit-backward" and step == 2 and one:
+            exit_now(0)
+        if scenario == "skip-backward" and last and one:
             fault_here()
             continue
         loss.backward()
         if scenario == "clip" and step == 2:
             fail_on(1, "clip_grad_norm_")
+        if scenario == "stall-clip" and step == 2 and one:
+            sleep_forever()
         layerbraid.clip_grad_norm_(model, 1.0)
         opt.step()
     path = WORLD.bcast(os.path.join(tempfile.gettempdir(), f"layerbraid-faults-{os.getpid()}.ckpt")
                        if WORLD.rank == 0 else None)
+    if scenario == "stall-to-serial":
+        if WORLD.rank == 0:
+            model.to_serial()  # the "on rank 0 only" habit
+        else:
+            sleep_forever()
+    if scenario == "exit-end" and one:
+        fault_here()
+        return "exited"
     if scenario == "checkpoint":
         fail_on(1, "save_checkpoint")
+    if scenario == "stall-checkpoint" and one:
+        sleep_forever()
     layerbraid.save_checkpoint(model, path, opt)
     WORLD.Barrier()
     if WORLD.rank == 0:

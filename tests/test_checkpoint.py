@@ -155,7 +155,7 @@ def test_a_failed_write_leaves_the_old_checkpoint_and_no_litter(tmp_path, monkey
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", broken)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(OSError, match=r"writing checkpoint .*c\.ckpt failed: No space"):
         model.save_checkpoint(path, extra={"epoch": 2})
     monkeypatch.undo()
     assert read_checkpoint(path)["extra"] == {"epoch": 1}
@@ -181,3 +181,56 @@ def test_sigkill_during_a_save_never_loses_the_checkpoint(tmp_path):
         proc.wait()
         ckpt = read_checkpoint(path)
         assert ckpt["extra"]["big"].shape == (8_000_000,) and ckpt["extra"]["k"] >= 0
+
+
+def test_only_regular_files_are_read(tmp_path):
+    """A link to a device (here /dev/zero, which never ends) is refused before any read."""
+    link = tmp_path / "zero.ckpt"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match="zero.ckpt is not a regular file"):
+        read_checkpoint(link)
+
+
+def test_a_killed_saves_temporary_file_is_listed_by_a_load_and_removed_by_the_next_save(
+        tmp_path):
+    model = ODEResNet(MPI.COMM_SELF, num_steps=2)
+    path = tmp_path / "c.ckpt"
+    model.save_checkpoint(path)
+    stale = tmp_path / ".c.ckpt.k1ll3d.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    with pytest.warns(UserWarning, match=r"1 temporary file\(s\) of a save that did not "
+                                         r"finish \(\.c\.ckpt\.k1ll3d\.tmp\)"):
+        model.load_checkpoint(path)
+    model.save_checkpoint(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt"]
+
+
+def test_optimizer_state_that_does_not_fit_is_refused_and_nothing_changes(tmp_path):
+    torch.manual_seed(0)
+    model = ODEResNet(MPI.COMM_SELF, num_steps=2)
+    x, y = batch(n=4)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    F.cross_entropy(model(x), y).backward()
+    sgd.step()
+    path = tmp_path / "sgd.ckpt"
+    model.save_checkpoint(path, sgd)
+    bare = tmp_path / "bare.ckpt"
+    model.save_checkpoint(bare)
+
+    other = ODEResNet(MPI.COMM_SELF, num_steps=2)
+    adam = torch.optim.Adam(other.parameters(), lr=0.1)
+    F.cross_entropy(other(x), y).backward()
+    adam.step()
+    before_model = {k: v.clone() for k, v in other.state_dict().items()}
+    before_opt = repr(adam.state_dict())
+    with pytest.raises(CheckpointError, match=r"sgd.ckpt holds the state of a SGD optimizer, "
+                                              r"not of this Adam"):
+        other.load_checkpoint(path, adam)
+    with pytest.raises(CheckpointError, match=r"bare.ckpt holds no optimizer state"):
+        other.load_checkpoint(bare, adam)
+    assert repr(adam.state_dict()) == before_opt
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in before_model.items())
+    adam.step()  # still usable
+    fresh = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    other.load_checkpoint(path, fresh)  # the right kind loads
+    assert len(fresh.state) == len(sgd.state)

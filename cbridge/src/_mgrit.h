@@ -11,7 +11,7 @@
 /* One level of the hierarchy as this rank sees it.  Note [point ownership]: a rank owns level-l
  * point i exactly when it owns fine point i * stride, so every rank's points on every level are
  * one contiguous block, and the blocks of all ranks cover the level in rank order. */
-typedef struct _mgrit_level {
+typedef struct mgrit_i_level {
   int64_t npoints; /* points 0 .. npoints-1 */
   int64_t stride;  /* fine points per step of this level */
   int cf;          /* coarsening factor to the next level; 0 on the coarsest */
@@ -20,9 +20,9 @@ typedef struct _mgrit_level {
   int left, right; /* the ranks owning points lo-1 and hi+1 on this level, or -1 */
   mgrit_vec *u, *v, *g; /* indexed by i - lo; g[k] == MGRIT_NONE means zero */
   mgrit_vec ghost;      /* u[lo - 1] as it was after this rank's last F-sweep of the level */
-} _mgrit_level;
+} mgrit_i_level;
 
-typedef struct _mgrit_opts {
+typedef struct mgrit_i_opts {
   int max_levels;
   int ncf, nnr;
   int cf[64];
@@ -38,32 +38,32 @@ typedef struct _mgrit_opts {
   int store_all; /* keep every level-0 point (default), or only what the cycles read again */
   double timeout; /* seconds a wait may last; 0 = forever */
   double wait_sleep; /* seconds a long wait sleeps between tests; 0 = yield instead */
-} _mgrit_opts;
+} mgrit_i_opts;
 
-typedef struct _mgrit_send {
+typedef struct mgrit_i_pending {
   MPI_Request req;
   char *buf;
-} _mgrit_pending;
+} mgrit_i_pending;
 
-typedef struct _mgrit_comm {
+typedef struct mgrit_i_comm {
   MPI_Comm comm;
   int rank, size;
-  _mgrit_pending *pending;
+  mgrit_i_pending *pending;
   int npending, cap;
-} _mgrit_comm;
+} mgrit_i_comm;
 
 struct mgrit_core {
-  _mgrit_comm c;
+  mgrit_i_comm c;
   mgrit_callbacks cb;
   void *app;
-  _mgrit_opts o;
+  mgrit_i_opts o;
   int64_t nsteps;
   double tstart, tstop;
   int mirror; /* extra steps go to the last ranks (see grid.c) */
   int virt;   /* a virtual rank: no MPI, no-op states; records the schedule (mgrit_create_virtual) */
   int built;  /* levels built for the current options */
   int nlevels;
-  _mgrit_level *levels;
+  mgrit_i_level *levels;
   int err;         /* MGRIT_OK, or CALLBACK/REMOTE/NOMEM once this rank is poisoned */
   int abandoned;   /* a wait timed out or was interrupted: pending sends are never waited for */
   int failed_rank; /* set when a failure is known globally */
@@ -81,57 +81,59 @@ struct mgrit_core {
 };
 
 /* grid.c */
-int64_t _mgrit_owner(const mgrit_core *core, int64_t fine_point);
-void _mgrit_fine_range(const mgrit_core *core, int rank, int64_t *lo, int64_t *hi);
-int _mgrit_build_levels(mgrit_core *core);
-void _mgrit_free_level_states(mgrit_core *core, int l);
-void _mgrit_free_levels(mgrit_core *core);
-double _mgrit_time(const mgrit_core *core, int l, int64_t i);
-int _mgrit_is_c(const mgrit_core *core, int l, int64_t i);
+int64_t mgrit_i_owner(const mgrit_core *core, int64_t fine_point);
+void mgrit_i_fine_range(const mgrit_core *core, int rank, int64_t *lo, int64_t *hi);
+int mgrit_i_build_levels(mgrit_core *core);
+void mgrit_i_free_level_states(mgrit_core *core, int l);
+void mgrit_i_free_levels(mgrit_core *core);
+double mgrit_i_time(const mgrit_core *core, int l, int64_t i);
+int mgrit_i_is_c(const mgrit_core *core, int l, int64_t i);
 
 /* vec.c */
-void _mgrit_set(mgrit_core *core, mgrit_vec *slot, mgrit_vec x);
-mgrit_vec _mgrit_clone(mgrit_core *core, mgrit_vec x);
-mgrit_vec _mgrit_coarsen(mgrit_core *core, int l, mgrit_vec x);
-void _mgrit_sum(mgrit_core *core, double a, mgrit_vec x, double b, mgrit_vec y);
+void mgrit_i_set(mgrit_core *core, mgrit_vec *slot, mgrit_vec x);
+mgrit_vec mgrit_i_clone(mgrit_core *core, mgrit_vec x);
+mgrit_vec mgrit_i_coarsen(mgrit_core *core, int l, mgrit_vec x);
+void mgrit_i_sum(mgrit_core *core, double a, mgrit_vec x, double b, mgrit_vec y);
 
 /* relax.c */
-mgrit_vec _mgrit_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done, int op,
+mgrit_vec mgrit_i_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done, int op,
                       int add_g);
-mgrit_vec _mgrit_before(const _mgrit_level *L, int64_t i);
-int _mgrit_fsweep(mgrit_core *core, int l, int done);
-int _mgrit_csweep(mgrit_core *core, int l, int done, double *sums);
-int _mgrit_relax(mgrit_core *core, int l);
+mgrit_vec mgrit_i_before(const mgrit_i_level *L, int64_t i);
+int mgrit_i_fsweep(mgrit_core *core, int l, int done);
+int mgrit_i_csweep(mgrit_core *core, int l, int done, double *sums);
+int mgrit_i_relax(mgrit_core *core, int l);
 
 /* restrict.c */
-int _mgrit_restrict(mgrit_core *core, int l, double *sums);
-int _mgrit_inject(mgrit_core *core, int l);
+int mgrit_i_restrict(mgrit_core *core, int l, double *sums);
+int mgrit_i_inject(mgrit_core *core, int l);
 
 /* interp.c */
-int _mgrit_correct(mgrit_core *core, int l);
+int mgrit_i_correct(mgrit_core *core, int l);
 
 /* comm.c */
-int _mgrit_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_vec x);
-int _mgrit_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec *out);
-int _mgrit_wait_sends(mgrit_core *core);
-int _mgrit_allreduce_status(mgrit_core *core, double *sums);
-int _mgrit_tag(int l, int kind);
+int mgrit_i_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_vec x);
+int mgrit_i_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec *out);
+int mgrit_i_wait_sends(mgrit_core *core);
+/* Waits for one request by polling (Note [polled waits] in comm.c); names `what` on a stall. */
+int mgrit_i_poll_wait(mgrit_core *core, MPI_Request *req, const char *what);
+int mgrit_i_allreduce_status(mgrit_core *core, double *sums);
+int mgrit_i_tag(int l, int kind);
 
-int _mgrit_mpi_error(mgrit_core *core, int rc, const char *call);
+int mgrit_i_mpi_error(mgrit_core *core, int rc, const char *call);
 
 /* Checks an MPI return code (mpi4py sets MPI_ERRORS_RETURN): on failure, MGRIT_ERR_MPI with
  * MPI's message. */
-#define _MGRIT_MPI(core, call)                                         \
+#define MGRIT_I_MPI(core, call)                                         \
   do {                                                                 \
     int _rc = (call);                                                  \
-    if (_rc != MPI_SUCCESS) return _mgrit_mpi_error((core), _rc, #call); \
+    if (_rc != MPI_SUCCESS) return mgrit_i_mpi_error((core), _rc, #call); \
   } while (0)
 
 /* trace.c */
-void _mgrit_trace(mgrit_core *core, int l, int op, int64_t i, int peer, int done);
+void mgrit_i_trace(mgrit_core *core, int l, int op, int64_t i, int peer, int done);
 
 /* Callbacks run only while this rank is healthy; a failure poisons it. */
-#define _MGRIT_CB(core, call)                                \
+#define MGRIT_I_CB(core, call)                                \
   do {                                                       \
     if ((core)->err == MGRIT_OK && (call) != 0)              \
       (core)->err = MGRIT_ERR_CALLBACK;                      \

@@ -21,9 +21,9 @@
 /* A message that carries only the poisoned flag, for a rank that cannot allocate a buffer. */
 static const int64_t poisoned_header = 1;
 
-int _mgrit_tag(int l, int kind) { return 16 + 2 * l + kind; }
+int mgrit_i_tag(int l, int kind) { return 16 + 2 * l + kind; }
 
-int _mgrit_mpi_error(mgrit_core *core, int rc, const char *call) {
+int mgrit_i_mpi_error(mgrit_core *core, int rc, const char *call) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) snprintf(text, sizeof text, "code %d", rc);
@@ -55,10 +55,9 @@ static void abort_nomem(mgrit_core *core, const char *what, size_t n) {
  *
  * The loops test TESTS_PER_WAKE times in a row before they wait again: MPICH's shared-memory
  * progress can need more than one call to complete what arrived during a nap (the first pulls
- * the message in, a later one matches or completes it).  Measured on 2 cores (4 ranks, naps of
- * 1 ms, 3 ms steps): a state handed from rank to rank was seen 1.6 ms late with one test per
- * wake, 0.5 ms with several; the status allreduce that ends a solve finished 6.4 ms after the
- * last step, 1.6 ms with several. */
+ * the message in, a later one matches or completes it); with one test per wake, messages and
+ * the status allreduce that ends a solve were seen late by about a nap each on an
+ * oversubscribed node (bench/shared_cores.py models these naps). */
 #define TESTS_PER_WAKE 4
 static int keep_waiting(mgrit_core *core, double t0, double *next, long *spins,
                         const char *what, int peer, int l, int64_t i) {
@@ -100,35 +99,35 @@ static int keep_waiting(mgrit_core *core, double t0, double *next, long *spins,
   return MGRIT_OK;
 }
 
-static int poll_wait(mgrit_core *core, MPI_Request *req, const char *what) {
+int mgrit_i_poll_wait(mgrit_core *core, MPI_Request *req, const char *what) {
   double t0 = MPI_Wtime(), next = t0 + 0.05;
   long spins = 0;
   for (;;) {
     int done = 0, rc;
-    _MGRIT_MPI(core, MPI_Test(req, &done, MPI_STATUS_IGNORE));
+    MGRIT_I_MPI(core, MPI_Test(req, &done, MPI_STATUS_IGNORE));
     for (int k = 1; k < TESTS_PER_WAKE && !done; k++)
-      _MGRIT_MPI(core, MPI_Test(req, &done, MPI_STATUS_IGNORE));
+      MGRIT_I_MPI(core, MPI_Test(req, &done, MPI_STATUS_IGNORE));
     if (done) return MGRIT_OK;
     if ((rc = keep_waiting(core, t0, &next, &spins, what, -1, -1, -1))) return rc;
   }
 }
 
-int _mgrit_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_vec x) {
+int mgrit_i_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_vec x) {
   if (dest < 0) return MGRIT_OK;
-  _mgrit_trace(core, l, MGRIT_OP_SEND, i, dest, 0);
+  mgrit_i_trace(core, l, MGRIT_OP_SEND, i, dest, 0);
   if (core->virt) return MGRIT_OK;
   int64_t n = 0;
   if (x == MGRIT_NONE && !core->err) core->err = MGRIT_ERR_CALLBACK;
-  _MGRIT_CB(core, core->cb.bufsize(core->app, x, &n));
+  MGRIT_I_CB(core, core->cb.bufsize(core->app, x, &n));
   if (!core->err && (n < 0 || n > INT_MAX - HEADER)) {
     snprintf(core->msg, sizeof core->msg, "a state of %lld bytes is too large for one message",
              (long long)n);
     core->err = MGRIT_ERR_CALLBACK;
   }
-  _mgrit_comm *c = &core->c;
+  mgrit_i_comm *c = &core->c;
   if (c->npending == c->cap) {
     int cap = c->cap ? 2 * c->cap : 16;
-    _mgrit_pending *p = realloc(c->pending, (size_t)cap * sizeof(*p));
+    mgrit_i_pending *p = realloc(c->pending, (size_t)cap * sizeof(*p));
     if (!p) abort_nomem(core, "the list of pending sends", (size_t)cap * sizeof(*p));
     c->pending = p;
     c->cap = cap;
@@ -139,22 +138,22 @@ int _mgrit_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_vec
              core->c.rank, (long long)(HEADER + n));
     core->err = MGRIT_ERR_NOMEM;
   }
-  if (buf) _MGRIT_CB(core, core->cb.pack(core->app, x, buf + HEADER, n));
+  if (buf) MGRIT_I_CB(core, core->cb.pack(core->app, x, buf + HEADER, n));
   int64_t flag = core->err ? 1 : 0;
   if (flag) n = 0;
-  _mgrit_pending *s = &c->pending[c->npending++];
+  mgrit_i_pending *s = &c->pending[c->npending++];
   s->buf = buf; /* NULL: the static poisoned header is sent */
   if (buf) memcpy(buf, &flag, sizeof flag);
-  _MGRIT_MPI(core, MPI_Isend(buf ? (void *)buf : (void *)&poisoned_header, (int)(HEADER + n),
+  MGRIT_I_MPI(core, MPI_Isend(buf ? (void *)buf : (void *)&poisoned_header, (int)(HEADER + n),
                              MPI_BYTE, dest, tag, c->comm, &s->req));
   return MGRIT_OK;
 }
 
-int _mgrit_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec *out) {
+int mgrit_i_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec *out) {
   *out = MGRIT_NONE;
   if (src < 0) return MGRIT_OK;
   if (core->virt) {
-    _mgrit_trace(core, l, MGRIT_OP_RECV, i, src, 0);
+    mgrit_i_trace(core, l, MGRIT_OP_RECV, i, src, 0);
     *out = 0;
     return MGRIT_OK;
   }
@@ -166,38 +165,38 @@ int _mgrit_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec 
   long spins = 0;
   for (;;) {
     int found = 0;
-    _MGRIT_MPI(core, MPI_Iprobe(src, tag, core->c.comm, &found, &st));
+    MGRIT_I_MPI(core, MPI_Iprobe(src, tag, core->c.comm, &found, &st));
     for (int k = 1; k < TESTS_PER_WAKE && !found; k++)
-      _MGRIT_MPI(core, MPI_Iprobe(src, tag, core->c.comm, &found, &st));
+      MGRIT_I_MPI(core, MPI_Iprobe(src, tag, core->c.comm, &found, &st));
     if (found) break;
     if ((rc = keep_waiting(core, t0, &next, &spins, "a state", src, l, i))) return rc;
   }
-  _MGRIT_MPI(core, MPI_Get_count(&st, MPI_BYTE, &count));
+  MGRIT_I_MPI(core, MPI_Get_count(&st, MPI_BYTE, &count));
   char *buf = malloc((size_t)count);
   if (!buf) abort_nomem(core, "a received state", (size_t)count);
   rc = MPI_Recv(buf, count, MPI_BYTE, src, tag, core->c.comm, MPI_STATUS_IGNORE);
   if (rc != MPI_SUCCESS) {
     free(buf);
-    return _mgrit_mpi_error(core, rc, "MPI_Recv");
+    return mgrit_i_mpi_error(core, rc, "MPI_Recv");
   }
   core->comm_seconds += MPI_Wtime() - t0;
-  _mgrit_trace(core, l, MGRIT_OP_RECV, i, src, 0);
+  mgrit_i_trace(core, l, MGRIT_OP_RECV, i, src, 0);
   int64_t flag;
   memcpy(&flag, buf, sizeof flag);
   if (flag && !core->err) core->err = MGRIT_ERR_REMOTE;
-  _MGRIT_CB(core, core->cb.unpack(core->app, buf + HEADER, count - HEADER, out));
+  MGRIT_I_CB(core, core->cb.unpack(core->app, buf + HEADER, count - HEADER, out));
   free(buf);
   return MGRIT_OK;
 }
 
-int _mgrit_wait_sends(mgrit_core *core) {
-  _mgrit_comm *c = &core->c;
+int mgrit_i_wait_sends(mgrit_core *core) {
+  mgrit_i_comm *c = &core->c;
   if (core->virt || core->abandoned) return MGRIT_OK; /* abandoned: never completes */
   double t0 = MPI_Wtime();
   int rc = MGRIT_OK;
   for (int k = 0; k < c->npending; k++) {
     if (rc == MGRIT_OK)
-      rc = poll_wait(core, &c->pending[k].req, "a receive of this rank's state");
+      rc = mgrit_i_poll_wait(core, &c->pending[k].req, "a receive of this rank's state");
     if (rc != MGRIT_OK) return rc; /* the remaining buffers stay with their requests */
     free(c->pending[k].buf);
   }
@@ -209,18 +208,18 @@ int _mgrit_wait_sends(mgrit_core *core) {
 /* Collective: sums *sumsq over the ranks and learns whether any rank failed (and the lowest
  * rank whose own callback failed, or that ran out of memory).  Returns MGRIT_OK, or this rank's
  * error status. */
-int _mgrit_allreduce_status(mgrit_core *core, double *sums) {
+int mgrit_i_allreduce_status(mgrit_core *core, double *sums) {
   if (core->virt) return MGRIT_OK;
   int rc;
-  if ((rc = _mgrit_wait_sends(core))) return rc;
+  if ((rc = mgrit_i_wait_sends(core))) return rc;
   /* sums (3): squared residual and state norms and the sum of residual norms, summed with a
    * poison flag in one message */
   double local[4] = {core->err ? 0.0 : sums[0], core->err ? 0.0 : sums[1],
                      core->err ? 0.0 : sums[2], core->err ? 1.0 : 0.0}, global[4];
   double t0 = MPI_Wtime();
   MPI_Request req;
-  _MGRIT_MPI(core, MPI_Iallreduce(local, global, 4, MPI_DOUBLE, MPI_SUM, core->c.comm, &req));
-  if ((rc = poll_wait(core, &req, "the residual allreduce"))) return rc;
+  MGRIT_I_MPI(core, MPI_Iallreduce(local, global, 4, MPI_DOUBLE, MPI_SUM, core->c.comm, &req));
+  if ((rc = mgrit_i_poll_wait(core, &req, "the residual allreduce"))) return rc;
   core->comm_seconds += MPI_Wtime() - t0;
   sums[0] = global[0];
   sums[1] = global[1];
@@ -228,8 +227,8 @@ int _mgrit_allreduce_status(mgrit_core *core, double *sums) {
   if (global[3] == 0.0) return MGRIT_OK;
   int own = core->err == MGRIT_ERR_CALLBACK || core->err == MGRIT_ERR_NOMEM;
   int mine = own ? core->c.rank : core->c.size, first;
-  _MGRIT_MPI(core, MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, core->c.comm, &req));
-  if ((rc = poll_wait(core, &req, "the failure allreduce"))) return rc;
+  MGRIT_I_MPI(core, MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, core->c.comm, &req));
+  if ((rc = mgrit_i_poll_wait(core, &req, "the failure allreduce"))) return rc;
   core->failed_rank = first;
   if (!core->err) core->err = MGRIT_ERR_REMOTE;
   return core->err;

@@ -69,8 +69,8 @@ int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
 
 int mgrit_destroy(mgrit_core *core) {
   if (!core) return MGRIT_OK;
-  _mgrit_wait_sends(core);
-  _mgrit_free_levels(core);
+  mgrit_i_wait_sends(core);
+  mgrit_i_free_levels(core);
   free(core->c.pending);
   free(core->norms);
   free(core->trace);
@@ -248,7 +248,7 @@ int64_t mgrit_level_stride(const mgrit_core *core, int level) {
 
 mgrit_vec mgrit_state(const mgrit_core *core, int64_t i) {
   if (core->nlevels == 0) return MGRIT_NONE;
-  const _mgrit_level *L = &core->levels[0];
+  const mgrit_i_level *L = &core->levels[0];
   if (i < L->lo || i > L->hi) return MGRIT_NONE;
   return L->u[i - L->lo];
 }

@@ -21,12 +21,12 @@ static int push_norm(mgrit_core *core, double r) {
 static int vcycle(mgrit_core *core, int top, double *sums) {
   int rc, last = core->nlevels - 1;
   for (int l = top; l < last; l++) {
-    if ((rc = _mgrit_relax(core, l))) return rc;
-    if ((rc = _mgrit_restrict(core, l, sums))) return rc;
+    if ((rc = mgrit_i_relax(core, l))) return rc;
+    if ((rc = mgrit_i_restrict(core, l, sums))) return rc;
   }
-  if ((rc = _mgrit_fsweep(core, last, 0))) return rc;
+  if ((rc = mgrit_i_fsweep(core, last, 0))) return rc;
   for (int l = last; l > top; l--)
-    if ((rc = _mgrit_correct(core, l))) return rc;
+    if ((rc = mgrit_i_correct(core, l))) return rc;
   return MGRIT_OK;
 }
 
@@ -36,16 +36,16 @@ static int iterate(mgrit_core *core, int skip, double *sums) {
   int rc, last = core->nlevels - 1;
   for (int l = 0; l < last; l++) {
     if (skip) {
-      if ((rc = _mgrit_inject(core, l))) return rc;
+      if ((rc = mgrit_i_inject(core, l))) return rc;
     } else {
-      if ((rc = _mgrit_relax(core, l))) return rc;
-      if ((rc = _mgrit_restrict(core, l, sums))) return rc;
+      if ((rc = mgrit_i_relax(core, l))) return rc;
+      if ((rc = mgrit_i_restrict(core, l, sums))) return rc;
     }
   }
-  if ((rc = _mgrit_fsweep(core, last, 0))) return rc;
+  if ((rc = mgrit_i_fsweep(core, last, 0))) return rc;
   for (int l = last; l >= 1; l--) {
     if (core->o.cycle == MGRIT_CYCLE_F && l < last && (rc = vcycle(core, l, sums))) return rc;
-    if ((rc = _mgrit_correct(core, l))) return rc;
+    if ((rc = mgrit_i_correct(core, l))) return rc;
   }
   return MGRIT_OK;
 }
@@ -55,7 +55,7 @@ static int iterate(mgrit_core *core, int skip, double *sums) {
 static int finish(mgrit_core *core, int rc, double *final) {
   double none[3] = {0.0, 0.0, 0.0};
   if (rc == MGRIT_OK || rc == MGRIT_ERR_NAN) {
-    int status = _mgrit_allreduce_status(core, final ? final : none);
+    int status = mgrit_i_allreduce_status(core, final ? final : none);
     if (rc == MGRIT_OK) rc = status;
     if (rc == MGRIT_OK && final) {
       core->final_residual = sqrt(final[0]);
@@ -63,9 +63,9 @@ static int finish(mgrit_core *core, int rc, double *final) {
       core->final_residual_sum = final[2];
     }
   } else {
-    _mgrit_wait_sends(core);
+    mgrit_i_wait_sends(core);
   }
-  for (int l = 1; l < core->nlevels; l++) _mgrit_free_level_states(core, l);
+  for (int l = 1; l < core->nlevels; l++) mgrit_i_free_level_states(core, l);
   if (rc == MGRIT_ERR_CALLBACK && !core->msg[0])
     snprintf(core->msg, sizeof core->msg, "a callback failed on rank %d", core->c.rank);
   if (rc == MGRIT_ERR_REMOTE)
@@ -87,8 +87,12 @@ static int check_same_everywhere(mgrit_core *core) {
   for (int k = 0; k < core->o.nnr; k++) f[NSCALAR + 64 + k] = core->o.nrelax[k];
   int n = NSCALAR + 2 * 64;
   double lo[NSCALAR + 2 * 64], hi[NSCALAR + 2 * 64];
-  _MGRIT_MPI(core, MPI_Allreduce(f, lo, n, MPI_DOUBLE, MPI_MIN, core->c.comm));
-  _MGRIT_MPI(core, MPI_Allreduce(f, hi, n, MPI_DOUBLE, MPI_MAX, core->c.comm));
+  MPI_Request req;
+  int rc;
+  MGRIT_I_MPI(core, MPI_Iallreduce(f, lo, n, MPI_DOUBLE, MPI_MIN, core->c.comm, &req));
+  if ((rc = mgrit_i_poll_wait(core, &req, "the options check at setup"))) return rc;
+  MGRIT_I_MPI(core, MPI_Iallreduce(f, hi, n, MPI_DOUBLE, MPI_MAX, core->c.comm, &req));
+  if ((rc = mgrit_i_poll_wait(core, &req, "the options check at setup"))) return rc;
   static const char *names[NSCALAR] = {"num_steps", "t_start", "t_stop", "max_levels",
                                        "max_iters", "tol", "skip", "cycle", "min_coarse",
                                        "final_fc", "cfactor", "nrelax", "mirror", "store_all",
@@ -116,7 +120,7 @@ int mgrit_setup(mgrit_core *core) {
              (long long)core->nsteps, core->c.size);
     return MGRIT_ERR_ARG;
   }
-  if ((rc = _mgrit_build_levels(core))) return rc;
+  if ((rc = mgrit_i_build_levels(core))) return rc;
   core->built = 1;
   return MGRIT_OK;
 }
@@ -132,21 +136,21 @@ int mgrit_solve(mgrit_core *core) {
   core->state_norm = core->final_residual = core->final_state_norm = -1.0;
   core->final_residual_sum = -1.0;
   if ((rc = mgrit_setup(core))) return rc;
-  for (int l = 0; l < core->nlevels; l++) _mgrit_free_level_states(core, l);
+  for (int l = 0; l < core->nlevels; l++) mgrit_i_free_level_states(core, l);
 
   /* Only point 0 and the level-0 C-points need a value before the first sweep: every F-point
    * (and, on one level, every point) is written by an F-sweep before it is read. */
-  _mgrit_level *F = &core->levels[0];
+  mgrit_i_level *F = &core->levels[0];
   for (int64_t i = F->lo; i <= F->hi; i++) {
-    if (i > 0 && (core->nlevels == 1 || !_mgrit_is_c(core, 0, i))) continue;
+    if (i > 0 && (core->nlevels == 1 || !mgrit_i_is_c(core, 0, i))) continue;
     mgrit_vec x = MGRIT_NONE;
-    _mgrit_trace(core, 0, MGRIT_OP_INIT, i, -1, 0);
-    _MGRIT_CB(core, core->cb.init(core->app, _mgrit_time(core, 0, i), i, &x));
-    _mgrit_set(core, &F->u[i - F->lo], x);
+    mgrit_i_trace(core, 0, MGRIT_OP_INIT, i, -1, 0);
+    MGRIT_I_CB(core, core->cb.init(core->app, mgrit_i_time(core, 0, i), i, &x));
+    mgrit_i_set(core, &F->u[i - F->lo], x);
   }
 
   if (core->nlevels == 1) { /* sequential stepping across the ranks */
-    rc = _mgrit_fsweep(core, 0, 1);
+    rc = mgrit_i_fsweep(core, 0, 1);
     if (!rc && core->o.max_levels > 1) {
       core->iterations = 1;
       rc = push_norm(core, 0.0);
@@ -158,8 +162,8 @@ int mgrit_solve(mgrit_core *core) {
     int skip = core->o.skip && iter == 0;
     double sums[3] = {0.0, 0.0, 0.0};
     if ((rc = iterate(core, skip, sums))) return finish(core, rc, NULL);
-    _mgrit_trace(core, 0, MGRIT_OP_NORM, iter, -1, 0);
-    if ((rc = _mgrit_allreduce_status(core, sums))) return finish(core, rc, NULL);
+    mgrit_i_trace(core, 0, MGRIT_OP_NORM, iter, -1, 0);
+    if ((rc = mgrit_i_allreduce_status(core, sums))) return finish(core, rc, NULL);
     core->iterations = iter + 1;
     if (!skip) {
       double r = sqrt(sums[0]);
@@ -178,8 +182,8 @@ int mgrit_solve(mgrit_core *core) {
     }
     if (iter + 1 >= core->o.max_iters) break;
   }
-  rc = _mgrit_fsweep(core, 0, 1);
+  rc = mgrit_i_fsweep(core, 0, 1);
   double final[3] = {0.0, 0.0, 0.0};
-  if (!rc && core->o.final_fc) rc = _mgrit_csweep(core, 0, 1, final);
+  if (!rc && core->o.final_fc) rc = mgrit_i_csweep(core, 0, 1, final);
   return finish(core, rc, core->o.final_fc ? final : NULL);
 }

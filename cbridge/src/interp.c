@@ -4,23 +4,23 @@
 /* F-relax level l from its corrected C-points (the coarsest level was solved already), then add
  * e_k = u_k - v_k at every point k >= 1 of level l, F-points included, to point k cf of level l-1.
  * Level l's states are then released: the next descent rebuilds them. */
-int _mgrit_correct(mgrit_core *core, int l) {
-  _mgrit_level *C = &core->levels[l], *F = &core->levels[l - 1];
+int mgrit_i_correct(mgrit_core *core, int l) {
+  mgrit_i_level *C = &core->levels[l], *F = &core->levels[l - 1];
   int rc;
-  if (l != core->nlevels - 1 && (rc = _mgrit_fsweep(core, l, 0))) return rc;
+  if (l != core->nlevels - 1 && (rc = mgrit_i_fsweep(core, l, 0))) return rc;
   for (int64_t k = C->lo < 1 ? 1 : C->lo; k <= C->hi; k++) {
-    _mgrit_trace(core, l, MGRIT_OP_CORRECT, k, -1, 0);
+    mgrit_i_trace(core, l, MGRIT_OP_CORRECT, k, -1, 0);
     mgrit_vec e = C->u[k - C->lo];
-    _mgrit_sum(core, -1.0, C->v[k - C->lo], 1.0, e);
+    mgrit_i_sum(core, -1.0, C->v[k - C->lo], 1.0, e);
     if (core->cb.refine) { /* interpolate the correction back to the finer grid */
       mgrit_vec ef = MGRIT_NONE;
-      _MGRIT_CB(core, core->cb.refine(core->app, e, l, &ef));
-      _mgrit_sum(core, 1.0, ef, 1.0, F->u[k * F->cf - F->lo]);
-      _mgrit_set(core, &ef, MGRIT_NONE);
+      MGRIT_I_CB(core, core->cb.refine(core->app, e, l, &ef));
+      mgrit_i_sum(core, 1.0, ef, 1.0, F->u[k * F->cf - F->lo]);
+      mgrit_i_set(core, &ef, MGRIT_NONE);
     } else {
-      _mgrit_sum(core, 1.0, e, 1.0, F->u[k * F->cf - F->lo]);
+      mgrit_i_sum(core, 1.0, e, 1.0, F->u[k * F->cf - F->lo]);
     }
   }
-  _mgrit_free_level_states(core, l);
+  mgrit_i_free_level_states(core, l);
   return MGRIT_OK;
 }

@@ -7,16 +7,16 @@
 
 /* The step of level l into point i from state u (the value at i-1), plus the FAS right-hand side
  * g_i on coarse levels when add_g.  Returns a new state, or MGRIT_NONE on a poisoned rank. */
-mgrit_vec _mgrit_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done, int op,
+mgrit_vec mgrit_i_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done, int op,
                       int add_g) {
-  _mgrit_level *L = &core->levels[l];
-  _mgrit_trace(core, l, op, i, -1, done);
+  mgrit_i_level *L = &core->levels[l];
+  mgrit_i_trace(core, l, op, i, -1, done);
   if (core->err || u == MGRIT_NONE) return MGRIT_NONE;
   mgrit_vec out = MGRIT_NONE;
-  double t0 = _mgrit_time(core, l, i - 1), t1 = _mgrit_time(core, l, i);
-  _MGRIT_CB(core, core->cb.step(core->app, u, t0, t1, l, (i - 1) * L->stride, done, &out));
+  double t0 = mgrit_i_time(core, l, i - 1), t1 = mgrit_i_time(core, l, i);
+  MGRIT_I_CB(core, core->cb.step(core->app, u, t0, t1, l, (i - 1) * L->stride, done, &out));
   if (core->err) return MGRIT_NONE;
-  if (add_g && l > 0 && i >= L->lo && i <= L->hi) _mgrit_sum(core, 1.0, L->g[i - L->lo], 1.0, out);
+  if (add_g && l > 0 && i >= L->lo && i <= L->hi) mgrit_i_sum(core, 1.0, L->g[i - L->lo], 1.0, out);
   return out;
 }
 
@@ -38,7 +38,7 @@ static int any_missing(const mgrit_vec *out, int64_t n) {
  * the run is over; the application may then skip making the others (keep = 0). */
 static int run_interval(mgrit_core *core, int l, int64_t a, int64_t b, mgrit_vec prev, int done,
                         int op, int release) {
-  _mgrit_level *L = &core->levels[l];
+  mgrit_i_level *L = &core->levels[l];
   int64_t n = b - a + 1;
   if (l > 0)
     for (int64_t i = a; i <= b; i++)
@@ -51,10 +51,10 @@ static int run_interval(mgrit_core *core, int l, int64_t a, int64_t b, mgrit_vec
     return 0;
   }
   for (int64_t k = 0; k < n; k++) out[k] = MGRIT_NONE;
-  for (int64_t k = 0; k <= n; k++) t[k] = _mgrit_time(core, l, a - 1 + k);
-  for (int64_t i = a; i <= b; i++) _mgrit_trace(core, l, op, i, -1, done);
+  for (int64_t k = 0; k <= n; k++) t[k] = mgrit_i_time(core, l, a - 1 + k);
+  for (int64_t i = a; i <= b; i++) mgrit_i_trace(core, l, op, i, -1, done);
   if (!core->err && prev != MGRIT_NONE) {
-    _MGRIT_CB(core, core->cb.step_interval(core->app, prev, t, l, (a - 1) * L->stride,
+    MGRIT_I_CB(core, core->cb.step_interval(core->app, prev, t, l, (a - 1) * L->stride,
                                            L->stride, n, done, !release, out));
     if (!core->err && (out[n - 1] == MGRIT_NONE ||
                        (!release && any_missing(out, n)))) {
@@ -70,7 +70,7 @@ static int run_interval(mgrit_core *core, int l, int64_t a, int64_t b, mgrit_vec
       if (x != MGRIT_NONE) core->cb.free(core->app, x);
       x = MGRIT_NONE;
     }
-    _mgrit_set(core, &L->u[i - L->lo], x);
+    mgrit_i_set(core, &L->u[i - L->lo], x);
   }
   free(out);
   free(t);
@@ -81,23 +81,23 @@ static int run_interval(mgrit_core *core, int l, int64_t a, int64_t b, mgrit_vec
  * F-point is released as soon as the next step has read it: only the F-points just before a
  * C-point (read by C-sweeps and residuals) and the last owned point (sent right) stay. */
 static void run(mgrit_core *core, int l, int64_t a, int64_t b, mgrit_vec prev, int done, int op) {
-  _mgrit_level *L = &core->levels[l];
+  mgrit_i_level *L = &core->levels[l];
   int release = l == 0 && !core->o.store_all;
   if (core->cb.step_interval && b > a && run_interval(core, l, a, b, prev, done, op, release))
     return;
   for (int64_t i = a; i <= b; i++) {
-    mgrit_vec out = _mgrit_step(core, l, i, prev, done, op, 1);
-    _mgrit_set(core, &L->u[i - L->lo], out);
-    if (release && i > a) _mgrit_set(core, &L->u[i - 1 - L->lo], MGRIT_NONE);
+    mgrit_vec out = mgrit_i_step(core, l, i, prev, done, op, 1);
+    mgrit_i_set(core, &L->u[i - L->lo], out);
+    if (release && i > a) mgrit_i_set(core, &L->u[i - 1 - L->lo], MGRIT_NONE);
     prev = out;
   }
 }
 
 static int recv_ghost(mgrit_core *core, int l) {
-  _mgrit_level *L = &core->levels[l];
+  mgrit_i_level *L = &core->levels[l];
   mgrit_vec x = MGRIT_NONE;
-  int rc = _mgrit_recv(core, L->left, _mgrit_tag(l, 0), l, L->lo - 1, &x);
-  _mgrit_set(core, &L->ghost, x);
+  int rc = mgrit_i_recv(core, L->left, mgrit_i_tag(l, 0), l, L->lo - 1, &x);
+  mgrit_i_set(core, &L->ghost, x);
   return rc;
 }
 
@@ -107,8 +107,8 @@ static int recv_ghost(mgrit_core *core, int l) {
  * sent first, then the interval that continues from the left rank (which waits for its message),
  * then the intervals in between.  On the coarsest level every point but 0 is an F-point, which
  * makes this the sequential solve, pipelined across ranks.  Afterwards L->ghost holds u[lo-1]. */
-int _mgrit_fsweep(mgrit_core *core, int l, int done) {
-  _mgrit_level *L = &core->levels[l];
+int mgrit_i_fsweep(mgrit_core *core, int l, int done) {
+  mgrit_i_level *L = &core->levels[l];
   if (L->lo > L->hi) return MGRIT_OK;
   int coarsest = l == core->nlevels - 1;
   int op = coarsest ? MGRIT_OP_SEQSTEP : MGRIT_OP_FSTEP;
@@ -125,10 +125,10 @@ int _mgrit_fsweep(mgrit_core *core, int l, int done) {
   if (first_c < 0) { /* no C-point here: one piece of an interval that spans ranks */
     if ((rc = recv_ghost(core, l))) return rc;
     run(core, l, L->lo, L->hi, L->ghost, done, op);
-    return _mgrit_send(core, L->right, _mgrit_tag(l, 0), l, L->hi, L->u[L->hi - L->lo]);
+    return mgrit_i_send(core, L->right, mgrit_i_tag(l, 0), l, L->hi, L->u[L->hi - L->lo]);
   }
   run(core, l, last_c + 1, L->hi, L->u[last_c - L->lo], done, op);
-  if ((rc = _mgrit_send(core, L->right, _mgrit_tag(l, 0), l, L->hi, L->u[L->hi - L->lo])))
+  if ((rc = mgrit_i_send(core, L->right, mgrit_i_tag(l, 0), l, L->hi, L->u[L->hi - L->lo])))
     return rc;
   if (L->lo < first_c) {
     if ((rc = recv_ghost(core, l))) return rc;
@@ -143,7 +143,7 @@ int _mgrit_fsweep(mgrit_core *core, int l, int done) {
 }
 
 /* The value at point i-1 (owned, or the ghost). */
-mgrit_vec _mgrit_before(const _mgrit_level *L, int64_t i) {
+mgrit_vec mgrit_i_before(const mgrit_i_level *L, int64_t i) {
   return i - 1 >= L->lo ? L->u[i - 1 - L->lo] : L->ghost;
 }
 
@@ -153,36 +153,36 @@ mgrit_vec _mgrit_before(const _mgrit_level *L, int64_t i) {
  * sums[1], and the norms of the r_c to sums[2] (a bound on the norm of their vector sum that
  * does not depend on how the points are split over ranks), except the last point's: the sweep
  * removes that residual entirely, with no later point to carry it. */
-int _mgrit_csweep(mgrit_core *core, int l, int done, double *sums) {
-  _mgrit_level *L = &core->levels[l];
+int mgrit_i_csweep(mgrit_core *core, int l, int done, double *sums) {
+  mgrit_i_level *L = &core->levels[l];
   if (L->lo > L->hi) return MGRIT_OK;
   int64_t cf = L->cf;
   int64_t c = (L->lo + cf - 1) / cf * cf;
   if (c == 0) c = cf;
   for (; c <= L->hi; c += cf) {
-    mgrit_vec out = _mgrit_step(core, l, c, _mgrit_before(L, c), done, MGRIT_OP_CSTEP, 1);
+    mgrit_vec out = mgrit_i_step(core, l, c, mgrit_i_before(L, c), done, MGRIT_OP_CSTEP, 1);
     if (sums && !core->err && out != MGRIT_NONE && L->u[c - L->lo] != MGRIT_NONE) {
-      mgrit_vec d = _mgrit_clone(core, out);
+      mgrit_vec d = mgrit_i_clone(core, out);
       double nrm = 0.0, unrm = 0.0;
-      _mgrit_sum(core, -1.0, L->u[c - L->lo], 1.0, d);
-      if (!core->err) _MGRIT_CB(core, core->cb.norm(core->app, d, &nrm));
-      if (!core->err) _MGRIT_CB(core, core->cb.norm(core->app, L->u[c - L->lo], &unrm));
-      _mgrit_set(core, &d, MGRIT_NONE);
+      mgrit_i_sum(core, -1.0, L->u[c - L->lo], 1.0, d);
+      if (!core->err) MGRIT_I_CB(core, core->cb.norm(core->app, d, &nrm));
+      if (!core->err) MGRIT_I_CB(core, core->cb.norm(core->app, L->u[c - L->lo], &unrm));
+      mgrit_i_set(core, &d, MGRIT_NONE);
       sums[0] += nrm * nrm;
       sums[1] += unrm * unrm;
       if (c * L->stride != core->nsteps) sums[2] += nrm;
     }
-    _mgrit_set(core, &L->u[c - L->lo], out);
+    mgrit_i_set(core, &L->u[c - L->lo], out);
   }
   return MGRIT_OK;
 }
 
 /* nrelax (F, C) sweeps, the pre-smoothing before a restriction. */
-int _mgrit_relax(mgrit_core *core, int l) {
+int mgrit_i_relax(mgrit_core *core, int l) {
   int rc;
   for (int s = 0; s < core->levels[l].nrelax; s++) {
-    if ((rc = _mgrit_fsweep(core, l, 0))) return rc;
-    if ((rc = _mgrit_csweep(core, l, 0, NULL))) return rc;
+    if ((rc = mgrit_i_fsweep(core, l, 0))) return rc;
+    if ((rc = mgrit_i_csweep(core, l, 0, NULL))) return rc;
   }
   return MGRIT_OK;
 }

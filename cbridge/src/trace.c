@@ -3,7 +3,7 @@
 
 #include <stdlib.h>
 
-void _mgrit_trace(mgrit_core *core, int l, int op, int64_t i, int peer, int done) {
+void mgrit_i_trace(mgrit_core *core, int l, int op, int64_t i, int peer, int done) {
   if (!core->o.trace) return;
   if (core->ntrace == core->cap_trace) {
     int64_t cap = core->cap_trace ? 2 * core->cap_trace : 1024;

@@ -9,6 +9,7 @@ and trains silently on mismatched inputs and labels.
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from .._comm import allgather_obj, bcast_obj, is_comm, world
 from ..launch import _enter
 
 __all__ = ["LayerParallelLoader", "GroupSampler"]
@@ -17,19 +18,17 @@ __all__ = ["LayerParallelLoader", "GroupSampler"]
 def _group_of(comm):
     """(world communicator, data_rank, data_size) for a ProcessGrid, a LayerParallelModule (or
     anything with a ``comm``), or an mpi4py communicator (one data group)."""
-    from mpi4py import MPI
-
     if comm is None:
-        return MPI.COMM_WORLD, 0, 1
+        return world(), 0, 1
     grid = getattr(comm, "_grid", None)  # a LayerParallelModule built on a grid
     if grid is not None:
         comm = grid
     if hasattr(comm, "layer_comm") and hasattr(comm, "data_rank"):  # a ProcessGrid
         return comm.world, comm.data_rank, comm.data_size
     inner = getattr(comm, "comm", None)
-    if inner is not None and not isinstance(comm, MPI.Comm):
+    if inner is not None and not is_comm(comm):
         comm = inner
-    if not isinstance(comm, MPI.Comm):
+    if not is_comm(comm):
         raise TypeError(f"comm must be an mpi4py communicator, a ProcessGrid or a layer-parallel "
                         f"module, got {type(comm).__name__}")
     return comm, 0, 1
@@ -42,11 +41,11 @@ def _agree_seed(world, seed):
         raise ValueError(f"seed must be an int or None, got {seed!r}")
     if world.Get_size() == 1:
         return int(torch.empty((), dtype=torch.int64).random_().item()) if seed is None else seed
-    seeds = world.allgather(seed)
+    seeds = allgather_obj(world, seed, "the loader's seed")
     if seed is None and all(s is None for s in seeds):
         drawn = int(torch.empty((), dtype=torch.int64).random_().item()) \
             if world.Get_rank() == 0 else None
-        return world.bcast(drawn, root=0)
+        return bcast_obj(world, drawn, 0, "the loader's drawn seed")
     if len(set(seeds)) != 1:
         raise ValueError(f"the ranks were given different loader seeds {seeds}: pass the same "
                          "seed on every rank, or seed=None everywhere to draw one")

@@ -40,9 +40,11 @@ a GRU or an LSTM is only a step provider: a cell subclass of ``_CellSteps``.
 import torch
 from torch import nn
 
-from .._chain import Run, Steps, _Chain, _ChainFn, _Graph
-from .._transport import allgather_rows, bcast_into, bcast_tensor
-from ..launch import FreedOnExit, arrive
+from .._chain import Run, Steps, _Chain, _ChainFn, _Graph, _check_target, _gradient_estimate
+from .._parts import FreedOnExit
+from .._comm import barrier as arrive, world
+from .._transport import allgather_rows, allreduce_sum, bcast_into, bcast_tensor
+from ..launch import _enter
 from ..options import MGRITOptions
 
 __all__ = ["LayerParallelGRU", "LayerParallelLSTM"]
@@ -409,8 +411,8 @@ class _LSTMSteps(_CellSteps):
 
     reference = nn.LSTM
     # torch's LSTM backward on CPU is one oneDNN call, faster than the closed-form VJPs' Python
-    # loop; its GRU backward is not: at 1024 steps (batch 32, hidden 64, one core) torch's GRU
-    # kernel with its backward took 0.27-0.32 s, the kernel with closed-form VJPs 0.25 s
+    # loop; its GRU backward is not, so the GRU keeps the closed-form VJPs (bench/bench_rnn.py
+    # times both paths)
     block_graphs = True
 
     def cell(self, x, s, params):
@@ -420,8 +422,8 @@ class _LSTMSteps(_CellSteps):
     def kernel(self, xs, s, params, keep):
         n = xs.shape[1]
         if keep and n <= _SHORT_RUN:
-            # each state's c is wanted: the cells return it, the kernel does not (and costs as
-            # much as the cells up to 4 steps: 190 us vs 188 us for 3, batch 32, hidden 64)
+            # each state's c is wanted: the cells return it, the kernel does not (and, for so
+            # few steps, costs about as much as the cells)
             states = []
             for k in range(n):
                 s = self.cell(xs[:, k], s, params)
@@ -507,10 +509,6 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
                  comm=None, forward_options=None, backward_options=None, coarse_rule="cell",
                  target_error=None, fused=True):
         super().__init__()
-        from mpi4py import MPI
-
-        from ..launch import _enter
-
         _enter()
 
         if coarse_rule not in ("cell", "euler"):
@@ -524,10 +522,8 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
-        comm = MPI.COMM_WORLD if comm is None else comm
+        comm = world() if comm is None else comm
         self.comm = getattr(comm, "layer_comm", comm)
-        from ..module import _check_target
-
         self.target_error = _check_target(target_error)
         self.forward_options = _fc(forward_options)
         self.backward_options = _fc(backward_options)
@@ -588,8 +584,6 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         return self._estimate("raw_error_estimate")
 
     def _estimate(self, field):
-        from ..module import _gradient_estimate
-
         if not self.forward_stats or len(self.backward_stats) != len(self.forward_stats):
             return None
         values = [_gradient_estimate(f, b, field)
@@ -641,8 +635,8 @@ _SHORT_RUN = 4  # runs of at most this many LSTM steps whose states are kept go 
 
 def _gates(xs, hp, params, bias):
     """The gates' input and hidden pre-activations at n steps at once: xs (n, batch, input),
-    hp (n, batch, hidden).  Two 2D products with the bias added in them (addmm): 1.3-1.5x
-    faster than batched 3D products at 128-512 steps, batch 32, hidden 64, the same bits."""
+    hp (n, batch, hidden).  Two 2D products with the bias added in them (addmm): faster than
+    batched 3D products for long runs, with the same bits."""
     def product(v, w, b):
         flat = v.reshape(-1, v.shape[-1])
         out = torch.addmm(b, flat, w.t()) if bias else flat @ w.t()
@@ -663,15 +657,7 @@ def _lstm_activations(gi, gh):
 
 def _allreduce_sum(comm, tensors):
     """Sums a list of tensors over comm in one message."""
-    from mpi4py import MPI
-
-    flat = torch.cat([t.reshape(-1).to("cpu", torch.float64) for t in tensors]).numpy()
-    comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
-    out, off = [], 0
-    for t in tensors:
-        out.append(torch.from_numpy(flat[off:off + t.numel()]).view(t.shape).to(t.device, t.dtype))
-        off += t.numel()
-    return out
+    return allreduce_sum(comm, tensors, "the gradients of the weights shared over sequence time")
 
 
 def _fc(o):
