@@ -139,6 +139,21 @@ def raise_on_every_rank(comm, error, what):
 
 
 # ---------------------------------------------------------------- Python values
+def check_same_settings(settings):
+    """``settings``: every rank's {name: value} (gathered).  Raises the same ValueError on every
+    rank when the ranks' values differ, naming the setting, rank 0's value and the first
+    rank's that differs."""
+    for name, value in settings[0].items():
+        other = next(((r, s[name]) for r, s in enumerate(settings) if s[name] != value), None)
+        if other is not None:
+            r, theirs = other
+            raise ValueError(
+                f"the layer-parallel ranks disagree on {name}: rank 0 has {value!r}, rank {r} "
+                f"has {theirs!r}.  Every rank of a layer group runs the same solve: set it alike "
+                "on every rank")
+
+
+
 def _dumps(obj):
     return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
 

@@ -5,6 +5,7 @@ import torch
 from ._parts import FreedOnExit
 from ._comm import finalized, is_null, split, start_allreduce_sum, wait, world
 from .launch import _enter
+from .options import check_int
 
 __all__ = ["ProcessGrid", "shard_batches"]
 
@@ -29,9 +30,7 @@ class ProcessGrid(FreedOnExit):
 
         comm = world() if comm is None else comm
         size = comm.Get_size()
-        if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) \
-                or data_parallel < 1:
-            raise ValueError(f"data_parallel must be an int >= 1, got {data_parallel!r}")
+        check_int("data_parallel", data_parallel)
         if size % data_parallel:
             raise ValueError(f"data_parallel={data_parallel} does not divide the {size} ranks of "
                              f"the communicator: each data group needs {size}/{data_parallel} "

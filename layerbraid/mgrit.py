@@ -4,7 +4,7 @@ from typing import Any, Callable, Dict, List
 
 from ._comm import world
 from .launch import _enter
-from .options import MGRITOptions
+from .options import MGRITOptions, check_int
 
 __all__ = ["MGRIT", "MGRITResult"]
 
@@ -77,9 +77,7 @@ class MGRIT:
         if step_interval is not None and not callable(step_interval):
             raise TypeError(f"MGRIT step_interval must be callable or None, got "
                             f"{type(step_interval).__name__}")
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or \
-                not 1 <= num_steps <= 2**62:  # the C core counts steps in int64
-            raise ValueError(f"MGRIT num_steps must be an int in 1..2**62, got {num_steps!r}")
+        check_int("MGRIT num_steps", num_steps, 1, 2**62, "2**62")  # the core's int64 counts
         if not float(t_stop) > float(t_start):
             raise ValueError(f"MGRIT needs t_stop > t_start, got t_start={t_start!r}, "
                              f"t_stop={t_stop!r}")
@@ -104,7 +102,3 @@ class MGRIT:
         return MGRITResult(iterations=iterations, residual_norms=norms,
                            states=self._core.states(), num_levels=self._core.num_levels(),
                            trace=self._core.trace() if self._trace else [])
-
-    def owned_range(self):
-        """The (first, last) global fine point indices this rank owns."""
-        return self._core.owned(0)

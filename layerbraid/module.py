@@ -14,15 +14,15 @@ from ._chain import Run, _Chain, _ChainFn, _check_target, _gradient_estimate
 from ._layer_steps import _LayerSteps, check_shape
 from ._ownership import _StepLayers, draw_seed, seeded_layer
 from ._parts import FreedOnExit
-from ._comm import allgather_obj, allreduce_floats, barrier, bcast_obj, gather_obj, is_comm, \
-    world
+from ._comm import allgather_obj, allreduce_floats, barrier, bcast_obj, check_same_settings, \
+    gather_obj, is_comm, world
 from ._transport import bcast_into, neighbour_exchange
 from .coarsening import SpatialCoarsening
 from .errors import RemoteRankError
 from .grid import _GradAverager
 from .launch import _enter
 from .nn.batchnorm import _plain_copy, plain_modules
-from .options import MGRITOptions
+from .options import MGRITOptions, check_int
 from .stats import SolveStats
 
 __all__ = ["LayerParallelModule", "SolveStats"]
@@ -108,9 +108,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         super().__init__()
         _enter()
 
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or \
-                not 1 <= num_steps <= _MAX_STEPS:
-            raise ValueError(f"num_steps must be an int in 1..2**62, got {num_steps!r}")
+        check_int("num_steps", num_steps, 1, _MAX_STEPS, "2**62")
         for name, flag in (("warm_start", warm_start), ("check_inputs", check_inputs),
                            ("check_finite", check_finite)):
             if not isinstance(flag, bool):
@@ -319,6 +317,11 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         the same batch (checked, see ``check_inputs``), or None / a 0-d tensor off the first
         rank.  Returns the close layer's output on every rank."""
         comm, first, last = self._comm, self._rank == 0, self._rank == self._size - 1
+        if not self.__dict__.get("_built", False):
+            raise RuntimeError(
+                f"model(x) was called before {type(self).__name__} finished building (from "
+                "__init__ or step_layer?): the step layers and the MGRIT solvers are built "
+                "after __init__ returns; call the model afterwards")
         if self._chain.freed:
             raise RuntimeError("this layer-parallel model was freed (model.free()): build a "
                                "new one")
@@ -345,7 +348,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             raise ValueError(f"the layer-parallel forward failed on rank 0, where the input of "
                              f"shape {meta[2]} went through the open layer: {meta[1]}")
         if self._size > 1:
-            _check_settings([g[2] for g in gathered])
+            check_same_settings([g[2] for g in gathered])
         if self._size > 1 and self.check_inputs and ref is not None:
             bad = [(r, g[1]) for r, g in enumerate(gathered[1:], 1)
                    if g[1] is not None and not _same_input(g[1], ref)]
@@ -522,18 +525,6 @@ class _SerialChain(nn.Module):
             else:
                 x = self.rule(self, layer, x, self.dt, i)
         return self.close(x) if self.close is not None else x
-
-
-def _check_settings(settings):
-    """Raises the same ValueError on every rank when the ranks' settings differ."""
-    for name, value in settings[0].items():
-        other = next(((r, s[name]) for r, s in enumerate(settings) if s[name] != value), None)
-        if other is not None:
-            r, theirs = other
-            raise ValueError(
-                f"the layer-parallel ranks disagree on {name}: rank 0 has {value!r}, rank {r} "
-                f"has {theirs!r}.  Every rank of a layer group runs the same solve: set it alike "
-                "on every rank")
 
 
 def _check_input(x, check_finite):

@@ -3,13 +3,22 @@ import math
 from dataclasses import dataclass
 from typing import Tuple, Union
 
-__all__ = ["MGRITOptions"]
+__all__ = ["MGRITOptions", "check_int"]
 
 IntOrPerLevel = Union[int, Tuple[int, ...]]
 
 
 def _is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_int(name, value, lo=1, hi=None, hi_text=None):
+    """``value`` when it is an int (not a bool) in ``lo..hi``; else ValueError "``name`` must be
+    an int >= lo, got ..." (or "in lo..hi", with ``hi_text`` for hi)."""
+    if _is_int(value) and value >= lo and (hi is None or value <= hi):
+        return value
+    bound = f">= {lo}" if hi is None else f"in {lo}..{hi_text or hi}"
+    raise ValueError(f"{name} must be an int {bound}, got {value!r}")
 
 
 # The C core keeps counts and factors in C ints.

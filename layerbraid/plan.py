@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .options import MGRITOptions
+from .options import MGRITOptions, check_int
 
 __all__ = ["Costs", "Prediction", "schedule", "step_counts", "simulate", "predict", "sweep",
            "recommend", "measure_step", "spatial_scale"]
@@ -115,10 +115,8 @@ class Prediction:
 
 
 def _check(num_steps, ranks):
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    check_int("num_steps", num_steps)
+    check_int("ranks", ranks)
     if ranks > num_steps:
         raise ValueError(f"ranks={ranks} is more than num_steps={num_steps}: every rank needs a "
                          "step")
@@ -249,8 +247,7 @@ def predict(num_steps: int, ranks: int, forward: MGRITOptions, backward: MGRITOp
             costs: Costs, data_parallel: int = 1) -> Prediction:
     """Predicted seconds per batch on `ranks` layer-parallel ranks (x `data_parallel` groups,
     each with 1 / data_parallel of the batch, and a gradient allreduce)."""
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise ValueError(f"data_parallel must be an int >= 1, got {data_parallel!r}")
+    check_int("data_parallel", data_parallel)
     if not isinstance(costs, Costs):
         raise TypeError(f"costs must be a Costs, got {type(costs).__name__}")
     share = 1.0 / data_parallel  # a layer's cost scales with the batch it sees

@@ -120,3 +120,21 @@ def test_an_error_on_one_rank_is_raised_on_every_rank():
         with pytest.raises(RemoteRankError, match="a test failed on rank 1: KeyError"):
             comm_layer.raise_on_every_rank(WORLD, error, "a test")
     comm_layer.raise_on_every_rank(WORLD, None, "a test")  # nothing when no rank failed
+
+
+@pytest.mark.parallel([2])
+def test_a_layer_parallel_rnn_checks_its_settings_and_input_across_ranks():
+    from layerbraid.nn import LayerParallelGRU
+
+    assert WORLD.Get_size() == 2
+    torch.manual_seed(0)
+    gru = LayerParallelGRU(3, 4, comm=WORLD, target_error=1e-2 if WORLD.rank == 0 else None)
+    with pytest.raises(ValueError, match="disagree on target_error: rank 0 has 0.01, rank 1 "
+                                         "has None"):
+        gru(torch.ones(2, 6, 3))
+    gru.target_error = None
+    for chain in gru._chains.values():
+        chain.target_error = None
+    with pytest.raises(ValueError, match="disagree on the input's shape"):
+        gru(torch.ones(2, 6 + WORLD.rank, 3))
+    gru.free()

@@ -144,3 +144,14 @@ def test_a_subclass_that_skips_super_init_is_told():
 
     with pytest.raises(TypeError, match=r"Forgetful.__init__ must call super\(\).__init__"):
         Forgetful()
+
+
+def test_a_forward_before_the_model_is_built_is_told():
+    class Eager(ODEResNet):
+        def step_layer(self, index):
+            self(torch.zeros(2, 1, 8, 8))  # the model is not built yet
+            return super().step_layer(index)
+
+    with pytest.raises(RuntimeError, match=r"model\(x\) was called before Eager finished "
+                                           r"building"):
+        Eager(MPI.COMM_SELF, num_steps=2)

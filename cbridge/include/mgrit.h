@@ -167,9 +167,6 @@ int mgrit_num_levels(const mgrit_core *core);
 int mgrit_iterations(const mgrit_core *core);
 int mgrit_num_norms(const mgrit_core *core);
 const double *mgrit_norms(const mgrit_core *core);
-/* The state norm at the level-0 C-points that the last residual was measured at (see
- * mgrit_set_rtol); -1 when no residual was measured. */
-double mgrit_state_norm(const mgrit_core *core);
 /* The residual of the returned solution, measured by the final C-relaxation (final_fc, 2+
  * levels): the 2-norm over the level-0 C-points of what that relaxation changed.  It is the
  * residual the next iteration would have started from; -1 when not measured. */

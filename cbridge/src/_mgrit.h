@@ -40,6 +40,19 @@ typedef struct mgrit_i_opts {
   double wait_sleep; /* seconds a long wait sleeps between tests; 0 = yield instead */
 } mgrit_i_opts;
 
+/* Note [options fingerprint]: what every rank's solver must agree on, compared across ranks in
+ * mgrit_setup (cycle.c), one X(name, value) per scalar; the per-level cf[] and nrelax[] are
+ * compared as well.  An option added to mgrit_i_opts that changes the schedule or the stopping
+ * goes here too (trace and wait_sleep are each rank's own). */
+#define MGRIT_I_FINGERPRINT(X)                                                               \
+  X(num_steps, (double)core->nsteps) X(t_start, core->tstart) X(t_stop, core->tstop)         \
+  X(max_levels, (double)core->o.max_levels) X(max_iters, (double)core->o.max_iters)          \
+  X(tol, core->o.tol) X(rtol, core->o.rtol) X(skip, (double)core->o.skip)                    \
+  X(cycle, (double)core->o.cycle) X(min_coarse, (double)core->o.min_coarse)                  \
+  X(final_fc, (double)core->o.final_fc) X(cfactor, (double)core->o.ncf)                      \
+  X(nrelax, (double)core->o.nnr) X(mirror, (double)core->mirror)                             \
+  X(store_all, (double)core->o.store_all) X(timeout, core->o.timeout)
+
 typedef struct mgrit_i_pending {
   MPI_Request req;
   char *buf;

@@ -220,7 +220,6 @@ int mgrit_num_levels(const mgrit_core *core) { return core->nlevels; }
 int mgrit_iterations(const mgrit_core *core) { return core->iterations; }
 int mgrit_num_norms(const mgrit_core *core) { return core->nnorms; }
 const double *mgrit_norms(const mgrit_core *core) { return core->norms; }
-double mgrit_state_norm(const mgrit_core *core) { return core->state_norm; }
 double mgrit_final_residual(const mgrit_core *core) { return core->final_residual; }
 double mgrit_final_state_norm(const mgrit_core *core) { return core->final_state_norm; }
 double mgrit_final_residual_sum(const mgrit_core *core) { return core->final_residual_sum; }

@@ -75,29 +75,29 @@ static int finish(mgrit_core *core, int rc, double *final) {
 }
 
 static int check_same_everywhere(mgrit_core *core) {
-  /* A cheap fingerprint of the problem and the options, compared across ranks. */
-#define NSCALAR 16
-  double f[NSCALAR + 2 * 64] = {(double)core->nsteps, core->tstart, core->tstop,
-                                (double)core->o.max_levels, (double)core->o.max_iters,
-                                core->o.tol, (double)core->o.skip, (double)core->o.cycle,
-                                (double)core->o.min_coarse, (double)core->o.final_fc,
-                                (double)core->o.ncf, (double)core->o.nnr, (double)core->mirror,
-                                (double)core->o.store_all, core->o.timeout, core->o.rtol};
+  /* A cheap fingerprint of the problem and the options (Note [options fingerprint] in
+   * _mgrit.h), compared across ranks. */
+  static const char *names[] = {
+#define NAME(name, value) #name,
+      MGRIT_I_FINGERPRINT(NAME)
+#undef NAME
+  };
+  enum { NSCALAR = sizeof names / sizeof *names, N = NSCALAR + 2 * 64 };
+  double f[N] = {
+#define VALUE(name, value) value,
+      MGRIT_I_FINGERPRINT(VALUE)
+#undef VALUE
+  };
   for (int k = 0; k < core->o.ncf; k++) f[NSCALAR + k] = core->o.cf[k];
   for (int k = 0; k < core->o.nnr; k++) f[NSCALAR + 64 + k] = core->o.nrelax[k];
-  int n = NSCALAR + 2 * 64;
-  double lo[NSCALAR + 2 * 64], hi[NSCALAR + 2 * 64];
+  double lo[N], hi[N];
   MPI_Request req;
   int rc;
-  MGRIT_I_MPI(core, MPI_Iallreduce(f, lo, n, MPI_DOUBLE, MPI_MIN, core->c.comm, &req));
+  MGRIT_I_MPI(core, MPI_Iallreduce(f, lo, N, MPI_DOUBLE, MPI_MIN, core->c.comm, &req));
   if ((rc = mgrit_i_poll_wait(core, &req, "the options check at setup"))) return rc;
-  MGRIT_I_MPI(core, MPI_Iallreduce(f, hi, n, MPI_DOUBLE, MPI_MAX, core->c.comm, &req));
+  MGRIT_I_MPI(core, MPI_Iallreduce(f, hi, N, MPI_DOUBLE, MPI_MAX, core->c.comm, &req));
   if ((rc = mgrit_i_poll_wait(core, &req, "the options check at setup"))) return rc;
-  static const char *names[NSCALAR] = {"num_steps", "t_start", "t_stop", "max_levels",
-                                       "max_iters", "tol", "skip", "cycle", "min_coarse",
-                                       "final_fc", "cfactor", "nrelax", "mirror", "store_all",
-                                       "timeout", "rtol"};
-  for (int k = 0; k < n; k++) {
+  for (int k = 0; k < N; k++) {
     if (lo[k] != hi[k]) {
       const char *name = k < NSCALAR ? names[k] : k < NSCALAR + 64 ? "cfactor" : "nrelax";
       snprintf(core->msg, sizeof core->msg,

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .._comm import allgather_obj, bcast_obj, is_comm, world
 from ..launch import _enter
+from ..options import check_int
 
 __all__ = ["LayerParallelLoader", "GroupSampler"]
 
@@ -102,8 +103,7 @@ class LayerParallelLoader(DataLoader):
         for bad in ("sampler", "batch_sampler"):
             if kwargs.get(bad) is not None:
                 raise ValueError(f"LayerParallelLoader chooses its own sampler; got {bad}=")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        check_int("batch_size", batch_size)
         world, data_rank, data_size = _group_of(comm)
         _enter()
         seed = _agree_seed(world, seed)

@@ -42,10 +42,10 @@ from torch import nn
 
 from .._chain import Run, Steps, _Chain, _ChainFn, _Graph, _check_target, _gradient_estimate
 from .._parts import FreedOnExit
-from .._comm import barrier as arrive, world
+from .._comm import allgather_obj, check_same_settings, world
 from .._transport import allgather_rows, allreduce_sum, bcast_into, bcast_tensor
 from ..launch import _enter
-from ..options import MGRITOptions
+from ..options import MGRITOptions, check_int
 
 __all__ = ["LayerParallelGRU", "LayerParallelLSTM"]
 
@@ -519,8 +519,7 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
                              "(batch, seq, features)")
         for name, v in (("input_size", input_size), ("hidden_size", hidden_size),
                         ("num_layers", num_layers)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            check_int(name, v)
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
         comm = world() if comm is None else comm
         self.comm = getattr(comm, "layer_comm", comm)
@@ -601,6 +600,13 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         for chain in self._chains.values():
             chain.calibration = k
 
+    def _settings(self, x):
+        """What every rank must agree on for a forward and its backward."""
+        return {"the input's shape and dtype": (tuple(x.shape), str(x.dtype)),
+                "target_error": self.target_error,
+                "the calibration of the error estimate": self._calibration,
+                "an exact solve (audit_gradients)": self._solve_exactly}
+
     def forward(self, x, hx=None):
         """x: (batch, seq, input_size), the whole sequence, on every rank of the communicator.
         hx: initial state (num_layers, batch, hidden) (LSTM: a tuple (h0, c0)), or None.
@@ -612,8 +618,10 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
                              f"{self.input_size}), got {tuple(getattr(x, 'shape', ()))}")
         batch, seq = x.shape[0], x.shape[1]
         h0_all = self._steps.initial_states(hx, (self.num_layers, batch, self.hidden_size), x)
-        chain = self._chain_for(seq)
-        arrive(self.comm, "the forward of a layer-parallel RNN")
+        if self.comm.Get_size() > 1:  # also the barrier that names a rank that never comes
+            check_same_settings(allgather_obj(self.comm, self._settings(x),
+                                              "the settings of a layer-parallel RNN's forward"))
+        chain = self._chain_for(seq)  # after the check: a new length builds solvers (collective)
         self.forward_stats, self.backward_stats = [], []
         inp = x
         finals = []
