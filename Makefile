@@ -9,7 +9,7 @@ export MPIR_CVAR_ENABLE_HEAVY_YIELD := 1
 
 SOURCES := setup.py pyproject.toml $(wildcard cbridge/*.py cbridge/include/*.h cbridge/src/*.c cbridge/src/*.h)
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench reports stale clean
 
 install: $(STAMP)
 
@@ -29,6 +29,25 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/report_resnet.py
+
+# Every report of docs/ regenerated on today's code (hours here; bench/reports.py lists them).
+reports: $(STAMP)
+	$(PY) bench/bench_core.py
+	$(PY) bench/report_resnet.py
+	$(PY) bench/bench_grid.py
+	$(PY) bench/bench_rnn.py
+	$(PY) bench/bench_spatial.py
+	$(PY) bench/performance.py
+	$(PY) bench/validate_plan.py
+	$(PY) bench/scaling_report.py
+	$(PY) bench/scaling_measured.py
+	$(PY) bench/reliability.py
+	$(PY) bench/accuracy.py
+	$(PY) bench/contraction.py
+
+# The reports older than the code they measure.
+stale:
+	python3 bench/reports.py --stale
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info layerbraid/*.so

@@ -68,23 +68,42 @@ class _Graph:
 
 
 class Run:
-    """One forward solve and its backward: the provider, the state's shape, dtype and device,
-    whether to record graphs, and what the provider keeps (its own attributes)."""
+    """One forward solve and its backward.  The engine's fields are declared here; a provider
+    keeps its own in ``own``, the object its ``new_run_state()`` returns (its declared
+    structure), so nothing else can be attached to a run.
 
-    def __init__(self, steps, shape, dtype, device, record, retain=False):
+    Fields: the provider (``steps``), the state's shape, dtype and device, whether to record
+    graphs, whether to keep them after a backward (``retain``: differentiate again), the kept
+    graphs (forward step index -> _Graph), the gradients collected per leaf (summed over the
+    steps), the solves' statistics, the owned forward steps and the adjoint's level count (set
+    by the engine), and ``on_backward``, called with the backward's SolveStats when it is
+    known (how a module hears of it)."""
+
+    __slots__ = ("steps", "shape", "dtype", "device", "record", "retain", "graphs", "grads",
+                 "forward_stats", "backward_stats", "owned", "adjoint_levels", "on_backward",
+                 "own")
+
+    def __init__(self, steps, shape, dtype, device, record, retain=False, on_backward=None):
         self.steps = steps
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
         self.record = bool(record)
-        self.retain = bool(retain)  # keep the graphs after a backward (differentiate again)
-        self.graphs = {}            # forward step index -> _Graph
-        self.grads = {}             # leaf key -> gradient, summed over the steps
+        self.retain = bool(retain)
+        self.graphs = {}
+        self.grads = {}
         self.forward_stats = self.backward_stats = None
+        self.owned = ()
+        self.adjoint_levels = 0
+        self.on_backward = on_backward
+        self.own = steps.new_run_state()
 
 
 class Steps:
     """What a network supplies to the engine.  Methods take the run first; ``dt`` is the step's
     length (coarse levels take longer steps), ``index`` a forward step's global index.
 
+    The provider's own part of a run:
+        new_run_state(): a new object of the provider's declared structure (``run.own``), or
+            None when it keeps nothing per run.
     Boundary of the chain (inside the autograd Function):
         begin(run, inputs): keep what the steps need from the Function's tensor inputs.
         initial(run): the state at point 0 (asked on the first rank only).
@@ -112,6 +131,9 @@ class Steps:
             adjoint step over the forward steps ``ss`` (in the adjoint's order), sources
             included.
     """
+
+    def new_run_state(self):
+        return None
 
     def scale(self, dt):
         return dt
@@ -257,6 +279,8 @@ class _Chain:
             if not run.retain:
                 run.graphs = {}
         self.backward_stats = run.backward_stats
+        if run.on_backward is not None:
+            run.on_backward(run.backward_stats)
         if self.warm_start:
             self._warm_bwd = {i: s for i, s in states.items() if i > 0}
         return run.steps.input_grads(run, states)

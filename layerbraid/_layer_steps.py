@@ -3,12 +3,28 @@
 The state enters on the first rank (the open layer's output) and leaves on the last (the close
 layer's input); each rank differentiates the layers it owns.
 """
+from dataclasses import dataclass, field
+from typing import Optional
+
 import torch
 
 from ._chain import Steps, _Graph
 from ._comm import first_rank_where
 
 __all__ = []
+
+
+@dataclass
+class _LayerRun:
+    """What the ResNet's provider keeps per run (``run.own``)."""
+
+    h0: Optional[torch.Tensor] = None           # the chain's input, on the first rank
+    h0_requires_grad: bool = False
+    h0_shape: tuple = ()
+    h0_dtype: Optional[torch.dtype] = None
+    params: list = field(default_factory=list)  # the owned steps' parameters, in order
+    grad_out: Optional[torch.Tensor] = None     # the output's gradient, on the last rank
+    coarse_x: dict = field(default_factory=dict)  # (step, level) -> R^k x, for mode "branch"
 
 
 class _LayerSteps(Steps):
@@ -41,38 +57,42 @@ class _LayerSteps(Steps):
         return [p for p in self.layers.layers[str(index)].parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------ boundary
+    def new_run_state(self):
+        return _LayerRun()
+
     def begin(self, run, inputs):
         h0, params = inputs[0], inputs[1:]
-        run.h0 = h0 if self.rank == 0 else None
-        run.h0_requires_grad, run.h0_shape, run.h0_dtype = h0.requires_grad, h0.shape, h0.dtype
-        run.params = params
-        run.coarse_x = {}  # (step, level) -> R^k x, for mode "branch"
+        own = run.own
+        own.h0 = h0 if self.rank == 0 else None
+        own.h0_requires_grad, own.h0_shape, own.h0_dtype = h0.requires_grad, h0.shape, h0.dtype
+        own.params = params
+        own.coarse_x = {}
 
     def initial(self, run):
-        return run.h0.detach()
+        return run.own.h0.detach()
 
     def output(self, run, states):
         if self.rank != self.size - 1:
             return torch.zeros((), dtype=run.dtype, device=run.device)
         out = states[self.num_steps]
-        return out.clone() if out is run.h0 else out
+        return out.clone() if out is run.own.h0 else out
 
     def begin_adjoint(self, run, grad):
-        run.grad_out = grad.detach() if self.rank == self.size - 1 else None
+        run.own.grad_out = grad.detach() if self.rank == self.size - 1 else None
 
     def adjoint_initial(self, run):
-        return run.grad_out
+        return run.own.grad_out
 
     def input_grads(self, run, states):
         if self.rank == 0:
             grad_h0 = states[self.num_steps]
-        elif run.h0_requires_grad:
-            grad_h0 = torch.zeros(run.h0_shape, dtype=run.h0_dtype, device=run.device)
+        elif run.own.h0_requires_grad:
+            grad_h0 = torch.zeros(run.own.h0_shape, dtype=run.own.h0_dtype, device=run.device)
         else:
             grad_h0 = None
-        grads = [run.grads.get(id(p)) for p in run.params]
+        grads = [run.grads.get(id(p)) for p in run.own.params]
         if not run.retain:
-            run.coarse_x = {}
+            run.own.coarse_x = {}
         if self.check_finite:
             self._check_finite(grad_h0 if self.rank == 0 else None, grads)
         return (grad_h0, *grads)
@@ -130,7 +150,7 @@ class _LayerSteps(Steps):
         if self._branch(level):
             # The transpose of x + P^k (Phi(R^k x) - R^k x), linearized at the fine state.
             return sp.branch_adjoint(lambda x: self.apply_rule(layer, x, dt, s), xg, w, level,
-                                     cache=run.coarse_x.setdefault((s, level), {}))
+                                     cache=run.own.coarse_x.setdefault((s, level), {}))
         if sp is not None and sp.factor(level) > 0:
             # Mode "state", a grid coarse in space: linearize at the fine state restricted to it.
             xr = sp.to_level(xg.detach(), level)
