@@ -89,6 +89,36 @@ def barrier(comm, what):
          "or called model(x) or backward() a different number of times, or with another batch)")
 
 
+_ARRIVE_TAG = 7602
+
+
+def arrive(comm, what):
+    """Waits until this rank's neighbours in ``comm`` (ranks r - 1 and r + 1) have reached this
+    point too: one empty message each way, so that a stall names the rank that never came
+    (a barrier cannot tell who is missing).  The collective that follows covers the others,
+    with its own deadline."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return
+    peers = [p for p in (rank - 1, rank + 1) if 0 <= p < size]
+    token = np.zeros(1, dtype=np.uint8)
+    inbox = {p: np.empty(1, dtype=np.uint8) for p in peers}
+    recvs = {p: comm.Irecv([inbox[p], MPI.BYTE], source=p, tag=_ARRIVE_TAG) for p in peers}
+    sends = [comm.Isend([token, MPI.BYTE], dest=p, tag=_ARRIVE_TAG) for p in peers]
+    try:
+        wait(list(recvs.values()) + sends, comm, f"its neighbours to reach {what}")
+    except StallError as exc:
+        missing = [p for p, r in recvs.items() if not r.Test()]
+        if not missing:
+            raise
+        who = " and ".join(f"rank {p}" for p in missing)
+        raise StallError(
+            f"stalled: rank {rank} waited {timeout():.0f} s for {who} to reach {what}; "
+            f"{'it' if len(missing) == 1 else 'they'} never did (stopped, or called model(x) "
+            "or backward() a different number of times, or with another batch).  "
+            "LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit") from exc
+
+
 # ---------------------------------------------------------------- reductions
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 

@@ -14,7 +14,7 @@ from ._chain import Run, _Chain, _ChainFn, _check_target, _gradient_estimate
 from ._layer_steps import _LayerSteps, check_shape
 from ._ownership import _StepLayers, draw_seed, seeded_layer
 from ._parts import FreedOnExit
-from ._comm import allgather_obj, allreduce_floats, barrier, bcast_obj, check_same_settings, \
+from ._comm import allgather_obj, allreduce_floats, arrive, bcast_obj, check_same_settings, \
     gather_obj, is_comm, world
 from ._transport import bcast_into, neighbour_exchange
 from .coarsening import SpatialCoarsening
@@ -337,7 +337,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                 error = exc
                 meta = ("error", f"{type(exc).__name__}: {exc}", tuple(getattr(x, "shape", ())))
         if self._size > 1:
-            barrier(comm, f"the forward of model(x) (layer-parallel rank {self._rank})")
+            arrive(comm, "the forward of model(x)")
             mine = _fingerprint(x) if self.check_inputs else None
             gathered = allgather_obj(comm, (meta if first else None, mine, self._settings()),
                                      "the input's fingerprints in model(x)")

@@ -80,7 +80,7 @@ SCENARIOS = {
     "nan": ("the input holds Inf: named as bad input on every rank, before any step",
             "the input holds 256 NaN or Inf value(s)", "faulty"),
     "skip-forward": ("rank 1 skips the last forward: a stall in the forward's barrier",
-                     "to reach the forward of model(x)", "waiting"),
+                     "for rank 1 to reach the forward of model(x); it never did", "waiting"),
     "skip-backward": ("rank 1 skips the last backward: a stall in the MGRIT core",
                       "from rank 1 (level", "waiting"),
     "sigint": ("Ctrl-C: SIGINT to mpiexec while training", "KeyboardInterrupt", "faulty"),
@@ -106,8 +106,8 @@ SCENARIOS = {
     "stall-to-serial": ("to_serial() called on rank 0 only",
                         "every rank's part of the weights of every step layer", "waiting"),
     "exit-forward": ("rank 1 calls sys.exit(3) before a forward",
-                     "rank 1 exited (SystemExit 3) while rank 0 waited for every rank of its "
-                     "layer group to reach the forward", "waiting"),
+                     "rank 1 exited (SystemExit 3) while rank 0 waited for its neighbours to "
+                     "reach the forward of model(x)", "waiting"),
     "exit-backward": ("rank 1 calls sys.exit(0) between forward and backward",
                       "rank 1 exited (SystemExit 0) while rank 0 waited for a message of an "
                       "MGRIT solve", "waiting"),

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from .._chain import Run, _Chain, _ChainFn, _check_target, _gradient_estimate
-from .._comm import allgather_obj, check_same_settings, world
+from .._comm import allgather_obj, arrive, check_same_settings, world
 from .._parts import FreedOnExit
 from .._transport import bcast_into
 from ..launch import _enter
@@ -171,7 +171,8 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
                              f"{self.input_size}), got {tuple(getattr(x, 'shape', ()))}")
         batch, seq = x.shape[0], x.shape[1]
         h0_all = self._steps.initial_states(hx, (self.num_layers, batch, self.hidden_size), x)
-        if self.comm.Get_size() > 1:  # also the barrier that names a rank that never comes
+        if self.comm.Get_size() > 1:
+            arrive(self.comm, "the forward of a layer-parallel RNN")
             check_same_settings(allgather_obj(self.comm, self._settings(x),
                                               "the settings of a layer-parallel RNN's forward"))
         chain = self._chain_for(seq)  # after the check: a new length builds solvers (collective)
