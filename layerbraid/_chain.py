@@ -331,9 +331,9 @@ class _Chain:
 
         The target splits unevenly: the adjoint gets half of ``target_error``, the forward a
         tenth.  The forward's error enters the gradients twice, through the adjoint's
-        linearization: with ReLU steps a state error flips activations near their kink, and
-        a forward error of 1e-5 gave a 7e-4 input-gradient error with an exact adjoint in one
-        measurement on a ReLU chain.  A tighter forward costs about one iteration."""
+        linearization: with ReLU steps a state error flips activations near their kink, so a
+        small forward error can give a much larger gradient error.  A tighter forward costs
+        about one iteration."""
         c = max(core.num_c_points(), 1)
         q = min(max(self._contraction.get(id(core), 1.0), 0.05), 1.0)
         a = min(max(self._alignment.get(id(core), math.sqrt(c)), 1.0), math.sqrt(c))

@@ -71,8 +71,9 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             a solve with a warm guess does not skip its first down-cycle (that would discard
             the guess), so ``skip_first_downcycle`` applies to the first batch only.
         target_error: adaptive iterations: each forward and adjoint solve iterates until its
-            estimated relative error (``SolveStats.error_estimate``) is below
-            ``target_error / 2``, up to the options' ``max_iters``; e.g. 1e-2.  Cheap while the
+            estimated relative error (``SolveStats.error_estimate``) is below its share of
+            ``target_error`` (the forward a tenth, the adjoint half: Note [adaptive
+            iterations] in _chain.py), up to the options' ``max_iters``; e.g. 1e-2.  Cheap while the
             network is easy, more iterations as training makes it amplify.  None (default):
             the options' own stopping rule (``tol``, ``rtol``, ``max_iters``).
         output: ``"all"`` (default): the close layer's output on every rank, for a loss computed
