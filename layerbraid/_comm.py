@@ -377,7 +377,7 @@ def check_exits(comm, what, real=None):
                 local, me = real[local], real[me]
             name = f"rank {local}" if local == src else f"rank {local} (world rank {src})"
             raise RemoteRankError(f"{name} exited ({text}) while rank {me} waited for {what}",
-                                  local)
+                                  local, origin_raised=False)
 
 
 def _describe_exit():

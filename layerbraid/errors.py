@@ -12,11 +12,14 @@ class RemoteRankError(MGRITError):
 
     Attributes:
         rank: the lowest rank whose own callback raised, or -1 when unknown.
+        origin_raised: whether that rank raised an exception of its own (which, uncaught, ends
+            the job with its traceback); False when it exited.
     """
 
-    def __init__(self, message, rank=-1):
+    def __init__(self, message, rank=-1, origin_raised=True):
         super().__init__(message)
         self.rank = rank
+        self.origin_raised = origin_raised
 
 
 class DivergenceError(MGRITError, FloatingPointError):

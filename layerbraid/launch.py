@@ -118,7 +118,14 @@ def _abort_hook(exc_type, exc, tb):
     _previous["sys"](exc_type, exc, tb)
     print(f"layerbraid: uncaught {exc_type.__name__} on rank {rank}: aborting every rank of the "
           f"job", file=sys.stderr, flush=True)
+    if getattr(exc, "origin_raised", False):
+        # This rank only relays another rank's exception, whose own hook aborts the job with
+        # its traceback: let that abort come first, so that no rank's traceback is cut short.
+        time.sleep(_RELAY_PAUSE)
     _abort(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+
+
+_RELAY_PAUSE = 2.0
 
 
 def _abort_thread_hook(args):

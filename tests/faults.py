@@ -155,13 +155,18 @@ def run(scenario, ranks=2, limit=60):
         rc = proc.wait()
     end = time.time()
     reader.join(5)
+    # mpiexec -l tags each piece of a rank's output it forwards, and a piece can end mid-line:
+    # "[1] InjectedFa" "[1] ult ..." arrive as "[1] InjectedFa[1] ult ...".  Each tag starts a
+    # piece of its rank's stream; text before any tag on a line is the launcher's own.
     outputs, job = {r: "" for r in range(ranks)}, ""
     for line in lines:
-        tagged = re.match(r"\[(\d+)\] (.*\n?)", line)
-        if tagged and int(tagged.group(1)) in outputs:
-            outputs[int(tagged.group(1))] += tagged.group(2)
-        else:
-            job += line
+        pieces = re.split(r"\[(\d+)\] ", line)
+        job += pieces[0] if not pieces[0].isspace() else ""
+        for r, text in zip(pieces[1::2], pieces[2::2]):
+            if int(r) in outputs:
+                outputs[int(r)] += text
+            else:
+                job += text
     cause, where = SCENARIOS[scenario][1], SCENARIOS[scenario][2]
     cause_on = [r for r, text in outputs.items() if cause in text]
     faulty = state["faulty"]
