@@ -404,9 +404,11 @@ def _at_exit():
     # evaluating) is not disturbed: it reads the notice only when it waits.
     text = _describe_exit().encode()
     peers = sorted(_notices["peers"])
-    print(f"layerbraid: rank {MPI.COMM_WORLD.Get_rank()} is exiting ({text.decode()}) while "
-          f"other ranks still run; ranks that wait for it will be told", file=sys.stderr,
-          flush=True)
+    if _notices["exit"] not in (None, 0):  # a failure status: say it here too (a normal end
+        # while rank 0 still writes its reports is not worth a line)
+        print(f"layerbraid: rank {MPI.COMM_WORLD.Get_rank()} is exiting ({text.decode()}) "
+              "while other ranks still run; ranks that wait for it will be told",
+              file=sys.stderr, flush=True)
     sends = [side.Isend([np.frombuffer(text, dtype=np.uint8), MPI.BYTE], dest=r, tag=_EXIT_TAG)
              for r in peers]
     while not req.Test():
