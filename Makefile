@@ -28,26 +28,15 @@ test: $(STAMP)
 	$(VENV)/bin/pytest -q
 
 bench: $(STAMP)
-	$(PY) bench/report_resnet.py
+	$(PY) -m bench.resnet
 
-# Every report of docs/ regenerated on today's code (hours here; bench/reports.py lists them).
+# Every report of docs/ regenerated on today's code (hours here; `python -m bench` lists them).
 reports: $(STAMP)
-	$(PY) bench/bench_core.py
-	$(PY) bench/report_resnet.py
-	$(PY) bench/bench_grid.py
-	$(PY) bench/bench_rnn.py
-	$(PY) bench/bench_spatial.py
-	$(PY) bench/performance.py
-	$(PY) bench/validate_plan.py
-	$(PY) bench/scaling_report.py
-	$(PY) bench/scaling_measured.py
-	$(PY) bench/reliability.py
-	$(PY) bench/accuracy.py
-	$(PY) bench/contraction.py
+	$(PY) -m bench --run all
 
 # The reports older than the code they measure.
 stale:
-	python3 bench/reports.py --stale
+	python3 -m bench --stale
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info layerbraid/*.so

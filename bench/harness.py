@@ -1,6 +1,12 @@
-"""What every benchmark script shares: running a worker of bench/workers/ under mpiexec and
-reading the JSON lines it prints, and writing a report."""
+"""What every benchmark script shares: the one way a job is started under mpiexec (a worker
+module of bench/workers/, an example, a compiled program), reading the JSON lines a worker
+prints, the examples' networks, and writing a report with its provenance.
+
+Every entry point is run from the repository's root as ``python -m bench.NAME``; a worker as
+``mpiexec -n RANKS python -m bench.workers.NAME`` (what :func:`launch` does).
+"""
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -9,18 +15,31 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKERS = ROOT / "bench" / "workers"
 
 
-def launch(worker, ranks, *args, timeout=3600, echo=True):
-    """Runs bench/workers/<worker>.py on ``ranks`` ranks; returns the JSON objects it printed
-    (one per line; other lines are ignored).  Raises with the worker's output on failure."""
-    cmd = ["mpiexec", "-n", str(ranks), sys.executable, str(WORKERS / f"{worker}.py"),
-           *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
-    if proc.returncode != 0:
+def mpiexec(ranks, argv, timeout=3600, env=None, check=True):
+    """Runs ``argv`` on ``ranks`` ranks under mpiexec, from the repository's root; returns the
+    completed process (output captured).  With ``check``, a nonzero exit raises with the job's
+    output."""
+    cmd = ["mpiexec", "-n", str(ranks), *map(str, argv)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env=env)
+    if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                            f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def python(ranks, module, *args, timeout=3600, env=None):
+    """``python -m module args`` on ``ranks`` ranks (see :func:`mpiexec`)."""
+    return mpiexec(ranks, [sys.executable, "-m", module, *args], timeout=timeout, env=env)
+
+
+def launch(worker, ranks, *args, timeout=3600, echo=True, env=None):
+    """Runs the worker bench/workers/<worker>.py on ``ranks`` ranks; returns the JSON objects
+    it printed (one per line; other lines are ignored).  Raises with the worker's output on
+    failure."""
+    proc = python(ranks, f"bench.workers.{worker}", *args, timeout=timeout, env=env)
     rows = []
     for line in proc.stdout.splitlines():
         line = line.strip()
@@ -31,10 +50,42 @@ def launch(worker, ranks, *args, timeout=3600, echo=True):
     return rows
 
 
+def example(name):
+    """The module of examples/<name>.py (its networks and defaults; its main() is not run).
+    The examples are scripts that import their neighbour training_loop.py, so that is loaded
+    first under that name."""
+    def load(module, path):
+        if module not in sys.modules:
+            spec = importlib.util.spec_from_file_location(module, path)
+            sys.modules[module] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[module])
+        return sys.modules[module]
+
+    load("training_loop", ROOT / "examples" / "training_loop.py")
+    return load(f"example_{name}", ROOT / "examples" / f"{name}.py")
+
+
 def write_report(path, lines):
     path = Path(path)
     path.write_text("\n".join(lines).rstrip() + "\n")
     print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+
+
+def write_section(path, name, lines):
+    """Writes ``lines`` as the section ``name`` of the report at ``path``: between the markers
+    ``<!-- section: NAME -->`` and ``<!-- /section: NAME -->``, replacing what was there and
+    keeping every other section (a report that two scripts write); appended the first time."""
+    path = Path(path)
+    begin, end = f"<!-- section: {name} -->", f"<!-- /section: {name} -->"
+    block = "\n".join([begin, *lines, end])
+    text = path.read_text() if path.exists() else ""
+    if begin in text and end in text.split(begin, 1)[1]:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
+    path.write_text(text)
+    print(f"wrote the section {name!r} of {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
 
 
 def provenance():

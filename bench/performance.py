@@ -1,8 +1,8 @@
 """When is layer-parallel training faster than plain PyTorch?  Measured at the demo's settings
 and projected to many ranks; writes docs/performance.md.
 
-    python bench/performance.py                 # the whole report (about 3 minutes here)
-    python bench/performance.py --batches 10    # shorter
+    python -m bench.performance                 # the whole report (about 3 minutes here)
+    python -m bench.performance --batches 10    # shorter
 
 One run measures, round after round (interleaved, so that drift of the machine hits every row
 alike): plain PyTorch (1 and 2 threads), data parallel on 2 ranks, and layer parallel on 2 ranks
@@ -13,19 +13,16 @@ the serial network, at the initial weights and after the timed batches.  Then th
 
 The unit everywhere: speedup = plain PyTorch's time / time (> 1 is faster).
 
-A worker is this module run with --worker under mpiexec; it prints one JSON line.
+Each row is a job of bench/workers/performance.py under mpiexec.
 """
 import argparse
-import copy
-import importlib.util
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.harness import ROOT, launch
+
 OUT = ROOT / "docs" / "performance.md"
 
 # (label, ranks, worker arguments)
@@ -44,165 +41,10 @@ REFERENCE = ROWS[0][0]
 NETWORKS = [("InfiniBand-class", 5e-6, 10e9), ("10 GbE-class", 30e-6, 1e9)]
 
 
-# ---------------------------------------------------------------- the worker
-def _example():
-    """examples/mnist.py as a module (its network and nothing else)."""
-    spec = importlib.util.spec_from_file_location("mnist_example", ROOT / "examples" / "mnist.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _options(levels, iters):
-    import layerbraid
-
-    return (layerbraid.MGRITOptions(max_levels=levels, cfactor=4, max_iters=iters[0],
-                                    skip_first_downcycle=True),
-            layerbraid.MGRITOptions(max_levels=levels, cfactor=4, max_iters=iters[1],
-                                    skip_first_downcycle=True))
-
-
-def _grad_error(model, serial, x, y, comm):
-    """Relative parameter-gradient error of ``model`` against ``serial`` on one batch."""
-    import torch.nn.functional as F
-
-    model.zero_grad()
-    serial.zero_grad()
-    F.cross_entropy(model(x), y).backward()
-    F.cross_entropy(serial(x), y).backward()
-    ref = dict(serial.named_parameters())
-    counted = {id(p) for p in model._counted_parameters()} if hasattr(
-        model, "_counted_parameters") else None
-    diff = norm = 0.0
-    for name, p in model.named_parameters():
-        if p.grad is None or (counted is not None and id(p) not in counted):
-            continue
-        diff += float((p.grad - ref[name].grad).double().square().sum())
-        norm += float(ref[name].grad.double().square().sum())
-    model.zero_grad()
-    if comm is not None and comm.Get_size() > 1 and counted is not None:
-        diff, norm = comm.allreduce(diff), comm.allreduce(norm)
-    return (diff / norm) ** 0.5 if norm > 0 else 0.0
-
-
-def worker(argv):
-    p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["plain", "ddp", "dp", "lp"])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--levels", type=int, default=2)
-    p.add_argument("--iters", type=int, nargs=2, default=[2, 1])
-    p.add_argument("--batches", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    a = p.parse_args(argv)
-    import torch
-    import torch.nn.functional as F
-    from mpi4py import MPI
-    from torch.utils.data import TensorDataset
-
-    import layerbraid
-    from layerbraid.data import LayerParallelLoader, load_mnist
-
-    torch.set_num_threads(a.threads)
-    comm = MPI.COMM_WORLD
-    ex = _example()
-    data = load_mnist()
-    fwd, bwd = _options(a.levels, a.iters)
-    dp = comm.Get_size() if a.mode in ("dp", "ddp") else 1
-    grid = layerbraid.ProcessGrid(comm, data_parallel=dp)  # DDP: only for the loader's shards
-    torch.manual_seed(0)
-    model = ex.MNISTNet(grid if a.mode in ("dp", "lp") else MPI.COMM_SELF, 8, 8, 1.0, fwd, bwd,
-                        False)
-    serial = model.to_serial()
-    if a.mode == "plain":
-        model = serial
-    elif a.mode == "ddp":
-        model = _ddp(copy.deepcopy(serial), comm)
-    # The error at the initial weights, on one batch of 64 (each data group its half).
-    x, y = data["train_x"][:64], data["train_y"][:64]
-    half = slice(32 * grid.data_rank, 32 * grid.data_rank + 32) if dp > 1 else slice(None)
-    err0 = _error(a.mode, model, serial, x, y, half, grid)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = LayerParallelLoader(TensorDataset(data["train_x"], data["train_y"]), 64 // dp,
-                                 comm=grid, seed=0)
-    times = []
-    for k, (xb, yb) in enumerate(loader):
-        if k == a.warmup + a.batches:
-            break
-        comm.Barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        F.cross_entropy(model(xb), yb).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    times = times[a.warmup:]
-    slowest = max(comm.allgather(statistics.median(times)))
-    if a.mode == "ddp":
-        serial = copy.deepcopy(model.module)
-    elif a.mode != "plain":
-        serial = model.to_serial()
-    err1 = _error(a.mode, model, serial, x, y, half, grid)
-    out = {"seconds": slowest, "grad_error_init": err0, "grad_error_trained": err1}
-    if a.mode == "lp":
-        out["fwd_iters"] = model.forward_stats.iterations
-        out["bwd_iters"] = model.backward_stats.iterations
-    if comm.Get_rank() == 0:
-        print("RESULT " + json.dumps(out), flush=True)
-
-
-def _ddp(model, comm):
-    """``model`` in torch's DistributedDataParallel over gloo, on the loopback interface."""
-    import socket
-
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    port = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=comm.Get_rank(), world_size=comm.Get_size())
-    return DistributedDataParallel(model)
-
-
-def _error(mode, model, serial, x, y, half, grid):
-    if mode == "plain":
-        return 0.0
-    if mode in ("dp", "ddp"):
-        return _dp_error(model, serial, x, y, half)
-    return _grad_error(model, serial, x, y, grid.layer_comm)
-
-
-def _dp_error(model, serial, x, y, half):
-    """Data parallel: each group's half batch against serial PyTorch on the whole batch."""
-    import torch.nn.functional as F
-
-    model.zero_grad()
-    serial.zero_grad()
-    F.cross_entropy(model(x[half]), y[half]).backward()  # averaged over the 2 groups
-    F.cross_entropy(serial(x), y).backward()
-    ref = {n.removeprefix("module."): p for n, p in serial.named_parameters()}
-    named = [(n.removeprefix("module."), p) for n, p in model.named_parameters()
-             if p.grad is not None]
-    diff = sum(float((p.grad - ref[n].grad).double().square().sum()) for n, p in named)
-    norm = sum(float(ref[n].grad.double().square().sum()) for n, p in named)
-    model.zero_grad()
-    return (diff / norm) ** 0.5
-
-
 # ---------------------------------------------------------------- the driver
 def _run(ranks, args, batches):
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", *args,
-           "--batches", str(batches)]
-    if ranks > 1:
-        cmd = ["mpiexec", "-n", str(ranks)] + cmd
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return launch("performance", ranks, *args, "--batches", batches, timeout=900,
+                  echo=False)[-1]
 
 
 def _projection():
@@ -275,7 +117,7 @@ def report(data, out):
     lines = [
         "# When is layer-parallel training faster than plain PyTorch?",
         "",
-        f"Generated by `python bench/performance.py` ({data['rounds']} interleaved rounds of "
+        f"Generated by `python -m bench.performance` ({data['rounds']} interleaved rounds of "
         f"{data['batches']} timed batches per row, medians; {data['seconds']:.0f} s; raw "
         "numbers in docs/performance.json, `--report` rewrites this file from them).",
         "",
@@ -351,7 +193,4 @@ def report(data, out):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2:])
-    else:
-        main()
+    main()

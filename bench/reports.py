@@ -1,8 +1,8 @@
 """Every report under docs/, the command that regenerates it, the code it measures, and which
 reports are older than that code.
 
-    python bench/reports.py              # the table, and the stale reports
-    python bench/reports.py --stale      # only the stale list (what the test suite prints)
+    python -m bench.reports              # the table, and the stale reports
+    python -m bench.reports --stale      # only the stale list (what the test suite prints)
 
 A report is stale when a commit changed the code it measures after the commit that last wrote
 the report (both from git's history; a working tree with uncommitted changes to that code
@@ -18,43 +18,57 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # The code every report exercises: the core, and the Python on its path.
-_CORE = ["cbridge/src", "cbridge/include", "layerbraid/_bridge.py", "layerbraid/_states.py"]
+_CORE = ["cbridge/src", "cbridge/include", "layerbraid/_bridge.py", "layerbraid/_schedule.py",
+         "layerbraid/_states.py"]
 _ENGINE = _CORE + ["layerbraid/_chain.py", "layerbraid/_comm.py", "layerbraid/_transport.py"]
 _RESNET = _ENGINE + ["layerbraid/module.py", "layerbraid/_layer_steps.py",
                      "layerbraid/_ownership.py", "layerbraid/_autograd.py"]
 
-# report -> (the command that regenerates it, the code it measures)
+# report -> (the module that regenerates it, the code it measures)
 REPORTS = {
-    "docs/bench_core.md": ("python bench/bench_core.py", _CORE + ["layerbraid/mgrit.py",
-                                                                  "bench/core_bench.c"]),
-    "docs/bench_resnet.md": ("python bench/report_resnet.py",
-                             _RESNET + ["bench/bench_resnet.py"]),
-    "docs/bench_grid.md": ("python bench/bench_grid.py",
-                           _RESNET + ["layerbraid/grid.py", "bench/workers/grid.py"]),
-    "docs/bench_rnn.md": ("python bench/bench_rnn.py",
+    "docs/bench_core.md": (["bench.core"], _CORE + ["layerbraid/mgrit.py", "bench/core.py",
+                                                    "bench/workers/core_bench.c",
+                                                    "bench/workers/core_python.py"]),
+    "docs/bench_resnet.md": (["bench.resnet"],
+                             _RESNET + ["bench/resnet.py", "bench/workers/resnet.py"]),
+    "docs/bench_grid.md": (["bench.grid"],
+                           _RESNET + ["layerbraid/grid.py", "bench/grid.py",
+                                      "bench/workers/grid.py"]),
+    "docs/bench_rnn.md": (["bench.rnn"],
                           _ENGINE + ["layerbraid/nn/rnn.py", "layerbraid/nn/_cell_steps.py",
-                                     "layerbraid/nn/_cells.py", "bench/workers/rnn.py"]),
-    "docs/bench_spatial.md": ("python bench/bench_spatial.py",
-                              _RESNET + ["layerbraid/coarsening.py",
-                                         "bench/workers/spatial_timing.py"]),
-    "docs/performance.md": ("python bench/performance.py",
-                            _RESNET + ["layerbraid/grid.py", "layerbraid/plan.py"]),
-    "docs/plan_validation.md": ("python bench/validate_plan.py",
-                                _RESNET + ["layerbraid/plan.py", "bench/bench_resnet.py"]),
-    "docs/scaling.md": ("python bench/scaling_report.py; python bench/scaling_measured.py",
-                        ["layerbraid/plan.py", "bench/workers/emulated.py",
-                         "bench/shared_cores.py"]),
-    "docs/reliability.md": ("python bench/reliability.py",
+                                     "layerbraid/nn/_cells.py", "bench/rnn.py",
+                                     "bench/workers/rnn.py"]),
+    "docs/bench_spatial.md": (["bench.spatial"],
+                              _RESNET + ["layerbraid/coarsening.py", "bench/spatial.py",
+                                         "bench/workers/spatial_timing.py",
+                                         "bench/workers/spatial_convergence.py",
+                                         "bench/workers/spatial_trained.py"]),
+    "docs/performance.md": (["bench.performance"],
+                            _RESNET + ["layerbraid/grid.py", "layerbraid/plan.py",
+                                       "bench/performance.py",
+                                       "bench/workers/performance.py"]),
+    "docs/plan_validation.md": (["bench.plan_validation"],
+                                _RESNET + ["layerbraid/plan.py", "bench/plan_validation.py",
+                                           "bench/workers/resnet.py"]),
+    "docs/scaling.md": (["bench.scaling", "bench.scaling_measured"],
+                        ["layerbraid/plan.py", "bench/scaling.py", "bench/scaling_measured.py",
+                         "bench/workers/emulated.py", "bench/shared_cores.py"]),
+    "docs/reliability.md": (["bench.reliability"],
                             _RESNET + ["layerbraid/launch.py", "layerbraid/checkpoint.py",
                                        "layerbraid/clip.py", "layerbraid/data/loader.py",
-                                       "tests/faults.py"]),
-    "docs/accuracy.md": ("python bench/accuracy.py",
+                                       "layerbraid/drill.py", "bench/reliability.py"]),
+    "docs/accuracy.md": (["bench.accuracy"],
                          _RESNET + ["layerbraid/audit.py", "layerbraid/stats.py",
-                                    "bench/workers/accuracy.py"]),
-    "docs/contraction.md": ("python bench/contraction.py",
-                            _RESNET + ["layerbraid/coarsening.py",
+                                    "bench/accuracy.py", "bench/workers/accuracy.py"]),
+    "docs/contraction.md": (["bench.contraction"],
+                            _RESNET + ["layerbraid/coarsening.py", "bench/contraction.py",
                                        "bench/workers/contraction.py"]),
 }
+
+
+def command(report):
+    """The shell command that regenerates ``report``, run from the repository's root."""
+    return "; ".join(f"python -m {m}" for m in REPORTS[report][0])
 
 
 def _git(*args):
@@ -96,14 +110,18 @@ def stale():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stale", action="store_true", help="print only the stale reports")
+    p.add_argument("--run", nargs="+", metavar="REPORT",
+                   help="regenerate these reports (docs/NAME.md or NAME), or 'all', or 'stale'")
     a = p.parse_args(argv)
+    if a.run:
+        return regenerate(a.run)
     if not a.stale:
         print("| report | regenerate with |\n|---|---|")
-        for report, (command, _) in REPORTS.items():
-            print(f"| {report} | `{command}` |")
+        for report in REPORTS:
+            print(f"| {report} | `{command(report)}` |")
         print()
     found = stale()
     if found is None:
@@ -114,8 +132,35 @@ def main(argv=None):
         return 0
     print(f"{len(found)} stale report(s) (rerun each with its command):")
     for report, theirs, code, why in found:
-        print(f"  {report}: written at {theirs}, code at {code} ({why}): "
-              f"{REPORTS[report][0]}")
+        print(f"  {report}: written at {theirs}, code at {code} ({why}): {command(report)}")
+    return 0
+
+
+def regenerate(names):
+    """Runs the modules of the reports ``names`` one after another, from the repository's root;
+    stops at the first that fails."""
+    if names == ["all"]:
+        chosen = list(REPORTS)
+    elif names == ["stale"]:
+        found = stale()
+        if found is None:
+            print("no git history here: cannot tell which reports are stale")
+            return 1
+        chosen = [report for report, *_ in found]
+    else:
+        by_name = {Path(r).stem: r for r in REPORTS}
+        unknown = [n for n in names if n not in REPORTS and n not in by_name]
+        if unknown:
+            print(f"unknown report(s) {unknown}; known: {', '.join(by_name)}", file=sys.stderr)
+            return 2
+        chosen = [n if n in REPORTS else by_name[n] for n in names]
+    for report in chosen:
+        for module in REPORTS[report][0]:
+            print(f"--- {report}: python -m {module}", flush=True)
+            rc = subprocess.run([sys.executable, "-m", module], cwd=ROOT).returncode
+            if rc != 0:
+                print(f"python -m {module} failed ({rc})", file=sys.stderr)
+                return rc
     return 0
 
 

@@ -1,8 +1,8 @@
 """Scaling measured with emulated layers at 1-64 ranks, against layerbraid.plan's prediction.
 
-    python bench/scaling_measured.py            (docs/scaling_measured.json, the "Measured"
+    python -m bench.scaling_measured            (docs/scaling_measured.json, the "Measured"
                                                  section of docs/scaling.md and its plots)
-    python bench/scaling_measured.py --report   (rewrites the section and plots from the .json)
+    python -m bench.scaling_measured --report   (rewrites the section and plots from the .json)
 
 A 2-core machine cannot compute 64 ranks' layers, but it can run everything else of 64 ranks:
 bench/workers/emulated.py trains through the real path (LayerParallelModule's forward and adjoint
@@ -24,15 +24,10 @@ import json
 import os
 import statistics
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))
-from harness import launch  # noqa: E402
-
-import shared_cores  # noqa: E402
-from layerbraid import MGRITOptions, plan  # noqa: E402
+from bench import shared_cores
+from bench.harness import ROOT, launch, write_section
+from layerbraid import MGRITOptions, plan
 
 WORKER = "emulated"  # bench/workers/emulated.py
 HAND_OFF = "hand_off"  # bench/workers/hand_off.py
@@ -40,7 +35,6 @@ STEP_MS, VJP_MS, FLOATS, REPEATS = 3.0, 6.0, 6272, 1
 CONFIGS = {256: [(2, 4), (3, 4), (2, 8)], 1024: [(3, 4), (4, 4)]}
 RANKS = [1, 2, 4, 8, 16, 32, 64]
 OUT = ROOT / "docs" / "scaling_measured"
-BEGIN, END = "<!-- measured: bench/scaling_measured.py -->", "<!-- /measured -->"
 
 
 def options(levels, cfactor):
@@ -229,7 +223,7 @@ def report(data):
                           predicted_speedup=serial[r["steps"]] / pred,
                           cluster_speedup=serial[r["steps"]] / cluster.seconds))
     cpu, late, wait_cpu = machine
-    lines = [BEGIN, "", f"## Measured with emulated layers, {min(RANKS)}-{max(t['ranks'] for t in table)} ranks", "",
+    lines = ["", f"## Measured with emulated layers, {min(RANKS)}-{max(t['ranks'] for t in table)} ranks", "",
              __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), "",
              f"Emulated layer: {data['step_ms']:g} ms per step, {data['vjp_ms']:g} ms per VJP, a "
              f"state of {data['floats']} float32 ({4 * data['floats'] / 1e3:.0f} kB); one timed "
@@ -280,9 +274,9 @@ def report(data):
                 f"{parts.get(p, 0.0):.3f} ({100 * parts.get(p, 0.0) / total:.0f}%)"
                 for p in PARTS) + " |")
     lines += hand_off_section(data, machine, late_seen)
-    lines += ["", "### Reading it", ""] + findings(table, data) + ["", END]
+    lines += ["", "### Reading it", ""] + findings(table, data) + [""]
     _plot(table)
-    _splice(lines)
+    write_section(ROOT / "docs" / "scaling.md", "measured", lines)
 
 
 PARTS = ["level 0 steps", "level 1 steps", "level 2 steps", "level 3 steps", "final relaxation",
@@ -420,20 +414,6 @@ def _plot(table):
         fig.tight_layout()
         fig.savefig(f"{OUT}_{n}.png", dpi=90)
         plt.close(fig)
-
-
-def _splice(lines):
-    """Puts the section into docs/scaling.md between its markers (appended the first time)."""
-    path = ROOT / "docs" / "scaling.md"
-    text = path.read_text()
-    block = "\n".join(lines)
-    if BEGIN in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
-    print("wrote the measured section of docs/scaling.md")
 
 
 if __name__ == "__main__":

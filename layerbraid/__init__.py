@@ -5,7 +5,7 @@ from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions
 
 __all__ = ["MGRIT", "MGRITResult", "MGRITOptions", "LayerParallelModule", "SolveStats",
-           "SpatialCoarsening", "ProcessGrid", "shard_batches", "MGRITError", "RemoteRankError",
+           "SpatialCoarsening", "ProcessGrid", "MGRITError", "RemoteRankError",
            "DivergenceError", "StallError", "set_timeout", "clip_grad_norm_", "check_launch",
            "abort_on_exception", "save_checkpoint", "load_checkpoint", "CheckpointError",
            "audit_gradients", "GradientAudit"]
@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 # The names that need torch load on first use, so that the general solver works (and imports
 # fast) without it.
 _LAZY = {"LayerParallelModule": "module", "SolveStats": "stats", "ProcessGrid": "grid",
-         "shard_batches": "grid", "SpatialCoarsening": "coarsening", "clip_grad_norm_": "clip",
+         "SpatialCoarsening": "coarsening", "clip_grad_norm_": "clip",
          "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint",
          "CheckpointError": "checkpoint", "audit_gradients": "audit", "GradientAudit": "audit"}
 

@@ -1,4 +1,5 @@
-"""The only module that touches the compiled MGRIT core.
+"""The live MGRIT solver over the compiled core (its options, traces and virtual ranks are
+_schedule.py's).
 
 States live in a table kept here (an int id per state); the C core sees only the ids.  The
 callbacks below run the vector operations on numpy arrays or torch tensors, and turn a Python
@@ -8,38 +9,18 @@ in cbridge/src/comm.c).
 """
 import re
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-# mpi4py first: it loads the MPI library, which the extension then links to by soname (Note
-# [finding libmpi at run time] in cbridge/build_mgrit.py).
 from mpi4py import MPI as _MPI
 
-from ._mgrit_core import ffi, lib  # noqa: E402
 from ._states import _as_state, _clone, _from_bytes, _header, _is_torch, _norm, _raw_bytes
 from .errors import DivergenceError, MGRITError, RemoteRankError, StallError
 from ._timeouts import timeout, wait_sleep
 from ._comm import add_peers, barrier, bcast_obj, check_exits
+from ._schedule import configure, ffi, lib, trace_array, trace_entries
 
 __all__ = []
-
-# The trace's operation names, indexed by the header's MGRIT_OP_* codes.
-_OPS = tuple(name.lower() for name, code in sorted(
-    ((n[len("MGRIT_OP_"):], getattr(lib, n)) for n in dir(lib) if n.startswith("MGRIT_OP_")),
-    key=lambda item: item[1]))
-
-
-@dataclass(frozen=True)
-class TraceEntry:
-    """One action of the schedule: (level, op, point index, peer rank, done)."""
-
-    level: int
-    op: str
-    index: int
-    peer: int
-    done: bool
-
 
 # ---------------------------------------------------------------- the solver handle
 class _Core:
@@ -126,7 +107,7 @@ class _Core:
             raise ValueError(ffi.string(lib.mgrit_error_message(self._core)).decode())
 
     def _set_options(self, o, trace):
-        _configure(self._core, o, trace)
+        configure(self._core, o, trace)
 
     def close(self):
         """Frees the core, its duplicate of the communicator and (owns_comm) the communicator.
@@ -290,72 +271,7 @@ class _Core:
 
     def trace(self):
         """The schedule of the last solve as TraceEntry objects (see trace_entries)."""
-        return trace_entries(_trace_array(self._core))
-
-
-# ---------------------------------------------------------------- virtual ranks
-TRACE_DTYPE = np.dtype([("level", "<i4"), ("op", "<i4"), ("index", "<i8"), ("peer", "<i4"),
-                        ("done", "<i4")])
-OPS = _OPS
-
-
-def _trace_array(core):
-    """A core's trace as a structured array (TRACE_DTYPE), copied out of the core: the one
-    representation of a schedule; trace_entries() presents it as objects."""
-    if TRACE_DTYPE.itemsize != ffi.sizeof("mgrit_trace_entry"):
-        raise RuntimeError("trace entry layout mismatch")
-    n = lib.mgrit_trace_length(core)
-    if n == 0:
-        return np.zeros(0, dtype=TRACE_DTYPE)
-    buf = ffi.buffer(lib.mgrit_trace(core), n * TRACE_DTYPE.itemsize)
-    return np.frombuffer(buf, dtype=TRACE_DTYPE).copy()
-
-
-def trace_entries(array):
-    """TraceEntry objects (op by name) from a TRACE_DTYPE array."""
-    return [TraceEntry(int(e["level"]), _OPS[e["op"]], int(e["index"]), int(e["peer"]),
-                       bool(e["done"])) for e in array]
-
-
-def virtual_schedule(num_steps, size, options, mirror=False):
-    """The schedule each of ``size`` ranks would run (without running it): a list, per rank, of
-    structured arrays (TRACE_DTYPE; `op` indexes OPS).  Every solve runs options.max_iters
-    iterations (a virtual rank has no residual to stop on)."""
-    out = []
-    ptr = ffi.new("mgrit_core **")
-    for rank in range(size):
-        rc = lib.mgrit_create_virtual(int(num_steps), 0.0, 1.0, rank, int(size), ptr)
-        if rc != lib.MGRIT_OK:
-            raise ValueError(f"cannot plan num_steps={num_steps!r} on {size!r} ranks")
-        core = ptr[0]
-        try:
-            _configure(core, options, trace=True)
-            lib.mgrit_set_mirror(core, int(bool(mirror)))
-            rc = lib.mgrit_solve(core)
-            if rc != lib.MGRIT_OK:
-                raise ValueError(ffi.string(lib.mgrit_error_message(core)).decode())
-            out.append(_trace_array(core))
-        finally:
-            lib.mgrit_destroy(core)
-    return out
-
-
-def _configure(c, o, trace):
-    def check(rc):
-        if rc != lib.MGRIT_OK:
-            raise ValueError(ffi.string(lib.mgrit_error_message(c)).decode())
-    check(lib.mgrit_set_max_levels(c, o.max_levels))
-    cfs, nrs = o.cfactors(), o.nrelaxes()
-    check(lib.mgrit_set_cfactors(c, len(cfs), ffi.new("int[]", list(cfs))))
-    check(lib.mgrit_set_nrelax(c, len(nrs), ffi.new("int[]", list(nrs))))
-    check(lib.mgrit_set_max_iters(c, o.max_iters))
-    check(lib.mgrit_set_tol(c, o.tol))
-    check(lib.mgrit_set_rtol(c, o.rtol))
-    check(lib.mgrit_set_skip(c, int(o.skip_first_downcycle)))
-    check(lib.mgrit_set_cycle(c, lib.MGRIT_CYCLE_F if o.cycle == "F" else lib.MGRIT_CYCLE_V))
-    check(lib.mgrit_set_min_coarse(c, o.min_coarse))
-    check(lib.mgrit_set_final_fc(c, int(o.final_fc_relax)))
-    check(lib.mgrit_set_trace(c, int(bool(trace))))
+        return trace_entries(trace_array(self._core))
 
 
 # ---------------------------------------------------------------- callbacks

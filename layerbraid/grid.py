@@ -1,5 +1,4 @@
 """ProcessGrid: data parallel x layer parallel, and gradient averaging across data groups."""
-import numpy as np
 import torch
 
 from ._parts import FreedOnExit
@@ -7,7 +6,7 @@ from ._comm import finalized, is_null, split, start_allreduce_sum, wait, world
 from .launch import _enter
 from .options import check_int
 
-__all__ = ["ProcessGrid", "shard_batches"]
+__all__ = ["ProcessGrid"]
 
 
 class ProcessGrid(FreedOnExit):
@@ -54,29 +53,6 @@ class ProcessGrid(FreedOnExit):
     def __repr__(self):
         return (f"ProcessGrid(data_parallel={self.data_size}, layer_parallel={self.layer_size}, "
                 f"data_rank={self.data_rank}, layer_rank={self.layer_rank})")
-
-
-def shard_batches(n, batch_size, data_rank=0, data_size=1, seed=0, epoch=0):
-    """This data group's share of every batch of one epoch: yields index tensors.
-
-    The epoch's order is a permutation of ``range(n)`` that depends only on (seed, epoch); each
-    global batch of ``batch_size`` indices is split into ``data_size`` nearly equal contiguous
-    shards, and data group ``data_rank`` gets shard ``data_rank``.  Every group sees the same
-    number of batches.
-    """
-    if data_size < 1 or not 0 <= data_rank < data_size:
-        raise ValueError(f"data_rank={data_rank} must be in [0, data_size={data_size})")
-    if batch_size < data_size:
-        raise ValueError(f"batch_size={batch_size} is smaller than the {data_size} data groups "
-                         "that share each batch")
-    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
-    order = torch.randperm(n, generator=g)
-    for k in range(0, n, batch_size):
-        part = order[k:k + batch_size]
-        if len(part) < data_size:  # a last batch too small to share: dropped by every group
-            return
-        bounds = np.linspace(0, len(part), data_size + 1).round().astype(int)
-        yield part[bounds[data_rank]:bounds[data_rank + 1]]
 
 
 class _GradAverager:

@@ -69,7 +69,7 @@ class MGRIT:
         _enter()
 
         # here, not at the top: `import layerbraid` does not load the compiled core (the
-        # state format and the planner work without it)
+        # state format works without it)
         from ._bridge import _Core
 
         if not callable(step) or not callable(init):

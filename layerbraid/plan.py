@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ._schedule import OPS, virtual_schedule
 from .options import MGRITOptions, check_int
 
 __all__ = ["Costs", "Prediction", "schedule", "step_counts", "simulate", "predict", "sweep",
@@ -129,8 +130,6 @@ def _training(options):
 
 def schedule(num_steps: int, ranks: int, options: MGRITOptions, adjoint: bool = False):
     """Each rank's actions, from the C core's virtual ranks (structured numpy arrays)."""
-    from ._bridge import virtual_schedule
-
     _check(num_steps, ranks)
     if not isinstance(options, MGRITOptions):
         raise TypeError(f"options must be an MGRITOptions, got {type(options).__name__}")
@@ -139,8 +138,6 @@ def schedule(num_steps: int, ranks: int, options: MGRITOptions, adjoint: bool = 
 
 def step_counts(traces) -> List[Dict[int, int]]:
     """Per rank, {level: steps run} (all step kinds), from schedule()'s traces."""
-    from ._bridge import OPS
-
     codes = [OPS.index(op) for op in _STEP_OPS]
     out = []
     for t in traces:
@@ -173,8 +170,6 @@ def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale
     path of the last rank to arrive."""
     if message_scale is None:
         message_scale = level_scale
-    from ._bridge import OPS
-
     step_codes = {OPS.index(op) for op in _STEP_OPS}
     send, recv, norm = OPS.index("send"), OPS.index("recv"), OPS.index("norm")
     p = len(traces)
@@ -281,7 +276,7 @@ def recommend(num_steps, ranks, costs, *, min_fwd_iters=2, min_bwd_iters=1,
               levels=(2, 3, 4), cfactors=(2, 4, 8)):
     """The fastest predicted settings with at least the given iterations (skip on, F-relaxation
     on the fine level and FCF below, as TorchBraid's examples run).  Accuracy is not modelled:
-    check the gradient error of the chosen settings on your network (bench/bench_resnet.py)."""
+    check the gradient error of the chosen settings on your network (bench/workers/resnet.py)."""
     best = None
     for lv in levels:
         for cf in cfactors:

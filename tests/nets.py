@@ -4,7 +4,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import layerbraid
-from layerbraid import shard_batches
 from layerbraid.nn import ConvBlock
 
 
@@ -34,7 +33,9 @@ def train(model, steps, data_rank=0, data_size=1):
     losses = []
     for k in range(steps):
         x, y = batch(n=8, seed=k)
-        idx = next(shard_batches(8, 8, data_rank, data_size, seed=k))
+        # each data group its contiguous share of a shuffled batch of 8
+        idx = torch.randperm(8, generator=torch.Generator().manual_seed(k))
+        idx = idx.tensor_split(data_size)[data_rank]
         opt.zero_grad()
         loss = F.cross_entropy(model(x[idx]), y[idx])
         loss.backward()

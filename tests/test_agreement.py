@@ -1,7 +1,7 @@
 """Ranks that disagree are told, on every rank: settings that change a solve, training mode,
 step layers whose layout differs from their owner's, messages of the wrong size; and the
 communication layer's calls move what they say.  (A rank that never arrives at a collective is
-in tests/faults.py: stall-* and exit-* scenarios.)"""
+in layerbraid.drill: stall-* and exit-* scenarios.)"""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -3,7 +3,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from layerbraid import ProcessGrid, shard_batches
+from layerbraid import ProcessGrid
 from nets import ODEResNet, train
 
 WORLD = MPI.COMM_WORLD
@@ -30,23 +30,6 @@ def test_grid_layout():
     assert g.layer_comm.Get_size() == 2 and g.data_comm.Get_size() == 2
     # the data group holds the ranks at the same place of every layer group
     assert sorted(g.data_comm.allgather(WORLD.rank)) == [WORLD.rank % 2, WORLD.rank % 2 + 2]
-
-
-def test_shards_split_every_batch_and_are_deterministic():
-    n, b = 50, 8
-    full = list(shard_batches(n, b, 0, 1, seed=3, epoch=1))
-    parts = [list(shard_batches(n, b, r, 3, seed=3, epoch=1)) for r in range(3)]
-    # 50 = 6 * 8 + 2: the last batch of 2 cannot be shared by 3 groups and is dropped by all
-    assert all(len(p) == len(full) - 1 == 6 for p in parts)
-    for k, whole in enumerate(full[:-1]):
-        joined = torch.cat([parts[r][k] for r in range(3)])
-        assert torch.equal(joined, whole)
-    again = list(shard_batches(n, b, 1, 3, seed=3, epoch=1))
-    assert all(torch.equal(a, c) for a, c in zip(again, parts[1]))
-    other_epoch = list(shard_batches(n, b, 1, 3, seed=3, epoch=2))
-    assert not torch.equal(other_epoch[0], parts[1][0])
-    with pytest.raises(ValueError, match="batch_size=2 is smaller than the 3 data groups"):
-        list(shard_batches(n, 2, 0, 3))
 
 
 @pytest.mark.parallel([4])

@@ -4,7 +4,7 @@ import torch
 from mpi4py import MPI
 
 from layerbraid import MGRIT, MGRITOptions, plan
-from layerbraid._bridge import OPS
+from layerbraid._schedule import OPS
 from nets import ODEResNet, batch
 from problems import nonlinear_init, nonlinear_step
 

@@ -1,18 +1,23 @@
 """The reports under docs/ and the code they measure: the suite says which are stale."""
+import re
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_report_has_its_command_and_the_stale_ones_are_listed():
-    """bench/reports.py lists every docs/ report with the command that regenerates it, and the
-    reports older than their code.  The stale list is shown as a warning in the summary: a
+    """``python -m bench`` lists every docs/ report with the command that regenerates it, and
+    the reports older than their code.  The stale list is shown as a warning in the summary: a
     change to measured code reruns its reports in the same piece of work."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "reports.py")],
-                         capture_output=True, text=True, timeout=120)
+    if not (ROOT / "bench" / "reports.py").exists():
+        pytest.skip("bench/ is not next to the tests")
+    out = subprocess.run([sys.executable, "-m", "bench"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     reports = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")
                      if p.name != "ARCHITECTURE.md")
@@ -20,9 +25,28 @@ def test_every_report_has_its_command_and_the_stale_ones_are_listed():
     for report in reports:  # every report has its row, the same in bench/README.md
         row = next((line for line in out.stdout.splitlines() if line.startswith(f"| {report} |")),
                    None)
-        assert row is not None and "`python bench/" in row, report
+        assert row is not None and "`python -m bench." in row, report
         assert row in readme, f"bench/README.md lacks: {row}"
+        for module in row.split("`")[1].split("; "):  # each names a module that exists
+            path = ROOT / (module.removeprefix("python -m ").replace(".", "/") + ".py")
+            assert path.is_file(), (report, module)
     if "stale report(s)" in out.stdout:
         warnings.warn(out.stdout[out.stdout.index("stale report(s)") - 3:].strip())
     else:
         assert "no stale report" in out.stdout or "no git history" in out.stdout, out.stdout
+
+
+def test_bench_has_one_launch_convention():
+    """Every benchmark is a module run as ``python -m bench.NAME`` from the repository's root,
+    its jobs started through bench/harness.py: no script edits sys.path, imports from tests/,
+    or builds its own mpiexec command line."""
+    files = sorted((ROOT / "bench").rglob("*.py"))
+    if not files:
+        pytest.skip("bench/ is not next to the tests")
+    for path in files:
+        text = path.read_text()
+        name = path.relative_to(ROOT).as_posix()
+        assert "sys.path" not in text, name
+        assert not re.search(r"^\s*(from|import) (tests|faults|nets)\b", text, re.M), name
+        if path.name != "harness.py":
+            assert '"mpiexec"' not in text, f"{name} starts mpiexec itself, not by harness"

@@ -17,10 +17,7 @@ true error too and calibrates the estimate (Note [calibrated estimate]); the bat
 between judge the calibrated estimate, which saw only the audits before them.
 """
 import sys
-from pathlib import Path
-
-# The examples this worker trains are imported by their file names.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from bench import harness
 
 
 def setup(example, mode, target):
@@ -42,14 +39,14 @@ def setup(example, mode, target):
                                       skip_first_downcycle=True)
         batch, lr, opt = 64, 0.05, "sgd"
     if example in ("mnist", "convchain"):
-        from mnist import MNISTNet
+        MNISTNet = harness.example("mnist").MNISTNet
 
         steps, t_final = (8, 1.0) if example == "mnist" else (24, 2.0)
 
         def build(f, b, warm, target=None):
             return MNISTNet(lp_comm, steps, 8, t_final, f, b, warm, target)
     elif example == "sequence":
-        from sequence_classification import Classifier
+        Classifier = harness.example("sequence_classification").Classifier
         from torch import nn
 
         from layerbraid.nn import LayerParallelGRU
@@ -69,7 +66,8 @@ def setup(example, mode, target):
                         p.copy_(comm.bcast(p.detach(), root=0))
             return model
     else:
-        from volumes3d import VolumeNet, make_volumes
+        volumes3d = harness.example("volumes3d")
+        VolumeNet, make_volumes = volumes3d.VolumeNet, volumes3d.make_volumes
 
         train = make_volumes(1024, 16, 0)
         test = make_volumes(256, 16, 1)

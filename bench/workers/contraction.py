@@ -12,10 +12,8 @@ the adjoint's relative input-gradient error after k = 1..4 iterations with an ex
 the parameter-gradient error at 2 forward / 1 adjoint iterations (audit_gradients).
 """
 import sys
-from pathlib import Path
+from bench import harness
 
-# The example this worker measures is imported by its file name.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 ITERS = (1, 2, 3, 4)
 # name -> (levels, cfactor, nrelax, spatial levels)
@@ -34,7 +32,8 @@ def train_serial(path, batches, gamma):
     import torch
     import torch.nn.functional as F
 
-    from volumes3d import VolumeNet, make_volumes
+    volumes3d = harness.example("volumes3d")
+    VolumeNet, make_volumes = volumes3d.VolumeNet, volumes3d.make_volumes
     from mpi4py import MPI
 
     torch.manual_seed(0)
@@ -61,7 +60,8 @@ def main():
     from mpi4py import MPI
 
     import layerbraid
-    from volumes3d import VolumeNet, make_volumes
+    volumes3d = harness.example("volumes3d")
+    VolumeNet, make_volumes = volumes3d.VolumeNet, volumes3d.make_volumes
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD

@@ -1,5 +1,5 @@
 """The general solver through Python (numpy states); args: size steps levels [interval] (a
-worker of bench/bench_core.py, run under mpiexec; prints JSON lines).  With interval 1 the
+worker of bench/core.py, run under mpiexec; prints JSON lines).  With interval 1 the
 solver gets a step_interval that takes each run of steps in one call from the core (the same
 step function in a Python loop), so the difference is the core's per-step crossings."""
 

@@ -1,9 +1,5 @@
-"""Time per batch and its parts on one data x layer grid; args: dp batches (a worker of bench/bench_grid.py, run under mpiexec; prints JSON lines)."""
-import sys
-from pathlib import Path
-
-# The example this worker measures is imported by its file name.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+"""Time per batch and its parts on one data x layer grid; args: dp batches (a worker of bench/grid.py, run under mpiexec; prints JSON lines)."""
+from bench import harness
 
 
 def main():
@@ -12,7 +8,7 @@ def main():
 
     from mpi4py import MPI
     import layerbraid
-    from mnist import MNISTNet
+    MNISTNet = harness.example("mnist").MNISTNet
     torch.set_num_threads(1)
     dp, batches = int(sys.argv[1]), int(sys.argv[2])
     comm = MPI.COMM_WORLD
@@ -29,7 +25,8 @@ def main():
     for k in range(batches + 1):
         x = torch.randn(64, 1, 28, 28, generator=g)
         y = torch.randint(0, 10, (64,), generator=g)
-        idx = next(layerbraid.shard_batches(64, 64, grid.data_rank, dp, seed=k))
+        idx = torch.randperm(64, generator=torch.Generator().manual_seed(k))
+        idx = idx.tensor_split(dp)[grid.data_rank]  # this data group's share of the batch
         comm.Barrier()
         t0 = time.perf_counter()
         opt.zero_grad()

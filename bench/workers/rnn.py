@@ -1,6 +1,6 @@
 """Layer-parallel GRU or LSTM vs nn.GRU / nn.LSTM on one sequence length; args: seq levels
 [cell [path]], cell gru (default) or lstm, path fused (default) or per-step (a worker of
-bench/bench_rnn.py, run under mpiexec; prints JSON lines)."""
+bench/rnn.py, run under mpiexec; prints JSON lines)."""
 
 
 REPEATS = 7  # timed runs after one warm-up; the machine's noise needs more than three

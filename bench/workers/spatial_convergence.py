@@ -1,4 +1,4 @@
-"""Spatial coarsening: residual history of a converging solve; args: size steps iters (a worker of bench/bench_spatial.py, run under mpiexec; prints JSON lines)."""
+"""Spatial coarsening: residual history of a converging solve; args: size steps iters (a worker of bench/spatial.py, run under mpiexec; prints JSON lines)."""
 
 
 def main():

@@ -1,4 +1,4 @@
-"""Spatial coarsening: time per batch and errors; args: size steps repeats (a worker of bench/bench_spatial.py, run under mpiexec; prints JSON lines)."""
+"""Spatial coarsening: time per batch and errors; args: size steps repeats (a worker of bench/spatial.py, run under mpiexec; prints JSON lines)."""
 
 
 def main():

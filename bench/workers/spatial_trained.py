@@ -1,9 +1,5 @@
-"""Spatial coarsening: errors on trained weights; args: see bench_spatial.trained_errors (a worker of bench/bench_spatial.py, run under mpiexec; prints JSON lines)."""
-import sys
-from pathlib import Path
-
-# The example this worker measures is imported by its file name.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+"""Spatial coarsening: errors on trained weights; args: see bench/spatial.py's trained_errors (a worker of bench/spatial.py, run under mpiexec; prints JSON lines)."""
+from bench import harness
 
 
 def main():
@@ -12,7 +8,8 @@ def main():
     import torch.nn.functional as F
     from mpi4py import MPI
     import layerbraid
-    from volumes3d import VolumeNet, make_volumes
+    volumes3d = harness.example("volumes3d")
+    VolumeNet, make_volumes = volumes3d.VolumeNet, volumes3d.make_volumes
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     checkpoint, steps, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -99,7 +99,7 @@ class LSTMMath:
 
     reference = nn.LSTM
     # torch's LSTM backward on CPU is one oneDNN call, faster than the closed-form VJPs' Python
-    # loop; its GRU backward is not, so the GRU keeps the closed-form VJPs (bench/bench_rnn.py
+    # loop; its GRU backward is not, so the GRU keeps the closed-form VJPs (bench/rnn.py
     # times both paths)
     block_graphs = True
 

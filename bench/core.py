@@ -1,21 +1,18 @@
 """The MGRIT core's speed.
 
-    python bench/bench_core.py          (uses mpicc and mpiexec on PATH; writes docs/bench_core.md)
+    python -m bench.core          (uses mpicc and mpiexec on PATH; writes docs/bench_core.md)
 
-1. Core time per step: bench/core_bench.c drives the core with C callbacks on scalar states, so
+1. Core time per step: bench/workers/core_bench.c drives the core with C callbacks on scalar states, so
    the time per executed step is the core's own bookkeeping and messaging.
 2. Seconds per solve through Python (numpy callbacks), scalar and 64k-element states, 1 and 2
    ranks, against plain sequential stepping of the same step function.
 """
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-from harness import launch, write_report  # noqa: E402
+from bench.harness import ROOT, launch, mpiexec, write_report
 
 PY_BENCH = "core_python"  # bench/workers/core_python.py
 
@@ -24,7 +21,7 @@ def build_core_bench(workdir):
     exe = Path(workdir) / "core_bench"
     srcs = sorted(str(p) for p in (ROOT / "cbridge" / "src").glob("*.c"))
     subprocess.run(["mpicc", "-O2", "-std=c99", f"-I{ROOT / 'cbridge' / 'include'}",
-                    f"-I{ROOT / 'cbridge' / 'src'}", str(ROOT / "bench" / "core_bench.c"), *srcs,
+                    f"-I{ROOT / 'cbridge' / 'src'}", str(ROOT / "bench" / "workers" / "core_bench.c"), *srcs,
                     "-lm", "-o", str(exe)], check=True)
     return exe
 
@@ -35,8 +32,7 @@ def main():
         exe = build_core_bench(d)
         for ranks in (1, 2):
             for n, levels in ((4096, 3), (65536, 4)):
-                out = subprocess.run(["mpiexec", "-n", str(ranks), str(exe), str(n), str(levels),
-                                      "4", "5", "5"], check=True, capture_output=True, text=True)
+                out = mpiexec(ranks, [exe, n, levels, 4, 5, 5])
                 rows_c.append(json.loads(out.stdout))
                 print(rows_c[-1], flush=True)
         for ranks in (1, 2):
@@ -45,9 +41,9 @@ def main():
                     rows_py.append(launch(PY_BENCH, ranks, size, 256 if size > 1 else 1024, 3,
                                           interval)[-1])
     lines = ["# The MGRIT core's speed", "",
-             "Measured on this project's 2-core machine by `python bench/bench_core.py`.", "",
+             "Measured on this project's 2-core machine by `python -m bench.core`.", "",
              "## Core time per step (C callbacks on scalar states)", "",
-             "bench/core_bench.c runs the core with C callbacks whose step is one division, so the "
+             "bench/workers/core_bench.c runs the core with C callbacks whose step is one division, so the "
              "time per executed step is the core's own work (sweeps, bookkeeping, messages). "
              "5 iterations of FCF V-cycles, cfactor 4; best of 5 solves.", "",
              "| ranks | N | levels | seconds per solve | steps run (busiest rank) | us per step |",

@@ -1,32 +1,60 @@
-"""A 2-rank training job with one fault injected; run by tests/test_faults.py and
-bench/reliability.py.
+"""A fault drill: does a fault on one rank end every rank of the job, with its cause, within
+seconds, on this machine's MPI?
 
-    mpiexec -n 2 python tests/faults.py SCENARIO
+    python -m layerbraid.drill                        # every scenario on 2 ranks
+    python -m layerbraid.drill --ranks 3 --scenarios stall-clip exit-end
 
-Each scenario prints ``FAULT <unix time>`` on the faulty rank just before the fault, so that the
-driver can time the end of the job from it.  The job must end on every rank, with the cause.
+Each scenario is a short layer-parallel training job (``mpiexec -l -n RANKS python -m
+layerbraid.drill --job SCENARIO``, with LAYERBRAID_TIMEOUT=3) in which one rank raises, stalls,
+exits, is killed, or gets Ctrl-C at a chosen point: before a forward, inside the MGRIT core,
+before a collective of its own (the clip, the checkpoint, the loader's seed, the grid), or by
+never arriving at one.  The faulty rank prints ``FAULT <unix time>`` just before the fault; the
+driver reads each rank's output (mpiexec's ``-l`` tags, as MPICH's Hydra launcher writes them),
+kills the whole job if it outlives ``--limit`` seconds whether or not it prints, and checks
+that it ended nonzero with the cause printed where the scenario says: by the faulty rank for a
+fault it raises itself, by a waiting rank where a collective caught it, by the launcher for a
+killed process.  The test suite and the reliability report (docs/reliability.md) run these
+same scenarios.
 """
+import argparse
 import os
 import re
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from mpi4py import MPI
 from torch import nn
 from torch.utils.data import TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import layerbraid  # noqa: E402
-from layerbraid.data import LayerParallelLoader  # noqa: E402
-from layerbraid.nn import LayerParallelGRU  # noqa: E402
-from nets import ODEResNet, batch  # noqa: E402
+import layerbraid
+from layerbraid._comm import barrier, bcast_obj
+from layerbraid._comm import world as _world
+from layerbraid.data import LayerParallelLoader
+from layerbraid.nn import ConvBlock, LayerParallelGRU
 
-WORLD = MPI.COMM_WORLD
+
+class _Net(layerbraid.LayerParallelModule):
+    """open conv -> conv steps -> flatten + linear, on 8x8 single-channel images, 3 classes."""
+
+    def __init__(self, comm, num_steps=4, channels=4):
+        super().__init__(num_steps=num_steps, t_final=1.0, comm=comm)
+        self.channels = channels
+        self.open = nn.Conv2d(1, channels, 3, padding=1)
+        self.close = nn.Sequential(nn.Flatten(), nn.Linear(channels * 64, 3))
+
+    def step_layer(self, index):
+        return ConvBlock(self.channels)
+
+
+def _batch(n):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (n,), generator=g))
 
 
 class InjectedFault(RuntimeError):
@@ -40,7 +68,7 @@ def fault_here():
 
 
 def fail_on(rank, where):
-    if WORLD.Get_rank() == rank:
+    if _world().Get_rank() == rank:
         fault_here()
         raise InjectedFault(f"injected fault on rank {rank} before {where}")
 
@@ -51,7 +79,7 @@ class FailingClose(nn.Module):
         raise InjectedFault("injected fault in the close layer on the last rank")
 
 
-class BadStep(ODEResNet):
+class BadStep(_Net):
     def step_layer(self, index):
         if index == self.num_steps - 1:
             fault_here()
@@ -114,25 +142,23 @@ SCENARIOS = {
     "exit-end": ("rank 1's script ends before the checkpoint",
                  "rank 1 exited (the end of its script) while rank 0 waited", "waiting"),
 }
-TIMEOUT = 3  # LAYERBRAID_TIMEOUT for every scenario
+TIMEOUT = 3  # LAYERBRAID_TIMEOUT (seconds) for every scenario
 
 
-def run(scenario, ranks=2, limit=60):
+def run(scenario, ranks=2, limit=60, mpiexec="mpiexec"):
     """Runs the job under a wall-time limit (enforced whether or not output arrives: the whole
     job is killed at ``limit`` s).  Returns {"rc", "hung", "seconds" (fault to the end of the
     job), "faulty" (the rank that printed FAULT), "outputs" ({rank: its lines}), "job" (lines
     no rank printed), "cause_on" (the ranks that printed the cause), "cause" (the cause
     printed where the scenario says), "output" (everything)}."""
-    import subprocess
-    import threading
-
     # Not the calling process's MPI job: a fresh one (no PMI variables of a singleton).
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA", "_PYTEST_MPI"))}
     env.update(PYTHONUNBUFFERED="1", LAYERBRAID_TIMEOUT=str(TIMEOUT))
-    proc = subprocess.Popen(["mpiexec", "-l", "-n", str(ranks), sys.executable, __file__,
-                             scenario], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen([mpiexec, "-l", "-n", str(ranks), sys.executable, "-m",
+                             "layerbraid.drill", "--job", scenario], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
     lines, state = [], {"fault": None, "faulty": None}
 
     def read():
@@ -196,9 +222,11 @@ class StallingClose(nn.Module):
         sleep_forever()
 
 
-def main(scenario):
+def job(scenario):
+    """The training job of ``scenario``, on this rank (run under mpiexec)."""
+    WORLD = _world()
     torch.set_default_dtype(torch.float64)
-    x, y = batch(n=16)
+    x, y = _batch(16)
     one = WORLD.rank == 1
     if scenario == "rnn":
         gru = LayerParallelGRU(3, 4, comm=WORLD)
@@ -208,16 +236,16 @@ def main(scenario):
     if scenario == "grid":
         grid = layerbraid.ProcessGrid(WORLD, data_parallel=WORLD.size)
         fail_on(1, "a data-parallel model's weight broadcast")
-        ODEResNet(grid, num_steps=4)
+        _Net(grid, num_steps=4)
     if scenario == "step-layer":
         BadStep(WORLD, num_steps=4)
     if scenario == "stall-start" and one:
         sleep_forever()
-    model = ODEResNet(WORLD, num_steps=4)
+    model = _Net(WORLD, num_steps=4)
     if scenario == "stall-construction":
         if one:
             sleep_forever()
-        ODEResNet(WORLD, num_steps=4)
+        _Net(WORLD, num_steps=4)
     if scenario == "stall-grid":
         if one:
             sleep_forever()
@@ -271,8 +299,9 @@ def main(scenario):
             sleep_forever()
         layerbraid.clip_grad_norm_(model, 1.0)
         opt.step()
-    path = WORLD.bcast(os.path.join(tempfile.gettempdir(), f"layerbraid-faults-{os.getpid()}.ckpt")
-                       if WORLD.rank == 0 else None)
+    path = bcast_obj(WORLD, os.path.join(tempfile.gettempdir(),
+                                         f"layerbraid-drill-{os.getpid()}.ckpt"), 0,
+                     "the checkpoint's path")
     if scenario == "stall-to-serial":
         if WORLD.rank == 0:
             model.to_serial()  # the "on rank 0 only" habit
@@ -280,17 +309,66 @@ def main(scenario):
             sleep_forever()
     if scenario == "exit-end" and one:
         fault_here()
-        return "exited"
+        return
     if scenario == "checkpoint":
         fail_on(1, "save_checkpoint")
     if scenario == "stall-checkpoint" and one:
         sleep_forever()
     layerbraid.save_checkpoint(model, path, opt)
-    WORLD.Barrier()
+    barrier(WORLD, "the end of the drill")
     if WORLD.rank == 0:
         os.unlink(path)
     print(f"rank {WORLD.rank}: no fault happened", flush=True)
 
 
+def problems(scenario, result, limit):
+    """What went wrong in ``result`` (from :func:`run`), as sentences; empty when the job ended
+    as the scenario says it must."""
+    out = []
+    if result["hung"]:
+        out.append(f"the job was still running after {limit} s and was killed")
+    if result["seconds"] is None:
+        out.append("no rank printed FAULT: the fault was never injected")
+    if result["rc"] == 0:
+        out.append("the job ended with exit status 0")
+    if not result["cause"]:
+        by = {"faulty": "the faulty rank", "waiting": "a waiting rank", "job": "the launcher"}
+        out.append(f"the cause was not printed by {by[SCENARIOS[scenario][2]]}")
+    if any("no fault happened" in text for text in result["outputs"].values()):
+        out.append("a rank finished as if nothing happened")
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2, help="ranks per job (at least 2)")
+    p.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), metavar="SCENARIO",
+                   default=list(SCENARIOS), help="default: all of " + ", ".join(SCENARIOS))
+    p.add_argument("--limit", type=float, default=60, help="seconds before a job is a hang")
+    p.add_argument("--mpiexec", default="mpiexec", help="an MPICH (Hydra) mpiexec")
+    p.add_argument("--job", metavar="SCENARIO", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.job is not None:
+        job(a.job)  # the job's end is the script's end (exit-end expects just that)
+        return 0
+    if a.ranks < 2:
+        p.error(f"--ranks must be at least 2, got {a.ranks}")
+    failed = 0
+    for scenario in a.scenarios:
+        result = run(scenario, a.ranks, a.limit, a.mpiexec)
+        wrong = problems(scenario, result, a.limit)
+        failed += bool(wrong)
+        took = "-" if result["seconds"] is None else f"{result['seconds']:.1f} s after the fault"
+        print(f"{'FAILED' if wrong else 'ok':6} {scenario}: {SCENARIOS[scenario][0]}; ended "
+              f"{took}; cause printed by rank(s) {result['cause_on'] or '-'}", flush=True)
+        for line in wrong:
+            print(f"       {line}", flush=True)
+    print(f"{len(a.scenarios) - failed} of {len(a.scenarios)} scenarios ended every rank with "
+          "their cause")
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if main():
+        sys.exit(1)

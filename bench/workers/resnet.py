@@ -1,6 +1,6 @@
 """Forward+backward time of a layer-parallel ODE-ResNet vs plain PyTorch (one configuration).
 
-    mpiexec -n 2 python bench/bench_resnet.py --steps 64 --levels 2 --json out.json
+    mpiexec -n 2 python -m bench.workers.resnet --steps 64 --levels 2 --json out.json
 
 Network: x <- x + dt * relu(conv2(relu(conv1(x)))), 8 channels, 28x28, batch 50, float32, 1 thread
 per rank.  Reports seconds per forward+backward (median of --repeats), the relative errors of the
@@ -12,16 +12,14 @@ the measured serial cost of one step and one VJP.
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from mpi4py import MPI
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import layerbraid  # noqa: E402
-from layerbraid.nn import ConvBlock  # noqa: E402
+import layerbraid
+from layerbraid.nn import ConvBlock
 
 
 class Chain(layerbraid.LayerParallelModule):
