@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from test_data import make_tiny_imagenet
+from tolerances import FLOAT32
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,8 +147,11 @@ def test_sequence_classification_layer_parallel_equals_serial_in_exact_mode(tmp_
     run(2, "sequence_classification.py", *common, "--lp-levels", "1", "--out-dir", tmp_path / "lp")
     run(0, "sequence_classification.py", *common, "--serial", "--out-dir", tmp_path / "serial")
     lp, ser = metrics(tmp_path / "lp")["history"][0], metrics(tmp_path / "serial")["history"][0]
-    assert lp["first_losses"] == pytest.approx(ser["first_losses"], rel=1e-4)
-    assert lp["train_loss"] == pytest.approx(ser["train_loss"], rel=1e-3)
+    # float32 exact mode: the first losses agree to the bit here and the mean over 25 SGD
+    # steps to ~5e-9; FLOAT32 leaves a margin for another machine's summation order
+    assert lp["first_losses"] == pytest.approx(ser["first_losses"], rel=FLOAT32)
+    assert lp["loss_curve"] == pytest.approx(ser["loss_curve"], rel=FLOAT32)
+    assert lp["train_loss"] == pytest.approx(ser["train_loss"], rel=FLOAT32)
     assert sum(lp["last_losses"]) < sum(lp["first_losses"])
 
 
