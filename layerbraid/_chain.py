@@ -59,12 +59,16 @@ class _Graph:
     the step was ``x + scale(dt) * out`` (``Steps.scale``): the VJP ``w + out'(x)^T (scale(dt)
     w)`` then serves every step size, so coarse adjoint steps reuse the graph instead of
     recomputing the step (Note [Euler graphs]).  Otherwise ``out`` is the new state itself.
+
+    ``y``: the new state as a tensor of a run's graph (Note [fused runs] in _layer_steps.py),
+    whose next step's ``x`` is this same tensor; None for a step recorded alone (``x`` a leaf).
     """
 
-    __slots__ = ("x", "out", "leaves", "increment")
+    __slots__ = ("x", "out", "leaves", "increment", "y")
 
-    def __init__(self, x, out, leaves=(), increment=False):
+    def __init__(self, x, out, leaves=(), increment=False, y=None):
         self.x, self.out, self.leaves, self.increment = x, out, list(leaves), increment
+        self.y = y
 
 
 class Run:

@@ -25,6 +25,13 @@ class _LayerRun:
     params: list = field(default_factory=list)  # the owned steps' parameters, in order
     grad_out: Optional[torch.Tensor] = None     # the output's gradient, on the last rank
     coarse_x: dict = field(default_factory=dict)  # (step, level) -> R^k x, for mode "branch"
+    # set by the module before the solve: each owned step's parameters that require a gradient
+    # (step -> [(id, parameter)]), and whether runs of steps are fused (Note [fused runs])
+    step_params: dict = field(default_factory=dict)
+    fused: bool = True
+    # Note [fused runs]: id(state handed to the core) -> (that state, the same values as a
+    # tensor of the run's graph), for every state the final relaxation made
+    live: dict = field(default_factory=dict)
 
 
 class _LayerSteps(Steps):
@@ -53,8 +60,11 @@ class _LayerSteps(Steps):
         check_shape(fx, x, index)
         return x + dt * fx
 
-    def params(self, index):
-        return [p for p in self.layers.layers[str(index)].parameters() if p.requires_grad]
+    def step_params(self, owned):
+        """{step: [(id, parameter)]} for the owned steps: the parameters that require a
+        gradient, walked once per forward (a run's graphs collect their gradients by id)."""
+        return {i: [(id(p), p) for p in self.layers.layers[str(i)].parameters()
+                    if p.requires_grad] for i in owned}
 
     # ------------------------------------------------------------------ boundary
     def new_run_state(self):
@@ -91,6 +101,7 @@ class _LayerSteps(Steps):
         else:
             grad_h0 = None
         grads = [run.grads.get(id(p)) for p in run.own.params]
+        run.own.live = {}
         if not run.retain:
             run.own.coarse_x = {}
         if self.check_finite:
@@ -99,9 +110,7 @@ class _LayerSteps(Steps):
 
     def _check_finite(self, grad_h0, grads):
         """Raises on every rank if any rank's input or parameter gradients are not finite."""
-        with torch.no_grad():
-            bad = any(g is not None and not bool(torch.isfinite(g).all())
-                      for g in [grad_h0] + grads)
+        bad = not all_finite([g for g in [grad_h0] + grads if g is not None])
         first = first_rank_where(self.comm, bad, "the finiteness check of the gradients")
         if first is not None:
             raise FloatingPointError(
@@ -125,9 +134,11 @@ class _LayerSteps(Steps):
     def record(self, run, u, dt, index):
         if not run.record:
             return self.step(run, u, dt, 0, index), None
+        if run.own.fused:  # a run of one step, chained to the step that made u if it can
+            return self.step_interval(run, u, [dt], 0, index, 1, True, True)[0], None
         layer = self.layers.layers[str(index)]
         xg = u.detach().requires_grad_(True)
-        leaves = [(id(p), p) for p in layer.parameters() if p.requires_grad]
+        leaves = run.own.step_params[index]
         if self.rule is None:
             # Note [Euler graphs]: keep the graph of f(x) alone.  Its VJP serves every step
             # size, so the coarse adjoint steps reuse it instead of recomputing the layer.
@@ -138,6 +149,80 @@ class _LayerSteps(Steps):
         with torch.enable_grad():
             y = self.apply_rule(layer, xg, dt, index)
         return y.detach(), _Graph(xg, y, leaves)
+
+    # Note [fused runs]: in the final relaxation each step runs once, recording its graph.  The
+    # steps are recorded as one graph wherever they follow each other: within a run the core
+    # hands over in one call (an F-interval; a rank's whole block with one level) each step's
+    # input is the previous step's output tensor itself, not a fresh leaf; and a step whose
+    # input state is one the final relaxation made (a C-point's step after its F-interval) is
+    # chained to the tensor that made it (``live``, found by the state object's identity; the
+    # core never changes a state).  Each step still keeps its own _Graph (x, out) into that
+    # graph, so coarse adjoint steps take their VJPs step by step as before (autograd.grad
+    # with a non-leaf input walks only the nodes between out and x).  The adjoint's final
+    # relaxation goes through each step once in reverse: a run of steps whose graphs are
+    # chained is one autograd call, for the adjoint states at every step (the gradients with
+    # respect to each step's x) and every parameter's gradient at once.  The operations are
+    # those of the step-by-step path (fused=False), so the two agree to round-off (tested in
+    # float64 at 1e-12); what is saved is an autograd call and its Python per step.  The
+    # state handed to the core is a detached view of the graph's tensor: no copy.
+    def step_interval(self, run, u, dts, level, index, stride, final, keep):
+        if not (final and level == 0 and run.record and run.own.fused):
+            return None
+        out, live = [], run.own.live
+        made = live.get(id(u))
+        x = made[1] if made is not None and made[0] is u else u.detach().requires_grad_(True)
+        with torch.enable_grad():
+            for k, dt in enumerate(dts):
+                i = index + k * stride
+                layer, leaves = self.layers.layers[str(i)], run.own.step_params[i]
+                if self.rule is None:  # Note [Euler graphs]: the graph of f(x) is kept
+                    fx = layer(x)
+                    check_shape(fx, x, i)
+                    y = x + dt * fx
+                    run.graphs[i] = _Graph(x, fx, leaves, increment=True, y=y)
+                else:
+                    y = self.apply_rule(layer, x, dt, i)
+                    run.graphs[i] = _Graph(x, y, leaves, y=y)
+                state = y.detach()
+                live[id(state)] = (state, y)
+                out.append(state)
+                x = y
+        return out
+
+    def adjoint_interval(self, run, w, dts, level, ss, final, keep):
+        """The final relaxation's adjoint over forward steps ``ss`` (latest first): one
+        autograd call per chained run of their graphs (Note [fused runs])."""
+        if not (final and level == 0 and run.own.fused):
+            return None
+        graphs = [run.graphs[s] for s in ss]
+        out, start = [], 0
+        while start < len(graphs):
+            end = start + 1  # graphs[start:end] chained: each step's x is the next one's y
+            while end < len(graphs) and graphs[end].y is graphs[end - 1].x:
+                end += 1
+            w = self._adjoint_run(run, graphs[start:end], w, keep, out)
+            start = end
+        return out
+
+    @staticmethod
+    def _adjoint_run(run, graphs, w, keep, out):
+        """Appends to ``out`` the adjoint states after each step of a chained run (latest step
+        first; only the last without ``keep``), sums the leaves' gradients into
+        ``run.grads``, and returns the last adjoint state."""
+        xs = [g.x for g in graphs] if keep else [graphs[-1].x]
+        leaves = {}  # a parameter shared by several steps: its gradient is their sum
+        for g in graphs:
+            leaves.update((key, t) for key, t in g.leaves if t.requires_grad)
+        grads = torch.autograd.grad(graphs[0].y, xs + list(leaves.values()), w,
+                                    allow_unused=True, retain_graph=run.retain)
+        for key, g in zip(leaves, grads[len(xs):]):
+            if g is not None:
+                run.grads[key] = g if key not in run.grads else run.grads[key] + g
+        states = [g if g is not None else torch.zeros_like(w) for g in grads[:len(xs)]]
+        if not keep:
+            states = [None] * (len(graphs) - 1) + states
+        out.extend(states)
+        return states[-1]
 
     # ------------------------------------------------------------------ adjoint steps
     def adjoint_step(self, run, w, dt, level, s, final):
@@ -165,6 +250,20 @@ class _LayerSteps(Steps):
             yr = self.apply_rule(layer, xr, dt, s)
             gx, = torch.autograd.grad(yr, xr, w, allow_unused=True)
         return gx if gx is not None else torch.zeros_like(w)
+
+
+def all_finite(tensors):
+    """Whether every element of ``tensors`` is finite: one sum per tensor, in float64 (NaN and
+    Inf survive a sum; float32 or half values cannot overflow one, float64 values only near
+    1e308 / their count), and one check per device, instead of a boolean copy of every
+    tensor."""
+    by_device = {}
+    with torch.no_grad():
+        for t in tensors:
+            if t.numel():
+                real = torch.view_as_real(t) if t.is_complex() else t
+                by_device.setdefault(t.device, []).append(real.sum(dtype=torch.float64))
+        return all(bool(torch.isfinite(torch.stack(sums)).all()) for sums in by_device.values())
 
 
 def check_shape(fx, x, index):

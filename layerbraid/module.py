@@ -91,6 +91,10 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         check_finite: raise ``FloatingPointError`` on every rank when the output (checked on
             the last rank) or the input gradient and parameter gradients (checked after the
             adjoint solve) hold NaN or Inf, in every mode, one level included.
+        fused: record each run of steps of the final relaxation as one graph and take the
+            adjoint's final relaxation over it in one autograd call per run (default True);
+            False takes one autograd call per step.  The two agree to round-off; fused saves
+            the per-step calls (Note [fused runs] in _layer_steps.py).
 
     The attribute ``retain_graphs`` (default False) keeps the steps' graphs after a backward,
     so that the same forward can be differentiated again (``retain_graph=True``,
@@ -105,13 +109,13 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                  backward_options: Optional[MGRITOptions] = None,
                  warm_start: bool = False, output: str = "all", spatial=None,
                  check_inputs: bool = True, check_finite: bool = True,
-                 target_error: Optional[float] = None):
+                 target_error: Optional[float] = None, fused: bool = True):
         super().__init__()
         _enter()
 
         check_int("num_steps", num_steps, 1, _MAX_STEPS, "2**62")
         for name, flag in (("warm_start", warm_start), ("check_inputs", check_inputs),
-                           ("check_finite", check_finite)):
+                           ("check_finite", check_finite), ("fused", fused)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         if isinstance(t_final, bool) or not isinstance(t_final, (int, float)) or \
@@ -140,6 +144,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         self.target_error = _check_target(target_error)
         self.check_inputs = bool(check_inputs)
         self.check_finite = bool(check_finite)
+        self.fused = fused
         self.retain_graphs = False
         if output not in ("all", "next"):
             raise ValueError(f"output must be 'all' or 'next', got {output!r}")
@@ -374,10 +379,13 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             h0 = x if isinstance(x, torch.Tensor) and x.requires_grad else \
                 torch.zeros((), dtype=dtype, device=device)
         run = Run(self._steps, shape, dtype, device, record, retain=self.retain_graphs)
+        run.own.step_params = self._steps.step_params(self._chain.owned)
+        run.own.fused = bool(self.fused)
         anchor = self._anchor.to(device) if self._anchor.device != device else self._anchor
         self._step_layers.exchange()
         chain = self._chain.exact() if self._solve_exactly else self._chain
-        out = _ChainFn.apply(chain, run, anchor, h0, *self._owned_params())
+        params = [p for leaves in run.own.step_params.values() for _, p in leaves]
+        out = _ChainFn.apply(chain, run, anchor, h0, *params)
         status, error = None, None
         if last:
             try:
@@ -421,10 +429,6 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                 "check_finite": (self.check_finite, self._steps.check_finite),
                 "check_inputs": self.check_inputs,
                 "an exact solve (audit_gradients)": self._solve_exactly}
-
-    def _owned_params(self):
-        return [p for i in self._chain.owned for p in self.layers[str(i)].parameters()
-                if p.requires_grad]
 
     # ------------------------------------------------------------------ serial view, state
     def _gather_state(self, root=None):

@@ -150,8 +150,8 @@ def test_estimate_does_not_depend_on_the_rank_count():
     size = WORLD.Get_size()
     assert size in (2, 3, 4)
     x, y = batch(n=8, seed=1)
-    results = []
-    for comm in (WORLD, MPI.COMM_SELF):
+    results, whole = [], None
+    for comm in (WORLD, MPI.COMM_SELF):  # the layer-parallel model first, then its serial copy
         model = net(comm, steps=16)
         if comm is MPI.COMM_SELF:
             model.load_state_dict(whole)
