@@ -25,7 +25,7 @@ import json
 import statistics
 import sys
 
-from bench.harness import ROOT, launch, write_report
+from bench.harness import DOCS, QUICK, launch, write_report
 
 WORKER = "accuracy"  # bench/workers/accuracy.py
 TARGET = 1e-2
@@ -38,7 +38,10 @@ RUNS = {"mnist": dict(epochs=1, log_every=25, audit_every=100, max_batches="-"),
                          modes=["serial", "fixed", "adaptive"]),  # shared weights: no penalty
         "convchain": dict(epochs=1, log_every=10, audit_every=50, max_batches=300)}
 MODES = ["serial", "fixed", "smooth", "adaptive"]
-OUT = ROOT / "docs" / "accuracy"
+if QUICK:
+    RUNS = {"mnist": dict(epochs=1, log_every=2, audit_every=3, max_batches=6,
+                          modes=["serial", "fixed"])}
+OUT = DOCS / "accuracy"
 
 
 def measure(only=None):

@@ -10,11 +10,22 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Where reports are written (docs/), and whether to measure the least that exercises every
+# code path of a report: ``python -m bench --run all --quick`` sets both for its modules, with
+# a temporary directory, so that the test suite can run every generator without touching docs/.
+DOCS = Path(os.environ.get("LAYERBRAID_BENCH_DOCS") or ROOT / "docs")
+QUICK = os.environ.get("LAYERBRAID_BENCH_QUICK") == "1"
+
+
+def pick(full, quick):
+    """``full``, or ``quick`` in a quick run."""
+    return quick if QUICK else full
 
 
 def mpiexec(ranks, argv, timeout=3600, env=None, check=True):
@@ -22,6 +33,9 @@ def mpiexec(ranks, argv, timeout=3600, env=None, check=True):
     completed process (output captured).  With ``check``, a nonzero exit raises with the job's
     output."""
     cmd = ["mpiexec", "-n", str(ranks), *map(str, argv)]
+    # a fresh MPI job, whatever launched this process (a test under mpiexec, a singleton)
+    env = {k: v for k, v in (os.environ if env is None else env).items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA", "_PYTEST_MPI"))}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
                           env=env)
     if check and proc.returncode != 0:
@@ -63,6 +77,28 @@ def example(name):
 
     load("training_loop", ROOT / "examples" / "training_loop.py")
     return load(f"example_{name}", ROOT / "examples" / f"{name}.py")
+
+
+def spread(values, fmt=".2f", scale=1.0):
+    """``median [min-max]`` of ``values`` (times ``scale``), as a table cell."""
+    v = sorted(x * scale for x in values)
+    med = statistics.median(v)
+    return f"{med:{fmt}} [{v[0]:{fmt}}-{v[-1]:{fmt}}]"
+
+
+SAME = "~"  # marks a speedup whose spread includes 1.0
+SAME_LEGEND = (f"{SAME}: the speedup's spread includes 1.0, so the row is not distinguishable "
+               "from plain PyTorch in this run.")
+
+
+def speedup(reference, times):
+    """Speedups reference[i] / times[i] of paired timings (each pair from the same round):
+    ``(median, min, max, cell)`` where cell is ``median [min-max]``, marked with SAME when the
+    spread includes 1.0."""
+    r = sorted(a / b for a, b in zip(reference, times))
+    med = statistics.median(r)
+    cell = f"{med:.2f} [{r[0]:.2f}-{r[-1]:.2f}]" + (f" {SAME}" if r[0] <= 1.0 <= r[-1] else "")
+    return med, r[0], r[-1], cell
 
 
 def write_report(path, lines):

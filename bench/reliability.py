@@ -15,19 +15,20 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.harness import ROOT, provenance, write_report
+from bench.harness import DOCS, pick, provenance, write_report
 from layerbraid import drill
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
+    p.add_argument("--repeats", type=int, default=pick(2, 1))
+    p.add_argument("--ranks", type=int, nargs="+", default=pick([2, 3], [2]))
     p.add_argument("--limit", type=float, default=60, help="seconds before a run is a hang")
     p.add_argument("--budget", type=float, default=3600, help="seconds for the whole script")
-    p.add_argument("--scenarios", nargs="+", default=list(drill.SCENARIOS))
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "reliability.md")
+    p.add_argument("--scenarios", nargs="+",
+                   default=pick(list(drill.SCENARIOS), ["forward", "stall-clip"]))
+    p.add_argument("--out", type=Path, default=DOCS / "reliability.md")
     a = p.parse_args(argv)
     rows, raw, skipped = [], [], []
     t0 = time.time()

@@ -11,8 +11,11 @@ work.  Without git history (an unpacked wheel, a shallow copy) nothing can be sa
 check says so.
 """
 import argparse
+import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,9 +29,10 @@ _RESNET = _ENGINE + ["layerbraid/module.py", "layerbraid/_layer_steps.py",
 
 # report -> (the module that regenerates it, the code it measures)
 REPORTS = {
-    "docs/bench_core.md": (["bench.core"], _CORE + ["layerbraid/mgrit.py", "bench/core.py",
-                                                    "bench/workers/core_bench.c",
-                                                    "bench/workers/core_python.py"]),
+    "docs/bench_core.md": (["bench.core"], _RESNET + ["layerbraid/mgrit.py", "bench/core.py",
+                                                      "bench/workers/core_bench.c",
+                                                      "bench/workers/core_python.py",
+                                                      "bench/workers/tax.py"]),
     "docs/bench_resnet.md": (["bench.resnet"],
                              _RESNET + ["bench/resnet.py", "bench/workers/resnet.py"]),
     "docs/bench_grid.md": (["bench.grid"],
@@ -115,9 +119,14 @@ def main(argv=None):
     p.add_argument("--stale", action="store_true", help="print only the stale reports")
     p.add_argument("--run", nargs="+", metavar="REPORT",
                    help="regenerate these reports (docs/NAME.md or NAME), or 'all', or 'stale'")
+    p.add_argument("--quick", action="store_true",
+                   help="with --run: measure the least that exercises every code path of each "
+                        "report, and write them to --docs (a temporary directory by default), "
+                        "not to docs/")
+    p.add_argument("--docs", type=Path, help="with --run: write the reports here")
     a = p.parse_args(argv)
     if a.run:
-        return regenerate(a.run)
+        return regenerate(a.run, a.quick, a.docs)
     if not a.stale:
         print("| report | regenerate with |\n|---|---|")
         for report in REPORTS:
@@ -136,9 +145,19 @@ def main(argv=None):
     return 0
 
 
-def regenerate(names):
+def regenerate(names, quick=False, docs=None):
     """Runs the modules of the reports ``names`` one after another, from the repository's root;
-    stops at the first that fails."""
+    stops at the first that fails.  ``quick``: the smallest measurements, written to ``docs``
+    (a temporary directory unless given)."""
+    if quick and docs is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return regenerate(names, True, Path(tmp))
+    env = dict(os.environ)
+    if quick:
+        env["LAYERBRAID_BENCH_QUICK"] = "1"
+    if docs is not None:
+        docs.mkdir(parents=True, exist_ok=True)
+        env["LAYERBRAID_BENCH_DOCS"] = str(docs)
     if names == ["all"]:
         chosen = list(REPORTS)
     elif names == ["stale"]:
@@ -156,8 +175,10 @@ def regenerate(names):
         chosen = [n if n in REPORTS else by_name[n] for n in names]
     for report in chosen:
         for module in REPORTS[report][0]:
-            print(f"--- {report}: python -m {module}", flush=True)
-            rc = subprocess.run([sys.executable, "-m", module], cwd=ROOT).returncode
+            print(f"--- {report}: python -m {module}" + (" (quick)" if quick else ""), flush=True)
+            t0 = time.time()
+            rc = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env).returncode
+            print(f"--- {time.time() - t0:.0f} s", flush=True)
             if rc != 0:
                 print(f"python -m {module} failed ({rc})", file=sys.stderr)
                 return rc

@@ -1,16 +1,21 @@
 """Runs bench/workers/resnet.py over a set of configurations and writes docs/bench_resnet.md.
 
-    python -m bench.resnet            (uses the mpiexec on PATH)
+    python -m bench.resnet                           (uses the mpiexec on PATH)
+    python -m bench.resnet --rounds 1 --repeats 2    # shorter
+    python -m bench.resnet --report                  # rewrite the .md from the .json
 
-Every speedup in the table comes from one run: the layer-parallel time and plain PyTorch's,
-measured alternately in the same job.
+Every speedup in the table comes from pairs: the layer-parallel time and plain PyTorch's,
+measured alternately in the same job; every configuration runs once per round, the rounds one
+after another (interleaved), and the spread is over every pair of every round.
 """
+import argparse
 import json
-import sys
-import tempfile
-from pathlib import Path
+import time
 
-from bench.harness import ROOT, python
+from bench.harness import (DOCS, SAME_LEGEND, launch, pick, provenance, speedup, spread,
+                           write_report)
+
+OUT = DOCS / "bench_resnet.md"
 
 CONFIGS = [  # (ranks, levels, fwd iters, bwd iters, label)
     (1, 1, 0, 0, "1 rank, 1 level (exact)"),
@@ -21,11 +26,10 @@ CONFIGS = [  # (ranks, levels, fwd iters, bwd iters, label)
 
 
 def run(ranks, steps, levels, fwd, bwd, repeats):
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        python(ranks, "bench.workers.resnet", "--steps", steps, "--levels", levels,
-               "--fwd-iters", max(fwd, 1), "--bwd-iters", max(bwd, 1), "--serial",
-               "--repeats", repeats, "--json", f.name)
-        return json.loads(Path(f.name).read_text())
+    return launch("resnet", ranks, "--steps", steps, "--levels", levels,
+                  "--fwd-iters", max(fwd, 1), "--bwd-iters", max(bwd, 1), "--serial",
+                  "--repeats", repeats, *pick([], ["--batch", 2]), timeout=1800,
+                  echo=False)[-1]
 
 
 def work_speedup(r):
@@ -37,48 +41,86 @@ def work_speedup(r):
     return ser / par
 
 
-def main():
-    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 4
-    rows = []
-    for steps in (16, 32, 64):
-        for ranks, levels, fwd, bwd, label in CONFIGS:
-            r = run(ranks, steps, levels, fwd, bwd, repeats)
-            rows.append((steps, label, r))
-            print(steps, label, f"speedup {r['serial_seconds'] / r['seconds']:.2f}", f"{r['err_param_grad']:.1e}", flush=True)
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=pick(2, 1), help="interleaved rounds")
+    p.add_argument("--repeats", type=int, default=pick(3, 1), help="timed pairs per job")
+    p.add_argument("--report", action="store_true", help="rewrite the .md from the .json")
+    a = p.parse_args(argv)
+    raw = OUT.with_suffix(".json")
+    if a.report:
+        data = json.loads(raw.read_text())
+    else:
+        t0 = time.time()
+        runs = {}
+        for r in range(a.rounds):
+            for steps in pick((16, 32, 64), (16,)):
+                for ranks, levels, fwd, bwd, label in pick(CONFIGS, CONFIGS[:2]):
+                    out = run(ranks, steps, levels, fwd, bwd, a.repeats)
+                    runs.setdefault(f"{steps}|{label}", []).append(out)
+                    print(f"round {r + 1}: N={steps} {label}: speedup {out['speedup']:.2f}",
+                          flush=True)
+        data = {**provenance(), "rounds": a.rounds, "repeats": a.repeats,
+                "seconds": time.time() - t0, "runs": runs}
+        raw.write_text(json.dumps(data, indent=1) + "\n")
+    write_report(OUT, report(data))
+
+
+def report(data):
     lines = [
         "# ODE-ResNet forward+backward: layerbraid vs plain PyTorch",
         "",
         "Network: `x <- x + dt*relu(conv2(relu(conv1(x))))`, 8 channels, 28x28, batch 50, float32,",
-        "one thread per rank, on this project's 2-core machine. Coarsening factor 4, F-relaxation on",
-        "the fine level and FCF on coarse levels, first down-cycle skipped. Each row is one `mpiexec`",
-        "job that alternates layer-parallel and plain-PyTorch forward+backward passes (training-like:",
-        "a new batch and an SGD step each time) and reports medians; speedup = PyTorch's time /",
-        "layerbraid's (> 1 is faster).",
+        "one thread per rank. Coarsening factor 4, F-relaxation on the fine level and FCF on",
+        "coarse levels, first down-cycle skipped. Each configuration is one `mpiexec` job per",
+        "round that alternates layer-parallel and plain-PyTorch forward+backward passes",
+        "(training-like: a new batch and an SGD step each time; plain PyTorch runs on rank 0",
+        "while the other ranks wait in a barrier); times and speedups are median [min-max] over",
+        "every pair of every round; speedup = PyTorch's time / layerbraid's (> 1 is faster).",
+        SAME_LEGEND,
         "Errors are relative 2-norm errors against the serial network with the same weights,",
         "measured at the initial weights before the timed passes (the job's SGD steps with a sum",
         "loss degenerate this network, which would make every row look accurate); errors on",
         "trained networks, and the estimates layerbraid reports, are in docs/accuracy.md.",
         "`work speedup` is serial's N steps and N VJPs over the busiest rank's step and VJP counts",
         "(from the C core's trace), each at the measured cost of one step and one VJP: the",
-        "speedup MGRIT would reach if no rank ever waited for another. The gap to `speedup` is",
-        "waiting: the coarsest-level solve is sequential across ranks (layerbraid.plan models it).",
+        "speedup MGRIT would reach if no rank ever waited for another.",
         "",
-        "Generated by `python -m bench.resnet`.",
+        f"Generated by `python -m bench.resnet` on commit {data['commit']}, {data['date']}, "
+        f"{data['machine']} ({data['rounds']} rounds of {data['repeats']} pairs, "
+        f"{data['seconds']:.0f} s); raw data in docs/bench_resnet.json.",
         "",
         "| N | configuration | seconds | PyTorch s | speedup | work speedup | fwd steps/rank | "
-        "bwd VJPs/rank "
-        "| err output | err input grad | err param grad |",
+        "bwd VJPs/rank | err output | err input grad | err param grad |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for steps, label, r in rows:
+    found = []
+    for key, runs in data["runs"].items():
+        steps, label = key.split("|", 1)
+        lp = [t for r in runs for t in r["lp_times"]]
+        pl = [t for r in runs for t in r["serial_times"]]
+        med, lo, hi, cell = speedup(pl, lp)
+        r = runs[-1]
         lines.append(
-            f"| {steps} | {label} | {r['seconds']:.3f} | {r['serial_seconds']:.3f} | "
-            f"{r['serial_seconds'] / r['seconds']:.2f} | {work_speedup(r):.2f} | {max(r['fwd_steps_per_rank'])} | "
-            f"{max(r['bwd_vjps_per_rank'])} | {r['err_output']:.1e} | {r['err_input_grad']:.1e} | "
-            f"{r['err_param_grad']:.1e} |")
-    out = ROOT / "docs" / "bench_resnet.md"
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+            f"| {steps} | {label} | {spread(lp, '.3f')} | {spread(pl, '.3f')} | {cell} | "
+            f"{work_speedup(r):.2f} | {max(r['fwd_steps_per_rank'])} | "
+            f"{max(r['bwd_vjps_per_rank'])} | {r['err_output']:.1e} | "
+            f"{r['err_input_grad']:.1e} | {r['err_param_grad']:.1e} |")
+        found.append((int(steps), label, med, lo, hi, r["err_param_grad"]))
+    faster = [f for f in found if f[3] > 1.0]
+    slower = [f for f in found if f[4] < 1.0]
+    lines += ["", "## What the run shows", ""]
+    lines.append("- Faster than plain PyTorch in every pair: "
+                 + ("; ".join(f"N={f[0]}, {f[1]} ({f[2]:.2f}, param-gradient error "
+                              f"{f[5]:.1e})" for f in faster) if faster else "no configuration")
+                 + ".")
+    lines.append("- Slower in every pair: "
+                 + ("; ".join(f"N={f[0]}, {f[1]} ({f[2]:.2f})" for f in slower)
+                    if slower else "no configuration") + ".")
+    lines.append(f"- Not distinguishable from plain PyTorch: "
+                 f"{len(found) - len(faster) - len(slower)} of {len(found)} configurations.")
+    return lines
 
 
 if __name__ == "__main__":

@@ -26,15 +26,15 @@ import statistics
 import sys
 
 from bench import shared_cores
-from bench.harness import ROOT, launch, write_section
+from bench.harness import DOCS, launch, pick, write_section
 from layerbraid import MGRITOptions, plan
 
 WORKER = "emulated"  # bench/workers/emulated.py
 HAND_OFF = "hand_off"  # bench/workers/hand_off.py
-STEP_MS, VJP_MS, FLOATS, REPEATS = 3.0, 6.0, 6272, 1
-CONFIGS = {256: [(2, 4), (3, 4), (2, 8)], 1024: [(3, 4), (4, 4)]}
-RANKS = [1, 2, 4, 8, 16, 32, 64]
-OUT = ROOT / "docs" / "scaling_measured"
+STEP_MS, VJP_MS, FLOATS, REPEATS = pick(3.0, 0.3), pick(6.0, 0.6), 6272, 1
+CONFIGS = pick({256: [(2, 4), (3, 4), (2, 8)], 1024: [(3, 4), (4, 4)]}, {32: [(2, 4)]})
+RANKS = pick([1, 2, 4, 8, 16, 32, 64], [1, 4])
+OUT = DOCS / "scaling_measured"
 
 
 def options(levels, cfactor):
@@ -122,7 +122,7 @@ def host(data):
                     + v * (data["vjp_ms"] / 1e3 + late + cpu))
             excess += c - cpu * (f + v)
             waited += max(0.0, wall - busy)
-    return cpu, late, max(0.0, excess / waited)
+    return cpu, late, max(0.0, excess / waited) if waited > 0 else 0.0
 
 
 def sleep_late(row):
@@ -261,22 +261,23 @@ def report(data):
                      f"{t['cluster_speedup']:.2f} | " + (
                          f"{t['sleep_late'] * 1e3:.2f} | {t['predicted_woke'] / t['measured']:.2f} |"
                          if t["sleep_late"] is not None else "- | - |"))
-    lines += ["", "### Where 64 ranks lose: the critical path", "",
-              "The chain of actions that sets the finishing time of one forward+backward at 64 "
+    top = max(RANKS)
+    lines += ["", f"### Where {top} ranks lose: the critical path", "",
+              f"The chain of actions that sets the finishing time of one forward+backward at {top} "
               "ranks on a cluster (a core per rank; layerbraid.plan.simulate with "
               "critical_path=True), in seconds and share:", "",
               "| N | levels | cfactor | total s | " + " | ".join(PARTS) + " |",
               "|---|---|---|---|" + "---|" * len(PARTS)]
     for n, cfgs in CONFIGS.items():
         for lv, cf in cfgs:
-            total, parts = critical_path(n, 64, lv, cf, c)
+            total, parts = critical_path(n, top, lv, cf, c)
             lines.append(f"| {n} | {lv} | {cf} | {total:.3f} | " + " | ".join(
                 f"{parts.get(p, 0.0):.3f} ({100 * parts.get(p, 0.0) / total:.0f}%)"
                 for p in PARTS) + " |")
     lines += hand_off_section(data, machine, late_seen)
     lines += ["", "### Reading it", ""] + findings(table, data) + [""]
     _plot(table)
-    write_section(ROOT / "docs" / "scaling.md", "measured", lines)
+    write_section(DOCS / "scaling.md", "measured", lines)
 
 
 PARTS = ["level 0 steps", "level 1 steps", "level 2 steps", "level 3 steps", "final relaxation",
@@ -326,8 +327,8 @@ def findings(table, data):
                        if r) + " ranks (predicted / measured).  A mean over every sleep does "
                    "not say which sleeps lie on the critical path: where the lateness is "
                    "largest (64 ranks) the model then errs both ways.")
-    if 64 not in counts:
-        out.append("- 64 ranks: no measurement (the job did not finish; see the script's "
+    if max(RANKS) not in counts:
+        out.append(f"- {max(RANKS)} ranks: no measurement (the job did not finish; see the script's "
                    "RANKS).")
     def seconds(key, lv, p):
         return next((t[key] for t in table if t["steps"] == 1024 and t["levels"] == lv

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.harness import ROOT, launch, mpiexec
+from bench.harness import DOCS, QUICK, ROOT, launch, mpiexec, pick, provenance
 
 WORKER = "spatial_timing"  # bench/workers/spatial_timing.py
 
@@ -26,48 +26,50 @@ WORKER = "spatial_timing"  # bench/workers/spatial_timing.py
 CONVERGENCE = "spatial_convergence"  # bench/workers/spatial_convergence.py
 
 
-FINDING = """## What this shows
-
-- Mode "state" (coarse levels store coarse states) is the cheapest per batch but unusable with
-  few iterations on these networks: about 100% error in the output and the gradients, and its
-  residual falls by ~1% per iteration. The states of a random-weight network on random input
-  are dominated by fine-scale content that a half-size grid cannot hold, so the coarse levels
-  correct almost none of the error, and P R != I also loses FCF's exact propagation: the solve
-  becomes exact only as the fine-level relaxation sweeps it through, about one C-interval per
-  iteration (32^3, N = 32: exact after 8 iterations; N = 128: still 98% off).
-- Mode "branch" (default: states stay fine, coarse steps compute their increment on the coarse
-  grid) is as accurate as MGRIT without spatial coarsening, here even slightly more so (output
-  error 1e-3 vs 2e-3, gradient errors 2-3x smaller at 2/1 iterations; residual reduction ~100x
-  per iteration in both), and takes most of "state"'s time saving: on 2 ranks at 64^3 and 128
-  steps, a speedup of {branch} over plain PyTorch against {none} without spatial coarsening
-  ({state} for "state").
-- The saving is modest at this depth of the hierarchy: with 3 levels and cfactor 4 the coarse
-  levels are a small part of a cycle, and a branch coarse step still restricts and interpolates
-  fine-grid states, which on a CPU costs about as much as the 4-16 channel layer on the coarse
-  grid (measured scales 0.37-0.55 of a fine step instead of the ideal 1/8 and 1/64). The work
-  model below projects the gap at many ranks, where the coarse levels dominate.
-- Training (below): all four runs reduce the loss alike over 6 epochs, "state" included, on
-  this small, noisy task; each run trains its own layer-parallel model. The errors on a trained
-  network show why few-iteration settings need care whatever the spatial mode: after exact
-  training the chain amplifies its state far more (see the growth there), and 2 iterations leave
-  56% output error with or without spatial coarsening (63% with "state"); at the initial weights
-  the same settings give 1e-4 ("state": 7e-4 and 15% in the parameter gradients).
-- Times in one job are comparable; across jobs they are noisy (e.g. plain PyTorch at 64^3 and
-  128 steps: {serial1:.0f} s in the 1-rank job, {serial2:.0f} s in the 2-rank job)."""
-
-
 def finding(data):
-    """FINDING with the numbers it quotes taken from this run's measurements."""
-    rows = {(r["size"], r["steps"], r["ranks"], r["mode"]): r for r in data["timing"]}
+    """What the measurements show, each sentence computed from them."""
+    def span(values, fmt=".1e"):
+        values = [v for v in values if v == v]
+        return f"{min(values):{fmt}}-{max(values):{fmt}}" if values else "(not measured)"
 
-    def speedup(mode):
-        r = rows.get((64, 128, 2, mode))
-        return f"{r['serial_seconds'] / r['seconds']:.2f}" if r else "(not measured)"
-
-    serial = [rows.get((64, 128, k, "none"), {}).get("serial_seconds", float("nan"))
-              for k in (1, 2)]
-    return FINDING.format(branch=speedup("branch"), none=speedup("none"), state=speedup("state"),
-                          serial1=serial[0], serial2=serial[1])
+    modes = [m for m in ("none", "branch", "state") if any(r["mode"] == m
+                                                           for r in data["timing"])]
+    out = ["## What this shows", ""]
+    for m in modes:
+        rows = [r for r in data["timing"] if r["mode"] == m]
+        two = [r["serial_seconds"] / r["seconds"] for r in rows if r["ranks"] == 2]
+        conv = [r for r in data["convergence"] if r["mode"] == m]
+        factors = [(r["residuals"][-1] / r["residuals"][0]) ** (1 / (len(r["residuals"]) - 1))
+                   for r in conv if r["residuals"][0] > 0 and len(r["residuals"]) > 1]
+        out.append(f"- Spatial coarsening {m!r}: output error {span([r['err_output'] for r in rows])}"
+                   f", parameter-gradient error {span([r['err_param_grad'] for r in rows])} at "
+                   f"2 forward / 1 adjoint iterations; speedup over plain PyTorch on 2 ranks "
+                   f"{span(two, '.2f')}; the forward residual shrinks by a factor "
+                   f"{span(factors, '.2f')} per iteration (float64, one rank).")
+    if "none" in modes:
+        base = {(r["size"], r["steps"], r["ranks"]): r for r in data["timing"]
+                if r["mode"] == "none"}
+        for m in (m for m in modes if m != "none"):
+            ratios = [r["err_param_grad"] / base[k]["err_param_grad"] for r in data["timing"]
+                      if r["mode"] == m and (k := (r["size"], r["steps"], r["ranks"])) in base
+                      and base[k]["err_param_grad"] > 0]
+            if ratios:
+                out.append(f"- {m!r} against no spatial coarsening, same configuration: "
+                           f"parameter-gradient error {span(ratios, '.2f')} times as large.")
+    plain = {}
+    for r in data["timing"]:
+        plain.setdefault((r["size"], r["steps"]), []).append(r["serial_seconds"])
+    spread = [max(v) / min(v) for v in plain.values() if len(v) > 1 and min(v) > 0]
+    if spread:
+        out.append(f"- Plain PyTorch's time for the same configuration differs by up to "
+                   f"{max(spread):.2f}x between jobs: compare times within a job.")
+    if data.get("trained"):
+        for w in sorted({r["weights"] for r in data["trained"]}):
+            rows = [r for r in data["trained"] if r["weights"] == w and r["iters"] == 2]
+            if rows:
+                out.append(f"- {w.capitalize()} weights, 2 iterations: output error " + ", ".join(
+                    f"{r['mode']} {r['err_output']:.1e}" for r in rows) + ".")
+    return "\n".join(out)
 
 
 def measure_costs(channels, batch):
@@ -82,7 +84,8 @@ def measure_costs(channels, batch):
     from layerbraid.nn import ConvBlock
 
     torch.set_num_threads(1)
-    layer, x = ConvBlock(channels, dims=3), torch.randn(batch, channels, 64, 64, 64)
+    side = pick(64, 16)
+    layer, x = ConvBlock(channels, dims=3), torch.randn(batch, channels, side, side, side)
     step, vjp, vjp_p = plan.measure_step(layer, x, repeats=3)
     sp = SpatialCoarsening([1, 2], mode="branch")
 
@@ -147,14 +150,17 @@ def projection_lines(measured):
 
 CONFIGS = [(32, 32, 2), (32, 128, 2), (64, 32, 1), (64, 128, 1)]  # size, steps, repeats
 CONVERGENCE_CONFIGS = [(32, 32, 8), (32, 128, 8)]  # size, steps, iterations
-RESULTS = ROOT / "docs" / "bench_spatial.json"
+RESULTS = DOCS / "bench_spatial.json"
 
 
 def report(data):
     """docs/bench_spatial.md from the measurements."""
     lines = ["# Spatial coarsening on 3D volumes", "", (__doc__ or "").split("\n\n", 1)[1].strip(),
-             "", "Generated by `python -m bench.spatial` (raw numbers: "
-             "docs/bench_spatial.json; `--report` rewrites this file from them).", "",
+             "", "Generated by `python -m bench.spatial`"
+             + (f" on commit {data['commit']}, {data['date']}, {data['machine']}"
+                if "commit" in data else "")
+             + " (raw numbers: docs/bench_spatial.json; `--report` rewrites this file from "
+             "them).", "",
              "## Time per batch and accuracy (2 forward / 1 backward iterations)", "",
              "Speedup = plain PyTorch's time / time (> 1 is faster).", "",
              "| size | N | ranks | spatial coarsening | s/batch | PyTorch s/batch | speedup | "
@@ -175,8 +181,9 @@ def report(data):
               "mean factor | output err |", "|---|---|---|---|---|---|"]
     for r in data["convergence"]:
         res = r["residuals"]
-        hist = " ".join(f"{v / res[0]:.0e}" for v in res[1:])
-        factor = (res[-1] / res[0]) ** (1 / (len(res) - 1)) if res[-1] > 0 else 0.0
+        hist = " ".join(f"{v / res[0]:.0e}" if res[0] > 0 else "-" for v in res[1:])
+        factor = (res[-1] / res[0]) ** (1 / (len(res) - 1)) if res[-1] > 0 and res[0] > 0 \
+            and len(res) > 1 else 0.0
         lines.append(f"| {r['size']}^3 | {r['steps']} | {r['mode']} | {hist} | {factor:.2f} | "
                      f"{r['err_output']:.1e} |")
     if data.get("training"):
@@ -212,7 +219,7 @@ def report(data):
                 f"{rows[w, it, m]['err_output']:.1e} / {rows[w, it, m]['err_param_grad']:.1e}"
                 for m in ("none", "branch", "state")) + " |")
     lines += ["", finding(data)] + projection_lines(data["costs"])
-    (ROOT / "docs" / "bench_spatial.md").write_text("\n".join(lines) + "\n")
+    (DOCS / "bench_spatial.md").write_text("\n".join(lines) + "\n")
     print("wrote docs/bench_spatial.md")
 
 
@@ -254,13 +261,14 @@ def training(tmp):
 
 
 def main():
-    data = {"timing": [], "convergence": []}
-    for size, steps, repeats in CONFIGS:
+    data = {**provenance(), "timing": [], "convergence": []}
+    for size, steps, repeats in pick(CONFIGS, [(8, 8, 1)]):
         for ranks in (1, 2):
             data["timing"] += launch(WORKER, ranks, size, steps, repeats)
-    for size, steps, iters in CONVERGENCE_CONFIGS:
+    for size, steps, iters in pick(CONVERGENCE_CONFIGS, [(8, 8, 2)]):
         data["convergence"] += launch(CONVERGENCE, 1, size, steps, iters)
-    data["costs"] = [measure_costs(4, 4), measure_costs(16, 2)]
+    data["costs"] = [measure_costs(2, 1)] * 2 if QUICK else \
+        [measure_costs(4, 4), measure_costs(16, 2)]
     RESULTS.write_text(json.dumps(data, indent=1) + "\n")
     report(data)
 

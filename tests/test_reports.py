@@ -50,3 +50,22 @@ def test_bench_has_one_launch_convention():
         assert not re.search(r"^\s*(from|import) (tests|faults|nets)\b", text, re.M), name
         if path.name != "harness.py":
             assert '"mpiexec"' not in text, f"{name} starts mpiexec itself, not by harness"
+
+
+@pytest.mark.timeout(900)
+def test_every_report_generator_runs_in_quick_mode(tmp_path):
+    """``make reports QUICK=1`` (``python -m bench --run all --quick``): every generator
+    measures the least that exercises its code and writes its report, here into tmp_path
+    (docs/ untouched), so that a generator broken by a change is seen at once."""
+    if not (ROOT / "bench" / "reports.py").exists():
+        pytest.skip("bench/ is not next to the tests")
+    out = subprocess.run([sys.executable, "-m", "bench", "--run", "all", "--quick", "--docs",
+                          str(tmp_path)], capture_output=True, text=True, timeout=880, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    listed = subprocess.run([sys.executable, "-m", "bench"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT).stdout
+    reports = [line.split("|")[1].strip() for line in listed.splitlines()
+               if line.startswith("| docs/")]
+    for report in reports:
+        written = tmp_path / Path(report).name
+        assert written.exists() and written.stat().st_size > 0, (report, out.stdout[-2000:])

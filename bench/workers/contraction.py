@@ -15,7 +15,7 @@ import sys
 from bench import harness
 
 
-ITERS = (1, 2, 3, 4)
+ITERS = harness.pick((1, 2, 3, 4), (1,))
 # name -> (levels, cfactor, nrelax, spatial levels)
 VARIANTS = {
     "default (3 levels, cf 2, F, spatial 1 2)": (3, 2, 0, [1, 2]),
@@ -48,7 +48,8 @@ def train_serial(path, batches, gamma):
             loss = loss + gamma * model.depth_smoothness()
         loss.backward()
         opt.step()
-    torch.save(model.state_dict(), path)
+    if path is not None:
+        torch.save(model.state_dict(), path)
 
 
 def main():
@@ -67,11 +68,13 @@ def main():
     comm = MPI.COMM_WORLD
     path, batches = sys.argv[1], int(sys.argv[2])
     gamma = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
-    variants = sys.argv[4:] or list(VARIANTS)
-    if comm.rank == 0 and not os.path.exists(path):
-        train_serial(path, batches, gamma)
+    variants = sys.argv[4:] or harness.pick(list(VARIANTS), list(VARIANTS)[:1])
+    # Every rank trains (the same serial network): the first layerbraid model a process builds
+    # is collective over its job, whatever communicator it is given; rank 0 saves it.
+    if comm.bcast(not os.path.exists(path) if comm.rank == 0 else None, root=0):
+        train_serial(path if comm.rank == 0 else None, batches, gamma)
     comm.Barrier()
-    x, y = make_volumes(16, 16, 7)
+    x, y = make_volumes(harness.pick(16, 2), 16, 7)
     exact = layerbraid.MGRITOptions(max_levels=1)
 
     def build(fwd, bwd, sc_levels, weights):

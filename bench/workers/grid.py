@@ -49,10 +49,13 @@ def main():
                 plain.append(time.perf_counter() - t0)
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     allm = comm.gather(med, root=0)
+    totals = comm.gather([r["total"] for r in rows], root=0)
     if comm.rank == 0:
         slow = max(allm, key=lambda m: m["total"])
         print(json.dumps(dict(ranks=comm.size, dp=dp, layer=comm.size // dp, **slow,
-                              plain=statistics.median(plain))))
+                              plain=statistics.median(plain),
+                              # per batch: the slowest rank's time, and plain PyTorch's after it
+                              totals=[max(t) for t in zip(*totals)], plains=plain)))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,10 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--serial", action="store_true", help="also time plain PyTorch (rank 0)")
     p.add_argument("--json", help="write the results here (rank 0)")
+    p.add_argument("--memory", choices=["lp", "serial"],
+                   help="only measure the memory of one first forward+backward, of the "
+                        "layer-parallel network or (1 rank) of its serial copy: the growth of "
+                        "each rank's peak resident set over its resident set before it")
     args = p.parse_args()
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -78,6 +82,8 @@ def main():
     model.set_trace(True)
     serial = model.to_serial()
     g = torch.Generator().manual_seed(1)
+    if args.memory:
+        return memory(model if args.memory == "lp" else serial, args, comm)
 
     def lp_step(xx):
         model.zero_grad(set_to_none=True)
@@ -145,7 +151,8 @@ def main():
         result = dict(ranks=comm.size, steps=args.steps, levels=args.levels, cfactor=args.cfactor,
                       fwd_iters=args.fwd_iters, bwd_iters=args.bwd_iters, warm=args.warm,
                       seconds=lp_time, err_output=err_out, err_input_grad=err_in,
-                      err_param_grad=err_param, fwd_steps_per_rank=[w[0] for w in work],
+                      err_param_grad=err_param, lp_times=lp_times, serial_times=serial_times,
+                      fwd_steps_per_rank=[w[0] for w in work],
                       bwd_vjps_per_rank=[w[1] for w in work],
                       fwd_iterations=model.forward_stats.iterations,
                       bwd_iterations=model.backward_stats.iterations)
@@ -161,6 +168,36 @@ def main():
         print(json.dumps(result))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def memory(model, args, comm):
+    """Prints (rank 0) the peak resident set's growth over one forward+backward on every rank,
+    and the steps each rank owns."""
+    import gc
+    import resource
+
+    def resident():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+
+    # A forward+backward of 2 samples first, so that what the libraries allocate once (MPI's
+    # buffers, torch's kernels, the core's tables) is not counted
+    small = torch.randn(2, args.channels, 28, 28, requires_grad=True)
+    model(small).sum().backward()
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(args.batch, args.channels, 28, 28, generator=torch.Generator().manual_seed(3))
+    x.requires_grad_(True)
+    gc.collect()
+    comm.Barrier()
+    before = resident()
+    model(x).sum().backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    owned = len(list(model.owned_steps())) if hasattr(model, "owned_steps") else args.steps
+    rows = comm.gather({"growth_bytes": max(peak - before, 0), "owned_steps": owned}, root=0)
+    if comm.rank == 0:
+        print(json.dumps({"memory": args.memory, "ranks": comm.size, "steps": args.steps,
+                          "levels": args.levels, "per_rank": rows,
+                          "state_bytes": x[0].numel() * x.element_size() * args.batch}))
 
 
 if __name__ == "__main__":

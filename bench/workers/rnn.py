@@ -22,6 +22,7 @@ def main():
     seq, levels = int(sys.argv[1]), int(sys.argv[2])
     cell = sys.argv[3] if len(sys.argv) > 3 else "gru"
     path = sys.argv[4] if len(sys.argv) > 4 else "fused"
+    repeats = int(sys.argv[5]) if len(sys.argv) > 5 else REPEATS
     comm = MPI.COMM_WORLD
 
     def o(it):
@@ -44,7 +45,7 @@ def main():
         return out
 
     lp, se = [], []
-    for k in range(1 + REPEATS):
+    for k in range(1 + repeats):
         comm.Barrier()
         t0 = time.perf_counter()
         out = once(net)
@@ -65,6 +66,7 @@ def main():
         den = sum(float(q.grad.pow(2).sum()) for q in ref.parameters())
         print(json.dumps(dict(seq=seq, ranks=comm.size, levels=levels, cell=cell, path=path,
                               seconds=statistics.median(lp), ref_seconds=statistics.median(se),
+                              times=lp, ref_times=se,
                               err_output=err, err_param_grad=(num / den) ** 0.5)))
 
 
