@@ -64,7 +64,7 @@ def measure():
                     rows_py.append(launch(PY_BENCH, ranks, size,
                                           pick(256 if size > 1 else 1024, 64), 3, interval)[-1])
     for ranks in pick((1, 2), (2,)):
-        for levels in (1, 2):
+        for levels in pick((1, 2), (2,)):
             for size in pick(TAX_SIZES, TAX_SIZES[:1]):
                 rows_tax.append(launch("tax", ranks, size, levels, pick(64, 16), pick(7, 1),
                                        echo=False)[-1])

@@ -27,7 +27,7 @@ def main(argv=None):
     p.add_argument("--limit", type=float, default=60, help="seconds before a run is a hang")
     p.add_argument("--budget", type=float, default=3600, help="seconds for the whole script")
     p.add_argument("--scenarios", nargs="+",
-                   default=pick(list(drill.SCENARIOS), ["forward", "stall-clip"]))
+                   default=pick(list(drill.SCENARIOS), ["forward"]))
     p.add_argument("--out", type=Path, default=DOCS / "reliability.md")
     a = p.parse_args(argv)
     rows, raw, skipped = [], [], []

@@ -263,7 +263,7 @@ def training(tmp):
 def main():
     data = {**provenance(), "timing": [], "convergence": []}
     for size, steps, repeats in pick(CONFIGS, [(8, 8, 1)]):
-        for ranks in (1, 2):
+        for ranks in pick((1, 2), (2,)):
             data["timing"] += launch(WORKER, ranks, size, steps, repeats)
     for size, steps, iters in pick(CONVERGENCE_CONFIGS, [(8, 8, 2)]):
         data["convergence"] += launch(CONVERGENCE, 1, size, steps, iters)
