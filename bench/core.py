@@ -136,9 +136,13 @@ def tax_lines(rows):
         hi = max(max(r["us_outside_per_forward_step"], r["us_outside_per_adjoint_step"])
                  for r in exact)
         lines += ["", f"On one rank at one level (the exact path, where layerbraid adds no "
-                  f"work of MGRIT's own) the time outside the layer is {lo:.0f}-{hi:.0f} us per "
-                  f"step over states of {exact[0]['size']}-{exact[-1]['size']} elements: what a "
-                  "layer must cost for layerbraid's share to be small."]
+                  f"work of MGRIT's own) the time outside the layer is between {lo:.0f} and "
+                  f"{hi:.0f} us per step over states of {exact[0]['size']} to "
+                  f"{exact[-1]['size']} elements (a negative value: within the noise of the "
+                  "layer's own time).  With 2 ranks the figure includes the pipeline's waiting "
+                  "(each rank idles while the other runs its steps); with 2 levels, MGRIT's own "
+                  "vector work (residuals, restrictions, corrections), which grows with the "
+                  "state."]
     return lines
 
 
