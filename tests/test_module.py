@@ -55,7 +55,7 @@ def test_one_level_equals_serial_pytorch_to_roundoff():
         assert model.forward_stats.iterations == 0 and model.backward_stats.iterations == 0
 
 
-@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parallel([1, 3])
 def test_three_levels_run_to_convergence_equal_serial():
     opts = MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
     for fwd_cycle in ("V", "F"):
@@ -189,7 +189,7 @@ def test_serial_state_dict_loads_into_layer_parallel_model():
     torch.testing.assert_close(model(x), serial(x), rtol=ROUNDOFF, atol=ROUNDOFF)
 
 
-@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parallel([1, 3])
 def test_owned_steps_cover_the_network_once():
     model = ODEResNet(WORLD, num_steps=7)
     mine = [i for i, _ in model.owned_steps()]
@@ -249,7 +249,7 @@ class ShapeChanging(LayerParallelModule):
         return nn.Linear(4, 5) if index == 4 else nn.Linear(4, 4)
 
 
-@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parallel([1, 3])
 def test_step_layer_that_changes_the_shape_is_a_clear_error_on_every_rank():
     model = ShapeChanging(WORLD)
     with pytest.raises((ValueError, layerbraid.RemoteRankError)) as info:
@@ -307,7 +307,7 @@ class Stage(LayerParallelModule):
         return ConvBlock(self.channels)
 
 
-@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parallel([1, 3])
 def test_stages_that_change_shape_chain_like_serial():
     """Two layer-parallel stages joined by a strided transition: the first hands its output to
     the second's first rank (output="next"); outputs and all gradients equal serial PyTorch."""
