@@ -13,17 +13,15 @@ forward's relative output error after k iterations (exact adjoint), the adjoint'
 input-gradient error after k iterations (exact forward), and the parameter-gradient error at 2
 forward / 1 adjoint iterations (``audit_gradients``).
 """
-import json
-import sys
 
-from bench.harness import DOCS, launch, pick, write_report
+from bench.harness import DOCS, generate, launch, pick, provenance
 
 OUT = DOCS / "contraction"
 GAMMAS = pick((0.0, 0.01, 0.1), (0.1,))
 BATCHES = pick(128, 2)
 
 
-def measure():
+def measure(args=None):
     import tempfile
 
     rows = []
@@ -32,9 +30,7 @@ def measure():
             print(f"--- gamma {gamma}", flush=True)
             rows += launch("contraction", 2, f"{tmp}/trained_{gamma}.pt", BATCHES, gamma,
                            echo=False)
-    data = {"batches": BATCHES, "rows": rows}
-    OUT.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    return data
+    return {**provenance(), "batches": BATCHES, "rows": rows}
 
 
 def _errors(v):
@@ -53,7 +49,7 @@ def report(data):
         lines.append(f"| {r['weights']} | {r['gamma']:g} | {r['variant']} | {_errors(r['fwd'])} | "
                      f"{_errors(r['bwd'])} | {r['grad_error_2_1']:.2e} |")
     lines += ["", "## What the run shows", ""] + findings(rows)
-    write_report(OUT.with_suffix(".md"), lines)
+    return lines
 
 
 def findings(rows):
@@ -99,7 +95,4 @@ def findings(rows):
 
 
 if __name__ == "__main__":
-    if "--report" in sys.argv:
-        report(json.loads(OUT.with_suffix(".json").read_text()))
-    else:
-        report(measure())
+    generate(OUT, measure, report, doc=__doc__)

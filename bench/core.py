@@ -10,14 +10,13 @@
 3. layerbraid's time per step outside the layer, in the forward and the adjoint of a
    LayerParallelModule, with states of 1k, 64k and 1M elements (bench/workers/tax.py).
 """
-import argparse
 import json
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import DOCS, ROOT, launch, mpiexec, pick, provenance, spread, write_report
+from bench.harness import DOCS, ROOT, generate, launch, mpiexec, pick, provenance, spread
 
 OUT = DOCS / "bench_core.md"
 TAX_SIZES = (1024, 65536, 1 << 20)  # state elements of bench/workers/tax.py
@@ -35,20 +34,10 @@ def build_core_bench(workdir):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--report", action="store_true", help="rewrite the .md from the .json")
-    a = p.parse_args(argv)
-    raw = OUT.with_suffix(".json")
-    if a.report:
-        data = json.loads(raw.read_text())
-    else:
-        data = measure()
-        raw.write_text(json.dumps(data, indent=1) + "\n")
-    write_report(OUT, report(data))
+    generate(OUT, measure, report, argv=argv, doc=__doc__)
 
 
-def measure():
+def measure(args=None):
     t0 = time.time()
     rows_c, rows_py, rows_tax = [], [], []
     with tempfile.TemporaryDirectory() as d:

@@ -9,13 +9,11 @@ the rest of the two solves outside MPI, `mpi` = the core's MPI time (waiting inc
 everything outside the solves (open/close layers, loss, output broadcast, gradient averaging,
 optimizer).  4 ranks run oversubscribed on 2 cores here: read them as counts of work, not speed.
 """
-import argparse
-import json
 import statistics
 import time
 
-from bench.harness import (DOCS, SAME_LEGEND, launch, pick, provenance, speedup, spread,
-                           write_report)
+from bench.harness import (DOCS, SAME_LEGEND, generate, launch, parser, pick, provenance,
+                           speedup, spread)
 
 OUT = DOCS / "bench_grid.md"
 
@@ -25,26 +23,21 @@ GRIDS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]  # (ranks, data groups)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--batches", type=int, default=pick(10, 2), help="timed batches per job")
     p.add_argument("--rounds", type=int, default=pick(2, 1), help="interleaved rounds")
-    p.add_argument("--report", action="store_true", help="rewrite the .md from the .json")
-    a = p.parse_args(argv)
-    raw = OUT.with_suffix(".json")
-    if a.report:
-        data = json.loads(raw.read_text())
-    else:
-        t0 = time.time()
-        runs = {}
-        for _ in range(a.rounds):
-            for ranks, dp in pick(GRIDS, GRIDS[2:3]):
-                runs.setdefault(f"{ranks}|{dp}", []).append(launch(WORKER, ranks, dp,
-                                                                   a.batches)[-1])
-        data = {**provenance(), "rounds": a.rounds, "batches": a.batches,
-                "seconds": time.time() - t0, "runs": runs}
-        raw.write_text(json.dumps(data, indent=1) + "\n")
-    write_report(OUT, report(data))
+    generate(OUT, measure, report, p, argv)
+
+
+def measure(a):
+    t0 = time.time()
+    runs = {}
+    for _ in range(a.rounds):
+        for ranks, dp in pick(GRIDS, GRIDS[2:3]):
+            runs.setdefault(f"{ranks}|{dp}", []).append(launch(WORKER, ranks, dp,
+                                                               a.batches)[-1])
+    return {**provenance(), "rounds": a.rounds, "batches": a.batches,
+            "seconds": time.time() - t0, "runs": runs}
 
 
 def report(data):

@@ -5,6 +5,7 @@ prints, the examples' networks, and writing a report with its provenance.
 Every entry point is run from the repository's root as ``python -m bench.NAME``; a worker as
 ``mpiexec -n RANKS python -m bench.workers.NAME`` (what :func:`launch` does).
 """
+import argparse
 import datetime
 import importlib.util
 import json
@@ -99,6 +100,42 @@ def speedup(reference, times):
     med = statistics.median(r)
     cell = f"{med:.2f} [{r[0]:.2f}-{r[-1]:.2f}]" + (f" {SAME}" if r[0] <= 1.0 <= r[-1] else "")
     return med, r[0], r[-1], cell
+
+
+def generate(out, measure, report, parser=None, argv=None, doc=None):
+    """The main of every report generator: ``measure(args)`` returns the raw data, kept as
+    ``out``'s .json before ``report(data)`` writes the report (lines for ``out``'s .md, to which
+    a last line adds the command and commit that wrote it, or None where ``report`` writes it
+    itself); with ``--report`` the data come from that .json instead, so a report can be
+    rewritten without measuring again (after a change to how it is written).  ``parser`` holds the generator's own
+    options (an ``--out PATH`` among them replaces ``out``); ``doc`` is its help text."""
+    p = parser or argparse.ArgumentParser(description=doc,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--report", action="store_true",
+                   help="rewrite the report from the raw data of the last run (its .json)")
+    a = p.parse_args(argv)
+    out = Path(getattr(a, "out", None) or out)
+    raw = out.with_suffix(".json")
+    if a.report:
+        data = json.loads(raw.read_text())
+    else:
+        data = measure(a)
+        raw.write_text(json.dumps(data, indent=1) + "\n")
+    lines = report(data)
+    if lines is not None:
+        main = getattr(sys.modules["__main__"], "__spec__", None)
+        command = f"python -m {main.name if main else 'bench'}" + (" --report" if a.report else "")
+        now = provenance()
+        write_report(out.with_suffix(".md"), list(lines) + [
+            "", f"_Written by `{command}` at commit {now['commit']} on {now['date']}"
+            + (" from the raw data kept by the run above._" if a.report else "._")])
+    return data
+
+
+def parser(doc):
+    """An argument parser for a generator's own options (its help text is ``doc``)."""
+    return argparse.ArgumentParser(description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def write_report(path, lines):

@@ -23,14 +23,12 @@ alike):
 
 The unit everywhere: speedup = plain PyTorch's time / time (> 1 is faster).
 """
-import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
-from bench.harness import (DOCS, SAME_LEGEND, launch, pick, provenance, speedup, spread,
-                           write_report)
+from bench.harness import (DOCS, SAME_LEGEND, generate, launch, parser, pick, provenance,
+                           speedup, spread)
 
 OUT = DOCS / "performance.md"
 
@@ -159,24 +157,14 @@ def measure(a):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=pick(4, 1), help="interleaved rounds")
     p.add_argument("--batches", type=int, default=pick(15, 2),
                    help="timed batches per demo job (median taken)")
     p.add_argument("--repeats", type=int, default=pick(4, 1),
                    help="timed forward+backward pairs per benchmark-layer job")
     p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--report", action="store_true",
-                   help="rewrite the report from the raw numbers of the last run (its .json)")
-    a = p.parse_args(argv)
-    raw = a.out.with_suffix(".json")
-    if a.report:
-        data = json.loads(raw.read_text())
-    else:
-        data = measure(a)
-        raw.write_text(json.dumps(data, indent=1) + "\n")
-    write_report(a.out, report(data))
+    generate(OUT, measure, report, p, argv)
 
 
 # ---------------------------------------------------------------- the report

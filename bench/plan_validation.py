@@ -9,12 +9,10 @@ layer, and the steps each rank ran (from the core's trace).  The planner predict
 and its own schedule; its step counts must equal the measured ones exactly.  4 ranks run
 oversubscribed on this 2-core machine, so only their step counts are compared.
 """
-import argparse
-import json
 import statistics
 import time
 
-from bench.harness import DOCS, launch, pick, provenance, spread, write_report
+from bench.harness import DOCS, generate, launch, pick, provenance, spread
 from layerbraid import MGRITOptions, plan
 
 OUT = DOCS / "plan_validation.md"
@@ -37,24 +35,18 @@ def options(levels):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--report", action="store_true", help="rewrite the .md from the .json")
-    a = p.parse_args(argv)
-    raw = OUT.with_suffix(".json")
-    if a.report:
-        data = json.loads(raw.read_text())
-    else:
-        t0 = time.time()
-        runs = []
-        for steps in pick((16, 32, 64, 128, 256), (16,)):
-            for ranks, levels in pick(CONFIGS, CONFIGS[2:3]):
-                runs.append(run(ranks, steps, levels, pick(10, 2)))
-                print(f"N={steps} ranks={ranks} levels={levels}: "
-                      f"{runs[-1]['seconds']:.3f} s", flush=True)
-        data = {**provenance(), "seconds": time.time() - t0, "runs": runs}
-        raw.write_text(json.dumps(data, indent=1) + "\n")
-    write_report(OUT, report(data))
+    generate(OUT, measure, report, argv=argv, doc=__doc__)
+
+
+def measure(args=None):
+    t0 = time.time()
+    runs = []
+    for steps in pick((16, 32, 64, 128, 256), (16,)):
+        for ranks, levels in pick(CONFIGS, CONFIGS[2:3]):
+            runs.append(run(ranks, steps, levels, pick(10, 2)))
+            print(f"N={steps} ranks={ranks} levels={levels}: "
+                  f"{runs[-1]['seconds']:.3f} s", flush=True)
+    return {**provenance(), "seconds": time.time() - t0, "runs": runs}
 
 
 def report(data):

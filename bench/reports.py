@@ -26,6 +26,10 @@ _CORE = ["cbridge/src", "cbridge/include", "layerbraid/_bridge.py", "layerbraid/
 _ENGINE = _CORE + ["layerbraid/_chain.py", "layerbraid/_comm.py", "layerbraid/_transport.py"]
 _RESNET = _ENGINE + ["layerbraid/module.py", "layerbraid/_layer_steps.py",
                      "layerbraid/_ownership.py", "layerbraid/_autograd.py"]
+# The examples' networks that reports train or time (bench.harness.example loads them with
+# their neighbour training_loop.py).
+_MNIST = ["examples/mnist.py", "examples/training_loop.py"]
+_VOLUMES = ["examples/volumes3d.py", "examples/training_loop.py", "layerbraid/coarsening.py"]
 
 # report -> (the module that regenerates it, the code it measures)
 REPORTS = {
@@ -36,37 +40,41 @@ REPORTS = {
     "docs/bench_resnet.md": (["bench.resnet"],
                              _RESNET + ["bench/resnet.py", "bench/workers/resnet.py"]),
     "docs/bench_grid.md": (["bench.grid"],
-                           _RESNET + ["layerbraid/grid.py", "bench/grid.py",
-                                      "bench/workers/grid.py"]),
+                           _RESNET + _MNIST + ["layerbraid/grid.py", "bench/grid.py",
+                                               "bench/workers/grid.py"]),
     "docs/bench_rnn.md": (["bench.rnn"],
                           _ENGINE + ["layerbraid/nn/rnn.py", "layerbraid/nn/_cell_steps.py",
                                      "layerbraid/nn/_cells.py", "bench/rnn.py",
                                      "bench/workers/rnn.py"]),
     "docs/bench_spatial.md": (["bench.spatial"],
-                              _RESNET + ["layerbraid/coarsening.py", "bench/spatial.py",
-                                         "bench/workers/spatial_timing.py",
-                                         "bench/workers/spatial_convergence.py",
-                                         "bench/workers/spatial_trained.py"]),
+                              _RESNET + _VOLUMES + ["bench/spatial.py",
+                                                    "bench/workers/spatial_timing.py",
+                                                    "bench/workers/spatial_convergence.py",
+                                                    "bench/workers/spatial_trained.py"]),
     "docs/performance.md": (["bench.performance"],
-                            _RESNET + ["layerbraid/grid.py", "layerbraid/plan.py",
-                                       "bench/performance.py",
-                                       "bench/workers/performance.py"]),
+                            _RESNET + _MNIST + ["layerbraid/grid.py", "layerbraid/plan.py",
+                                                "bench/performance.py",
+                                                "bench/workers/performance.py"]),
     "docs/plan_validation.md": (["bench.plan_validation"],
                                 _RESNET + ["layerbraid/plan.py", "bench/plan_validation.py",
                                            "bench/workers/resnet.py"]),
     "docs/scaling.md": (["bench.scaling", "bench.scaling_measured"],
-                        ["layerbraid/plan.py", "bench/scaling.py", "bench/scaling_measured.py",
-                         "bench/workers/emulated.py", "bench/shared_cores.py"]),
+                        _RESNET + ["layerbraid/plan.py", "bench/scaling.py",
+                                   "bench/scaling_measured.py", "bench/workers/emulated.py",
+                                   "bench/shared_cores.py"]),
     "docs/reliability.md": (["bench.reliability"],
                             _RESNET + ["layerbraid/launch.py", "layerbraid/checkpoint.py",
                                        "layerbraid/clip.py", "layerbraid/data/loader.py",
                                        "layerbraid/drill.py", "bench/reliability.py"]),
     "docs/accuracy.md": (["bench.accuracy"],
-                         _RESNET + ["layerbraid/audit.py", "layerbraid/stats.py",
-                                    "bench/accuracy.py", "bench/workers/accuracy.py"]),
+                         _RESNET + _MNIST + _VOLUMES + [
+                             "examples/sequence_classification.py", "layerbraid/nn/rnn.py",
+                             "layerbraid/nn/_cell_steps.py", "layerbraid/nn/_cells.py",
+                             "layerbraid/audit.py", "layerbraid/stats.py", "bench/accuracy.py",
+                             "bench/workers/accuracy.py"]),
     "docs/contraction.md": (["bench.contraction"],
-                            _RESNET + ["layerbraid/coarsening.py", "bench/contraction.py",
-                                       "bench/workers/contraction.py"]),
+                            _RESNET + _VOLUMES + ["bench/contraction.py",
+                                                  "bench/workers/contraction.py"]),
 }
 
 

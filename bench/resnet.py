@@ -8,12 +8,10 @@ Every speedup in the table comes from pairs: the layer-parallel time and plain P
 measured alternately in the same job; every configuration runs once per round, the rounds one
 after another (interleaved), and the spread is over every pair of every round.
 """
-import argparse
-import json
 import time
 
-from bench.harness import (DOCS, SAME_LEGEND, launch, pick, provenance, speedup, spread,
-                           write_report)
+from bench.harness import (DOCS, SAME_LEGEND, generate, launch, parser, pick, provenance,
+                           speedup, spread)
 
 OUT = DOCS / "bench_resnet.md"
 
@@ -42,29 +40,24 @@ def work_speedup(r):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=pick(2, 1), help="interleaved rounds")
     p.add_argument("--repeats", type=int, default=pick(3, 1), help="timed pairs per job")
-    p.add_argument("--report", action="store_true", help="rewrite the .md from the .json")
-    a = p.parse_args(argv)
-    raw = OUT.with_suffix(".json")
-    if a.report:
-        data = json.loads(raw.read_text())
-    else:
-        t0 = time.time()
-        runs = {}
-        for r in range(a.rounds):
-            for steps in pick((16, 32, 64), (16,)):
-                for ranks, levels, fwd, bwd, label in pick(CONFIGS, CONFIGS[1:2]):
-                    out = run(ranks, steps, levels, fwd, bwd, a.repeats)
-                    runs.setdefault(f"{steps}|{label}", []).append(out)
-                    print(f"round {r + 1}: N={steps} {label}: speedup {out['speedup']:.2f}",
-                          flush=True)
-        data = {**provenance(), "rounds": a.rounds, "repeats": a.repeats,
-                "seconds": time.time() - t0, "runs": runs}
-        raw.write_text(json.dumps(data, indent=1) + "\n")
-    write_report(OUT, report(data))
+    generate(OUT, measure, report, p, argv)
+
+
+def measure(a):
+    t0 = time.time()
+    runs = {}
+    for r in range(a.rounds):
+        for steps in pick((16, 32, 64), (16,)):
+            for ranks, levels, fwd, bwd, label in pick(CONFIGS, CONFIGS[1:2]):
+                out = run(ranks, steps, levels, fwd, bwd, a.repeats)
+                runs.setdefault(f"{steps}|{label}", []).append(out)
+                print(f"round {r + 1}: N={steps} {label}: speedup {out['speedup']:.2f}",
+                      flush=True)
+    return {**provenance(), "rounds": a.rounds, "repeats": a.repeats,
+            "seconds": time.time() - t0, "runs": runs}
 
 
 def report(data):

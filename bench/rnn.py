@@ -1,7 +1,8 @@
 """Layer-parallel GRU and LSTM vs nn.GRU and nn.LSTM: time per batch (forward+backward) for long
 sequences, with both of layerbraid's paths for the steps.
 
-    python -m bench.rnn      (writes docs/bench_rnn.md and docs/bench_rnn.json)
+    python -m bench.rnn            (writes docs/bench_rnn.md and docs/bench_rnn.json)
+    python -m bench.rnn --report   (rewrites the .md from the .json)
 
 Batch 32, 16 input features, hidden 64, float32, one thread per rank.  Layer-parallel: 1 level
 (exact), or 2 levels, cfactor 4, F-relaxation, first down-cycle skipped, 2 forward / 1 backward
@@ -11,17 +12,20 @@ gradients) and `per-step` (`fused=False`: one cell call and one autograd VJP per
 of 7 runs after one warm-up; `steps/rank` = cell steps the busiest rank runs in the forward solve
 (from layerbraid.plan's schedule, which equals the core's trace).
 """
-import json
 import time
 
-from bench.harness import (DOCS, SAME_LEGEND, launch, pick, provenance, speedup, spread,
-                           write_report)
+from bench.harness import (DOCS, SAME_LEGEND, generate, launch, pick, provenance, speedup,
+                           spread)
 
 WORKER = "rnn"  # bench/workers/rnn.py
 CONFIGS = [("gru", seq) for seq in (128, 256, 512, 1024)] + [("lstm", seq) for seq in (256, 1024)]
 
 
-def main():
+def main(argv=None):
+    generate(DOCS / "bench_rnn.md", measure, report, argv=argv, doc=__doc__)
+
+
+def measure(args=None):
     from layerbraid import MGRITOptions, plan
 
     t0 = time.time()
@@ -35,9 +39,7 @@ def main():
                 r = launch(WORKER, ranks, seq, levels, cell, path, pick(7, 1))[-1]
                 r["steps_per_rank"] = steps
                 rows.append(r)
-    data = {**provenance(), "seconds": time.time() - t0, "rows": rows}
-    (DOCS / "bench_rnn.json").write_text(json.dumps(data, indent=1) + "\n")
-    write_report(DOCS / "bench_rnn.md", report(data))
+    return {**provenance(), "seconds": time.time() - t0, "rows": rows}
 
 
 def report(data):

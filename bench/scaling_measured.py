@@ -20,13 +20,11 @@ to rank showed on this machine. Settings: 2 forward / 1 adjoint iteration, F-rel
 level, FCF below, first down-cycle skipped. Speedup = the emulated serial network's time (plain
 PyTorch autograd over the same sleeping layers) / time.
 """
-import json
 import os
 import statistics
-import sys
 
 from bench import shared_cores
-from bench.harness import DOCS, launch, pick, write_section
+from bench.harness import DOCS, generate, launch, pick, provenance, write_section
 from layerbraid import MGRITOptions, plan
 
 WORKER = "emulated"  # bench/workers/emulated.py
@@ -44,7 +42,7 @@ def options(levels, cfactor):
     return fwd, MGRITOptions(**{**fwd.__dict__, "max_iters": 1})
 
 
-def measure():
+def measure(args=None):
     os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     rows, hand_offs = [], []
     for ranks in RANKS:
@@ -56,10 +54,8 @@ def measure():
         rows += launch(WORKER, ranks, STEP_MS, VJP_MS, FLOATS, REPEATS, *configs,
                        timeout=7200)
         hand_offs += launch(HAND_OFF, ranks, FLOATS, STEP_MS, timeout=600)
-        OUT.with_suffix(".json").write_text(json.dumps(dict(
-            step_ms=STEP_MS, vjp_ms=VJP_MS, floats=FLOATS, rows=rows, hand_off=hand_offs),
-            indent=1))
-    return json.loads(OUT.with_suffix(".json").read_text())
+    return dict(provenance(), step_ms=STEP_MS, vjp_ms=VJP_MS, floats=FLOATS, rows=rows,
+                hand_off=hand_offs)
 
 
 def costs(data, overhead):
@@ -418,5 +414,4 @@ def _plot(table):
 
 
 if __name__ == "__main__":
-    report(json.loads(OUT.with_suffix(".json").read_text()) if "--report" in sys.argv
-           else measure())
+    generate(OUT, measure, report, doc=__doc__)

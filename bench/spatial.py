@@ -1,8 +1,8 @@
 """Spatial coarsening on 3D volumes: time per batch and accuracy with and without it.
 
-    python -m bench.spatial             (docs/bench_spatial.md and .json; ~30 minutes here)
-    python -m bench.spatial --training  (adds training runs of examples/volumes3d.py and the
-                                               errors on the trained network; ~25 minutes)
+    python -m bench.spatial             (docs/bench_spatial.md and .json; ~55 minutes here:
+                                         timing, convergence, training runs of
+                                         examples/volumes3d.py, errors on the trained network)
     python -m bench.spatial --report    (rewrites the .md from the .json)
 
 ODE-ResNet of 3D ConvBlocks (4 channels), batch 2, float32, one thread per rank; 3 MGRIT levels,
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.harness import DOCS, QUICK, ROOT, launch, mpiexec, pick, provenance
+from bench.harness import DOCS, QUICK, ROOT, generate, launch, mpiexec, pick, provenance
 
 WORKER = "spatial_timing"  # bench/workers/spatial_timing.py
 
@@ -219,13 +219,12 @@ def report(data):
                 f"{rows[w, it, m]['err_output']:.1e} / {rows[w, it, m]['err_param_grad']:.1e}"
                 for m in ("none", "branch", "state")) + " |")
     lines += ["", finding(data)] + projection_lines(data["costs"])
-    (DOCS / "bench_spatial.md").write_text("\n".join(lines) + "\n")
-    print("wrote docs/bench_spatial.md")
+    return lines
 
 
-TRAINING = ["--size", "16", "--steps", "16", "--channels", "4", "--epochs", "6", "--train-size",
-            "512", "--lp-levels", "3", "--lp-cfactor", "4", "--lp-relax", "FCF",
-            "--log-interval", "1000"]
+TRAINING = ["--size", pick("16", "8"), "--steps", pick("16", "8"), "--channels", "4", "--epochs",
+            pick("6", "1"), "--train-size", pick("512", "16")] + pick([], ["--test-limit", "16"]) \
+    + ["--lp-levels", "3", "--lp-cfactor", "4", "--lp-relax", "FCF", "--log-interval", "1000"]
 
 
 TRAINED = "spatial_trained"  # bench/workers/spatial_trained.py
@@ -239,7 +238,7 @@ def trained_errors(tmp):
                 *TRAINING[:TRAINING.index("--lp-levels")], "--lp-levels", "1", "--lp-sc-levels",
                 "--log-interval", "1000", "--checkpoint", ckpt, "--out-dir", Path(tmp) / "exact"])
     return launch(TRAINED, 2, ckpt, TRAINING[TRAINING.index("--steps") + 1],
-                   TRAINING[TRAINING.index("--size") + 1])
+                  TRAINING[TRAINING.index("--size") + 1], pick("2,3,4", "2"))
 
 
 def training(tmp):
@@ -247,6 +246,7 @@ def training(tmp):
     plain PyTorch: test accuracy and loss per epoch."""
     runs = [("plain PyTorch", ["--serial"], 1), ("none", ["--lp-sc-levels"], 2),
             ("branch", ["--lp-sc-mode", "branch"], 2), ("state", ["--lp-sc-mode", "state"], 2)]
+    runs = pick(runs, runs[2:3])
     out = []
     for name, flags, ranks in runs:
         d = Path(tmp) / name.replace(" ", "_")
@@ -260,7 +260,16 @@ def training(tmp):
     return out
 
 
-def main():
+def main(argv=None):
+    generate(RESULTS, measure, report, argv=argv, doc=__doc__)
+
+
+def measure(args=None):
+    """Timing, MGRIT's convergence, the step costs of the projection, and training: the
+    volumes3d example without and with spatial coarsening, and MGRIT's errors on its trained
+    network."""
+    import tempfile
+
     data = {**provenance(), "timing": [], "convergence": []}
     for size, steps, repeats in pick(CONFIGS, [(8, 8, 1)]):
         for ranks in pick((1, 2), (2,)):
@@ -269,26 +278,11 @@ def main():
         data["convergence"] += launch(CONVERGENCE, 1, size, steps, iters)
     data["costs"] = [measure_costs(2, 1)] * 2 if QUICK else \
         [measure_costs(4, 4), measure_costs(16, 2)]
-    RESULTS.write_text(json.dumps(data, indent=1) + "\n")
-    report(data)
+    with tempfile.TemporaryDirectory() as tmp:
+        data["training"] = training(tmp)
+        data["trained"] = trained_errors(tmp)
+    return data
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--report"]:
-        report(json.loads(RESULTS.read_text()))
-    elif sys.argv[1:] == ["--costs"]:  # measure the step costs of the projection again
-        data = json.loads(RESULTS.read_text())
-        data["costs"] = [measure_costs(4, 4), measure_costs(16, 2)]
-        RESULTS.write_text(json.dumps(data, indent=1) + "\n")
-        report(data)
-    elif sys.argv[1:] == ["--training"]:  # add the training runs to the measurements
-        import tempfile
-
-        data = json.loads(RESULTS.read_text())
-        with tempfile.TemporaryDirectory() as tmp:
-            data["training"] = training(tmp)
-            data["trained"] = trained_errors(tmp)
-        RESULTS.write_text(json.dumps(data, indent=1) + "\n")
-        report(data)
-    else:
-        main()
+    main()

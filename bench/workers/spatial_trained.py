@@ -13,9 +13,10 @@ def main():
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     checkpoint, steps, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    iterations = [int(k) for k in sys.argv[4].split(",")]
     x, y = make_volumes(16, size, 7)
     for weights in ("initial", "trained"):
-        for iters in (2, 3, 4):
+        for iters in iterations:
             for mode in ("none", "branch", "state"):
                 o = layerbraid.MGRITOptions(max_levels=3, cfactor=4, max_iters=iters, nrelax=1,
                                             tol=0.0, skip_first_downcycle=True)
