@@ -95,7 +95,7 @@ def test_a_message_of_the_wrong_size_is_named():
             transport.recv_tensor(WORLD, (5,), torch.float64, "cpu", 0, 99, "a test tensor")
 
 
-@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parallel([1, 3])
 def test_python_values_move_in_rank_order():
     size, rank = WORLD.Get_size(), WORLD.Get_rank()
     assert size in (1, 2, 3)

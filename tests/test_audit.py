@@ -51,7 +51,7 @@ def serial_error(model, x, y):
     return math.sqrt(WORLD.allreduce(num) / WORLD.allreduce(den))
 
 
-@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parallel([1, 3])
 def test_audit_measures_the_serial_error_and_changes_nothing():
     assert WORLD.Get_size() in (1, 2, 3)
     model = net(WORLD)

@@ -227,7 +227,7 @@ def test_options_that_differ_between_ranks_are_a_clear_error():
                   forward_options=MGRITOptions(nrelax=1, skip_first_downcycle=False, max_levels=2, cfactor=2 + WORLD.rank))
 
 
-@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parallel([1, 3])
 def test_wrong_input_shape_is_a_clear_error_on_every_rank():
     model = ODEResNet(WORLD, num_steps=6)
     x = torch.randn(4, 3, 8, 8)  # 3 channels; the open conv takes 1
