@@ -1,7 +1,7 @@
 """Gradient accuracy in real training: the true error of every mode's gradients (audits), the
 calibrated estimate judged against it, test accuracy and time beside plain PyTorch.
 
-    python -m bench.accuracy            (docs/accuracy.md, .json and .png; ~25 minutes here)
+    python -m bench.accuracy            (docs/accuracy.md, .json and .png; about 75 minutes on 2 cores)
     python -m bench.accuracy --report   (rewrites the .md and .png from the .json)
     python -m bench.accuracy --only EXAMPLE/MODE [...]   (reruns those into the .json)
 
@@ -12,7 +12,8 @@ down-cycle skipped), examples/volumes3d.py's (3 epochs; 3 levels, cfactor 2, spa
 2 levels, cfactor 4) and a deeper ReLU conv chain no example uses by default (mnist's network
 with 24 steps over T = 2, SGD with momentum, its first 300 batches).  Modes: serial (plain PyTorch on one
 rank, the speedup reference, without any penalty), fixed (2 forward / 1 adjoint iteration),
-warm (fixed, each solve starting from the previous batch's states), smooth (fixed, the loss plus
+warm (fixed, each solve starting from the previous batch's states), warm1 (warm starts at 1
+forward / 1 adjoint iteration), smooth (fixed, the loss plus
 0.1 times the depth-smoothness penalty, ``LayerParallelModule.depth_smoothness``), adaptive
 (target_error 1e-2, at most 10 iterations per solve) and adaptive_warm (adaptive with warm
 starts); the GRU has no warm starts or penalty (its steps share their weights).  Every AUDIT-th batch
@@ -24,8 +25,9 @@ faster); audits and measurements are not timed.
 """
 import json
 import statistics
+import subprocess
 
-from bench.harness import DOCS, QUICK, generate, launch, parser, provenance
+from bench.harness import DOCS, QUICK, ROOT, generate, launch, parser, provenance
 
 WORKER = "accuracy"  # bench/workers/accuracy.py
 TARGET = 1e-2
@@ -37,7 +39,7 @@ RUNS = {"mnist": dict(epochs=1, log_every=25, audit_every=100, max_batches="-"),
         "sequence": dict(epochs=1, log_every=25, audit_every=100, max_batches="-",
                          modes=["serial", "fixed", "adaptive"]),  # shared weights: no penalty
         "convchain": dict(epochs=1, log_every=10, audit_every=50, max_batches=300)}
-MODES = ["serial", "fixed", "warm", "smooth", "adaptive", "adaptive_warm"]
+MODES = ["serial", "fixed", "warm", "warm1", "smooth", "adaptive", "adaptive_warm"]
 if QUICK:
     RUNS = {"mnist": dict(epochs=1, log_every=2, audit_every=3, max_batches=6,
                           modes=["serial", "fixed"])}
@@ -133,7 +135,8 @@ def report(data):
             else:
                 row += ["0 (the reference)", "-", "-", "-", "-"]
             lines.append("| " + " | ".join(row) + " |")
-        lines += ["", f"![true error and estimate per logged batch]({OUT.name}_{example}.png)", ""]
+        lines += ["", _measured(data.get("measured", {}), example, list(ep)),
+                  "", f"![true error and estimate per logged batch]({OUT.name}_{example}.png)", ""]
         lines += _findings(example, ep, rows, plain, goal, target) + [""]
         _plot(example, rows, target)
     lines += ["## Reading it", "", FINDINGS]
@@ -148,6 +151,27 @@ FINDINGS = f"""- The raw estimate is a solve's own error from its residuals (Not
   is above {FLOOR:g} (float32 round-off and a margin) and which an earlier audit calibrated.
 - An audit costs one exact forward and backward of the batch: about plain PyTorch's time for it,
   spread over the ranks as a pipeline."""
+
+
+def _measured(measured, example, modes):
+    """Which code and date each mode's run was measured on (``--only`` reruns some runs), and
+    whether the library and examples differ between those commits."""
+    groups = {}
+    for m in modes:
+        p = measured.get(f"{example}/{m}")
+        key = (p["commit"], p["date"][:10]) if p else ("unknown", "")
+        groups.setdefault(key, []).append(m)
+    text = "; ".join(f"{', '.join(ms)} at {c} on {d}" for (c, d), ms in groups.items())
+    commits = sorted({c.removesuffix("+changes") for c, _ in groups if c != "unknown"})
+    if len(commits) > 1:
+        diff = subprocess.run(["git", "diff", "--quiet", commits[0], commits[-1], "--",
+                               "layerbraid", "cbridge", "examples"], cwd=ROOT,
+                              capture_output=True)
+        text += (".  layerbraid/, cbridge/ and examples/ are the same at these commits"
+                 if diff.returncode == 0 else
+                 ".  The library or the examples differ between these commits"
+                 if diff.returncode == 1 else ".  (git could not compare the commits)")
+    return f"Runs measured: {text}."
 
 
 def _iterations(rows):
@@ -172,7 +196,7 @@ def _findings(example, ep, rows, plain, goal, target):
             out.append(f"- {m} ({its[m][0]:.1f} / {its[m][1]:.1f} iterations): the true gradient "
                        f"error is at most {target:g} at {100 * share:.0f}% of the {len(errs)} "
                        f"measured batches ({'at least' if share >= 0.9 else 'below'} 90%).")
-    for warm, cold in (("warm", "fixed"), ("adaptive_warm", "adaptive")):
+    for warm, cold in (("warm", "fixed"), ("warm1", "fixed"), ("adaptive_warm", "adaptive")):
         if warm in sec and cold in sec and its.get(warm) and its.get(cold):
             out.append(f"- {warm} costs {sec[warm] / sec[cold]:.2f}x {cold}'s time per epoch "
                        f"({its[warm][0]:.1f} / {its[warm][1]:.1f} against {its[cold][0]:.1f} / "

@@ -7,7 +7,8 @@ EXAMPLE: mnist (examples/mnist.py's network and defaults), volumes3d (examples/v
 sequence (examples/sequence_classification.py's GRU on MNIST rows) or convchain (mnist's network
 with 24 steps over T = 2, a deeper ReLU conv chain than any example's default).
 MODE: serial (plain PyTorch, one rank), fixed (the example's MGRIT settings: 2 forward / 1
-adjoint iteration), warm (fixed, with warm starts), adaptive (target_error=TARGET, at most 10
+adjoint iteration), warm (fixed, with warm starts), warm1 (warm starts at 1 forward / 1
+adjoint iteration), adaptive (target_error=TARGET, at most 10
 iterations per solve), adaptive_warm (adaptive, with warm starts), smooth (fixed, the loss
 plus GAMMA times the depth-smoothness penalty).  Every LOG_EVERY batches, before the optimizer
 step, the layer-parallel
@@ -85,6 +86,8 @@ def setup(example, mode, target):
     elif mode.startswith("adaptive"):
         cap = fwd.__class__(**{**fwd.__dict__, "max_iters": 10})
         model = build(cap, cap, mode == "adaptive_warm", target)
+    elif mode == "warm1":
+        model = build(fwd.__class__(**{**fwd.__dict__, "max_iters": 1}), bwd, True)
     else:
         model = build(fwd, bwd, mode == "warm")
     if serial and hasattr(model, "to_serial"):
