@@ -24,8 +24,20 @@ $(STAMP): $(SOURCES) requirements.txt
 demo: $(STAMP)
 	mpiexec -n 2 $(PY) examples/mnist.py
 
+# `pytest` alone starts one mpiexec job per multi-rank test.  Here the tests marked shared_job
+# (no error path: nothing left in flight) run in one job per rank count instead, which saves
+# starting N Python processes, torch and the test module per test; every other test, the error
+# and fault tests among them, still gets a job of its own.  A shared job that hangs (a test whose
+# ranks part ways) is ended after 15 minutes, however its tests' own limits fare.
 test: $(STAMP)
-	$(VENV)/bin/pytest -q
+	@rc=0; \
+	$(VENV)/bin/pytest -q -m "not shared_job or parallel[1]" || rc=1; \
+	for n in 2 3 4; do \
+	  echo "== the shared_job tests on $$n ranks, one job"; \
+	  timeout -k 10 900 mpiexec -n $$n $(PY) -m pytest -q -p no:cacheprovider \
+	    -m "shared_job and parallel[$$n]" || rc=1; \
+	done; \
+	exit $$rc
 
 bench: $(STAMP)
 	$(PY) -m bench.resnet

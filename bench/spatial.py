@@ -1,29 +1,42 @@
 """Spatial coarsening on 3D volumes: time per batch and accuracy with and without it.
 
-    python -m bench.spatial             (docs/bench_spatial.md and .json; ~55 minutes here:
-                                         timing, convergence, training runs of
+    python -m bench.spatial             (docs/bench_spatial.md and .json; about 45 minutes on
+                                         2 cores: timing, convergence, training runs of
                                          examples/volumes3d.py, errors on the trained network)
     python -m bench.spatial --report    (rewrites the .md from the .json)
 
 ODE-ResNet of 3D ConvBlocks (4 channels), batch 2, float32, one thread per rank; 3 MGRIT levels,
-cfactor 4, FCF, 2 forward / 1 backward iterations, first down-cycle skipped.  Spatial coarsening
-on levels 1 and 2, in mode "branch" (states stay fine, coarse steps run the layer on the coarse
-grid) and mode "state" (coarse levels store coarse states).  Plain PyTorch's forward+backward
-(rank 0, same weights) is timed in the same job and is the reference of the errors: relative
-2-norm errors of the output, the input gradient and all parameter gradients.  Times are the best
-of 2 runs at 32^3 and of 1 run at 64^3 (minutes per batch on this 2-core machine), after a
-warm-up on an 8^3 input.
+cfactor 4, FCF, 2 forward / 1 backward iterations, first down-cycle skipped.  Spatial coarsening on
+levels 1 and 2, in mode "branch" (states stay fine, coarse steps run the layer on the coarse grid)
+and mode "state" (coarse levels store coarse states).  Plain PyTorch's forward+backward (rank 0,
+same weights; on 2 ranks the other rank waits in an MPI reduction meanwhile) is timed in the same
+job, interleaved with the three modes round after round (3 rounds at 32^3, 2 at 64^3; at 64^3 with
+128 steps on 2 ranks only), and is the reference of the errors: relative 2-norm errors of the
+output, the input gradient and all parameter gradients.  Times are the median [min-max] over the
+rounds and the speedup is over the rounds' pairs, after a warm-up on an 8^3 input.
 """
 import json
+import statistics
 import sys
 from pathlib import Path
 
-from bench.harness import DOCS, QUICK, ROOT, generate, launch, mpiexec, pick, provenance
+from bench.harness import (DOCS, QUICK, ROOT, SAME_LEGEND, generate, launch, mpiexec, pick,
+                           provenance, speedup, spread)
 
 WORKER = "spatial_timing"  # bench/workers/spatial_timing.py
 
 
 CONVERGENCE = "spatial_convergence"  # bench/workers/spatial_convergence.py
+
+
+def _times(row):
+    """A timing row's seconds per round (a single best time in data measured before rounds)."""
+    return row["seconds"] if isinstance(row["seconds"], list) else [row["seconds"]]
+
+
+def _plain(row):
+    return row["serial_seconds"] if isinstance(row["serial_seconds"], list) \
+        else [row["serial_seconds"]]
 
 
 def finding(data):
@@ -37,14 +50,14 @@ def finding(data):
     out = ["## What this shows", ""]
     for m in modes:
         rows = [r for r in data["timing"] if r["mode"] == m]
-        two = [r["serial_seconds"] / r["seconds"] for r in rows if r["ranks"] == 2]
+        two = [speedup(_plain(r), _times(r))[0] for r in rows if r["ranks"] == 2]
         conv = [r for r in data["convergence"] if r["mode"] == m]
         factors = [(r["residuals"][-1] / r["residuals"][0]) ** (1 / (len(r["residuals"]) - 1))
                    for r in conv if r["residuals"][0] > 0 and len(r["residuals"]) > 1]
         out.append(f"- Spatial coarsening {m!r}: output error {span([r['err_output'] for r in rows])}"
                    f", parameter-gradient error {span([r['err_param_grad'] for r in rows])} at "
                    f"2 forward / 1 adjoint iterations; speedup over plain PyTorch on 2 ranks "
-                   f"{span(two, '.2f')}; the forward residual shrinks by a factor "
+                   f"{span(two, '.2f')} (medians of the configurations); the forward residual shrinks by a factor "
                    f"{span(factors, '.2f')} per iteration (float64, one rank).")
     if "none" in modes:
         base = {(r["size"], r["steps"], r["ranks"]): r for r in data["timing"]
@@ -58,11 +71,18 @@ def finding(data):
                            f"parameter-gradient error {span(ratios, '.2f')} times as large.")
     plain = {}
     for r in data["timing"]:
-        plain.setdefault((r["size"], r["steps"]), []).append(r["serial_seconds"])
-    spread = [max(v) / min(v) for v in plain.values() if len(v) > 1 and min(v) > 0]
-    if spread:
-        out.append(f"- Plain PyTorch's time for the same configuration differs by up to "
-                   f"{max(spread):.2f}x between jobs: compare times within a job.")
+        if r["mode"] == "none":
+            plain.setdefault((r["size"], r["steps"]), []).append(statistics.median(_plain(r)))
+    jobs = [max(v) / min(v) for v in plain.values() if len(v) > 1 and min(v) > 0]
+    if jobs:
+        out.append(f"- Plain PyTorch's median time for the same configuration differs by up to "
+                   f"{max(jobs):.2f}x between the 1- and 2-rank jobs: compare times within a "
+                   "job.")
+    rounds = [max(_plain(r)) / min(_plain(r)) for r in data["timing"]
+              if r["mode"] == "none" and min(_plain(r)) > 0]
+    if rounds:
+        out.append(f"- Within a job, plain PyTorch's time varies by up to {max(rounds):.2f}x "
+                   "from round to round.")
     if data.get("trained"):
         for w in sorted({r["weights"] for r in data["trained"]}):
             rows = [r for r in data["trained"] if r["weights"] == w and r["iters"] == 2]
@@ -148,29 +168,31 @@ def projection_lines(measured):
     return lines
 
 
-CONFIGS = [(32, 32, 2), (32, 128, 2), (64, 32, 1), (64, 128, 1)]  # size, steps, repeats
+CONFIGS = [(32, 32, 3, (1, 2)), (32, 128, 3, (1, 2)), (64, 32, 2, (1, 2)),
+           (64, 128, 2, (2,))]  # size, steps, interleaved rounds, ranks
 CONVERGENCE_CONFIGS = [(32, 32, 8), (32, 128, 8)]  # size, steps, iterations
 RESULTS = DOCS / "bench_spatial.json"
 
 
 def report(data):
     """docs/bench_spatial.md from the measurements."""
-    lines = ["# Spatial coarsening on 3D volumes", "", (__doc__ or "").split("\n\n", 1)[1].strip(),
+    lines = ["# Spatial coarsening on 3D volumes", "", (__doc__ or "").split("\n\n", 2)[2].strip(),
              "", "Generated by `python -m bench.spatial`"
              + (f" on commit {data['commit']}, {data['date']}, {data['machine']}"
                 if "commit" in data else "")
              + " (raw numbers: docs/bench_spatial.json; `--report` rewrites this file from "
              "them).", "",
              "## Time per batch and accuracy (2 forward / 1 backward iterations)", "",
-             "Speedup = plain PyTorch's time / time (> 1 is faster).", "",
-             "| size | N | ranks | spatial coarsening | s/batch | PyTorch s/batch | speedup | "
-             "fwd residual | output err | input-grad err | param-grad err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Speedup = plain PyTorch's time / time (> 1 is faster), per round, median "
+             "[min-max] over the rounds; " + SAME_LEGEND, "",
+             "| size | N | ranks | spatial coarsening | rounds | s/batch | PyTorch s/batch | "
+             "speedup | fwd residual | output err | input-grad err | param-grad err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["timing"]:
         res = r["fwd_residuals"][-1] if r["fwd_residuals"] else float("nan")
         lines.append(f"| {r['size']}^3 | {r['steps']} | {r['ranks']} | {r['mode']} | "
-                     f"{r['seconds']:.2f} | {r['serial_seconds']:.2f} | "
-                     f"{r['serial_seconds'] / r['seconds']:.2f} | {res:.1e} | "
+                     f"{len(_times(r))} | {spread(_times(r))} | {spread(_plain(r))} | "
+                     f"{speedup(_plain(r), _times(r))[3]} | {res:.1e} | "
                      f"{r['err_output']:.1e} | {r['err_input_grad']:.1e} | "
                      f"{r['err_param_grad']:.1e} |")
     lines += ["", "## MGRIT iterations", "",
@@ -271,9 +293,9 @@ def measure(args=None):
     import tempfile
 
     data = {**provenance(), "timing": [], "convergence": []}
-    for size, steps, repeats in pick(CONFIGS, [(8, 8, 1)]):
-        for ranks in pick((1, 2), (2,)):
-            data["timing"] += launch(WORKER, ranks, size, steps, repeats)
+    for size, steps, rounds, ranks_list in pick(CONFIGS, [(8, 8, 1, (2,))]):
+        for ranks in ranks_list:
+            data["timing"] += launch(WORKER, ranks, size, steps, rounds)
     for size, steps, iters in pick(CONVERGENCE_CONFIGS, [(8, 8, 2)]):
         data["convergence"] += launch(CONVERGENCE, 1, size, steps, iters)
     data["costs"] = [measure_costs(2, 1)] * 2 if QUICK else \

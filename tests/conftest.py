@@ -31,6 +31,11 @@ def _ranks_as_marked(request):
         yield  # the launcher: the test itself runs in the job it starts
         return
     assert size == wanted, f"marked for {wanted} rank(s), running on {size}"
+    if size > 1 and not child and request.node.get_closest_marker("shared_job") is None:
+        # Under an outer `mpiexec -n N pytest` (`make test`) the tests share one job: an error
+        # test may leave a message in flight that a later test would receive.
+        pytest.fail("this test runs only in a job of its own (`pytest` starts one for it): it "
+                    "is not marked shared_job")
     yield
 
 

@@ -52,6 +52,7 @@ def inputs(seed=1):
     return torch.randn(4, 4, 8, 8, generator=g), torch.randn(4, 4, 8, 8, generator=g)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 @pytest.mark.parametrize("steps, levels, nrelax", [(32, 2, 0), (64, 3, 1)])
 def test_error_estimate_tracks_the_true_error(steps, levels, nrelax):
@@ -78,6 +79,7 @@ def test_error_estimate_tracks_the_true_error(steps, levels, nrelax):
             model.free()
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
 def test_one_level_estimates_zero_error():
     torch.manual_seed(0)
@@ -90,6 +92,7 @@ def test_one_level_estimates_zero_error():
     assert model.gradient_error_estimate() == 0.0
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_rtol_stops_at_the_first_residual_below_it():
     for rtol in (1e-3, 1e-6):  # one job for both
@@ -107,6 +110,7 @@ def test_rtol_stops_at_the_first_residual_below_it():
         assert stats.iterations < 30
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_adaptive_iterations_meet_their_target():
     for target in (1e-2, 1e-4, 1e-7):  # one job for the three (each job costs seconds to start)
@@ -138,6 +142,7 @@ def test_target_error_is_checked():
             Chain(MPI.COMM_SELF, 8, opts(2), target_error=bad)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_warm_start_with_skip_lowers_the_error_on_a_repeated_batch():
     torch.manual_seed(0)

@@ -49,6 +49,7 @@ def test_settings_that_differ_across_ranks_are_an_error_on_every_rank(name, chan
     m.free()
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([2])
 def test_the_same_settings_everywhere_train_as_before():
     assert WORLD.Get_size() == 2
@@ -95,6 +96,7 @@ def test_a_message_of_the_wrong_size_is_named():
             transport.recv_tensor(WORLD, (5,), torch.float64, "cpu", 0, 99, "a test tensor")
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_python_values_move_in_rank_order():
     size, rank = WORLD.Get_size(), WORLD.Get_rank()

@@ -51,6 +51,7 @@ def serial_error(model, x, y):
     return math.sqrt(WORLD.allreduce(num) / WORLD.allreduce(den))
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_audit_measures_the_serial_error_and_changes_nothing():
     assert WORLD.Get_size() in (1, 2, 3)
@@ -95,6 +96,7 @@ class BNNet(layerbraid.LayerParallelModule):
         return nn.Sequential(ConvBlock(3), LPBatchNorm2d(3))
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
 def test_audit_leaves_batch_norm_statistics_and_warm_starts_alone():
     assert WORLD.Get_size() in (1, 2)
@@ -114,6 +116,7 @@ def test_audit_leaves_batch_norm_statistics_and_warm_starts_alone():
     model.free()
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_calibrated_estimate_holds_on_a_trained_amplifying_network():
     """24 ReLU conv steps, 2/1 iterations, SGD with momentum: as training makes the steps
@@ -143,6 +146,7 @@ def test_calibrated_estimate_holds_on_a_trained_amplifying_network():
     model.free()
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([2, 3, 4])
 def test_estimate_does_not_depend_on_the_rank_count():
     """The same solve on every rank count gives the same estimates: the model on all ranks
@@ -164,6 +168,7 @@ def test_estimate_does_not_depend_on_the_rank_count():
     assert f_p == pytest.approx(f_1, rel=1e-9) and b_p == pytest.approx(b_1, rel=1e-9)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
 def test_audit_of_a_layer_parallel_gru():
     assert WORLD.Get_size() in (1, 2)

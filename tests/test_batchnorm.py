@@ -60,12 +60,14 @@ def check_bn(model, tol):
         torch.testing.assert_close(model(x), ser(x), rtol=tol, atol=tol)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_batch_norm_exact_mode_equals_serial_batch_norm():
     torch.manual_seed(0)
     check_bn(BNNet(WORLD), ROUNDOFF)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_batch_norm_multilevel_converges_to_serial():
     torch.manual_seed(0)
@@ -82,6 +84,7 @@ class SyncBNNet(BNNet):
         return nn.Sequential(ConvBlock(3), LPBatchNorm2d(3, sync_comm=self._sync))
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([4])
 def test_synchronized_batch_norm_over_data_groups_matches_the_whole_batch():
     """2 x 2 with batch statistics shared across the data groups trains like 1 x 4 on the whole

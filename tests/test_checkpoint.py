@@ -59,6 +59,7 @@ def step(model, opt, seed):
     return loss.item()
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([2, 3])
 def test_a_staged_model_saved_on_many_ranks_resumes_on_one():
     torch.manual_seed(0)

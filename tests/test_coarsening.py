@@ -156,6 +156,7 @@ class Net(LayerParallelModule):
         return ConvBlock(2, dims=self.dims)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_spatial_coarsening_converges_to_the_serial_answer():
     """Coarse levels coarse in space: MGRIT still converges to serial PyTorch (fine level
@@ -189,6 +190,7 @@ def test_a_grid_too_small_for_the_levels_is_a_clear_error_on_every_rank():
         Net(WORLD, 6, 2, spatial=[1, 2])
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
 def test_branch_mode_approximates_as_well_as_coarsening_in_time_alone():
     """With few iterations (what training runs), mode="branch" stays as accurate as MGRIT without

@@ -22,6 +22,7 @@ def test_a_grid_that_does_not_fit_is_a_clear_error_on_every_rank():
         ProcessGrid(WORLD, data_parallel=0)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([4])
 def test_grid_layout():
     g = ProcessGrid(WORLD, data_parallel=2)
@@ -32,6 +33,7 @@ def test_grid_layout():
     assert sorted(g.data_comm.allgather(WORLD.rank)) == [WORLD.rank % 2, WORLD.rank % 2 + 2]
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([4])
 def test_two_by_two_training_matches_one_by_four_and_serial():
     torch.manual_seed(0)

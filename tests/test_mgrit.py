@@ -50,6 +50,7 @@ def owned_everything(states, n):
 # Note: each parallel test is one mpiexec launch per rank count, so cases loop inside a test.
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel(RANKS)
 def test_xbraid_residual_history():
     for skip, expected in [(False, XBRAID_NO_SKIP), (True, XBRAID_SKIP)]:
@@ -65,6 +66,7 @@ def _check_xbraid(skip, expected):
     assert WORLD.allgather(r.residual_norms) == [r.residual_norms] * WORLD.size
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel(RANKS)
 def test_one_level_is_sequential_stepping_exactly():
     for n in (17, 64):
@@ -80,6 +82,7 @@ def _check_one_level(n):
         assert np.array_equal(u, ref[i])  # bit for bit: the same operations in the same order
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel(RANKS)
 def test_multilevel_converges_to_sequential():
     for opts in [
@@ -102,6 +105,7 @@ def _check_converges(opts, n):
     owned_everything(r.states, n)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel(RANKS)
 def test_two_level_mgrit_is_exact_after_theoretical_iterations():
     for n, cf, nrelax in [(32, 4, 1), (64, 8, 1), (32, 8, 0)]:
@@ -123,6 +127,7 @@ def _check_exact_after(n, cf, nrelax):
     assert max_error(early.states, ref) > 1e-3
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([2, 3, 4])
 def test_same_answer_on_any_number_of_ranks():
     for opts in [
@@ -203,6 +208,7 @@ def test_heat_equation_converges_with_bounded_factor():
     assert max_error(r.states, ref) < CONVERGED
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
 def test_float64_torch_and_float32_states_keep_their_dtype():
     torch = pytest.importorskip("torch")
@@ -308,6 +314,7 @@ def test_step_that_changes_shape_or_dtype():
     assert "float32" in str(info.value), info.value
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_storing_only_what_the_cycles_need():
     """store_all=False keeps the C-points, the points just before them and each rank's last
@@ -326,6 +333,7 @@ def test_storing_only_what_the_cycles_need():
     assert lean.residual_norms == full.residual_norms
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_fused_intervals_give_the_same_solve():
     """A step_interval callback (Note [fused intervals]) replaces runs of steps without changing

@@ -46,6 +46,7 @@ def compare_with_serial(model, x, y, tol):
             torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel(RANKS)
 def test_one_level_equals_serial_pytorch_to_roundoff():
     for n in (4, 9):  # 9: steps that do not divide evenly over the ranks
@@ -55,6 +56,7 @@ def test_one_level_equals_serial_pytorch_to_roundoff():
         assert model.forward_stats.iterations == 0 and model.backward_stats.iterations == 0
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_three_levels_run_to_convergence_equal_serial():
     opts = MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
@@ -69,6 +71,7 @@ def test_three_levels_run_to_convergence_equal_serial():
         assert model.backward_stats.residual_norms[-1] < 1e-13
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_cheap_settings_are_approximate_and_warm_start_helps():
     """2 forward / 1 backward iteration: an approximation that warm starts make better."""
@@ -89,6 +92,7 @@ def test_cheap_settings_are_approximate_and_warm_start_helps():
     assert errors[False] > 1e-6
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_training_follows_the_serial_loss_trajectory():
     torch.manual_seed(0)
@@ -114,6 +118,7 @@ def test_training_follows_the_serial_loss_trajectory():
     assert WORLD.allgather(losses) == [losses] * WORLD.size  # the same loss on every rank
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
 def test_gradients_accumulate():
     torch.manual_seed(0)
@@ -133,6 +138,7 @@ def test_gradients_accumulate():
             torch.testing.assert_close(acc[k], g1[k] + p.grad, rtol=ROUNDOFF, atol=ROUNDOFF)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([4])
 def test_checkpoint_saved_on_four_ranks_resumes_on_two_and_one():
     torch.manual_seed(0)
@@ -176,6 +182,7 @@ def test_checkpoint_saved_on_four_ranks_resumes_on_two_and_one():
         WORLD.Barrier()
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_serial_state_dict_loads_into_layer_parallel_model():
     torch.manual_seed(0)
@@ -189,6 +196,7 @@ def test_serial_state_dict_loads_into_layer_parallel_model():
     torch.testing.assert_close(model(x), serial(x), rtol=ROUNDOFF, atol=ROUNDOFF)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_owned_steps_cover_the_network_once():
     model = ODEResNet(WORLD, num_steps=7)
@@ -287,6 +295,7 @@ class Midpoint(ODEResNet):
         return x + dt * layer(x + 0.5 * dt * layer(x))
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
 def test_a_custom_step_rule_equals_serial():
     torch.manual_seed(0)
@@ -307,6 +316,7 @@ class Stage(LayerParallelModule):
         return ConvBlock(self.channels)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_stages_that_change_shape_chain_like_serial():
     """Two layer-parallel stages joined by a strided transition: the first hands its output to
@@ -343,6 +353,7 @@ class _Damped(ODEResNet):
         return x + dt * torch.tanh(layer(x)) - 0.1 * dt * x
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_fused_runs_equal_the_step_by_step_path(monkeypatch):
     """fused=True (a run of steps of the final relaxation as one graph, one autograd call per

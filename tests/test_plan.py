@@ -27,6 +27,7 @@ def virtual_tuples(arr):
             for r in arr]
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 2, 3, 4])
 def test_planner_schedule_is_the_cores_trace_on_every_rank():
     for opts in OPTION_SETS:
@@ -44,6 +45,7 @@ def test_planner_schedule_is_the_cores_trace_on_every_rank():
             assert counts == mine
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_planner_adjoint_schedule_is_the_training_backward_trace(float64):
     opts = MGRITOptions(skip_first_downcycle=False, max_levels=2, cfactor=2, max_iters=2, nrelax=0)

@@ -58,6 +58,7 @@ def compare(cls, ref_cls, seq, tol, opts=None, layers=2, with_h0=False):
     return model
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_exact_mode_equals_torch_rnns():
     for cls, ref in PAIRS:
@@ -65,6 +66,7 @@ def test_exact_mode_equals_torch_rnns():
             compare(cls, ref, seq, ROUNDOFF, with_h0=seq == 13)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_multilevel_converges_to_torch_rnns():
     opts = MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
@@ -117,6 +119,7 @@ def _run_both_paths(cls, opts, rule, seq=23):
     return results
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_fused_path_equals_per_step_path():
     """Runs of steps through torch's kernels and closed-form adjoints (or, in exact mode, the
@@ -137,6 +140,7 @@ def test_fused_path_equals_per_step_path():
                     torch.testing.assert_close(a, b, rtol=ROUNDOFF, atol=ROUNDOFF)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
 def test_fused_path_runs_blocks_and_intervals_in_one_kernel_call(monkeypatch):
     """Exact mode: one kernel call per rank and layer; two levels with cfactor 4: the level-0

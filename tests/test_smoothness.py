@@ -14,6 +14,7 @@ def _all_float64(float64):
     pass
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_depth_smoothness_equals_serial_in_value_and_gradient():
     assert WORLD.Get_size() in (1, 2, 3)

@@ -46,6 +46,7 @@ def test_non_finite_input_is_named_before_the_solve_on_every_rank():
     m.free()
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
 def test_to_serial_keeps_the_models_dtype():
     assert WORLD.Get_size() in (1, 2)

@@ -18,6 +18,7 @@ def make(dtype, shape, seed):
     return (x * 50).to(dtype) if not dtype.is_complex else torch.complex(x, -x).to(dtype)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_buffers_carry_every_dtype_exactly():
     for dtype in DTYPES:

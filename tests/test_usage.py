@@ -36,6 +36,7 @@ def _dataset(n=21):
 
 
 # ---------------------------------------------------------------- the loader
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_loader_gives_every_rank_the_same_shuffled_batches():
     loader = LayerParallelLoader(_dataset(), 4, comm=WORLD)  # seed drawn on rank 0
@@ -48,6 +49,7 @@ def test_loader_gives_every_rank_the_same_shuffled_batches():
     assert [yb.tolist() for _, yb in loader] == epochs[0]
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([4])
 def test_loader_shards_across_data_groups_and_agrees_within_a_layer_group():
     grid = ProcessGrid(WORLD, data_parallel=2)
@@ -120,6 +122,7 @@ def _serial_clip(serial, x, y, max_norm, norm_type):
     return total, dict(serial.named_parameters())
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_clip_grad_norm_is_global_and_clips_as_serial():
     for norm_type in (2.0, 1.0, float("inf")):  # one job for the three
@@ -137,6 +140,7 @@ def test_clip_grad_norm_is_global_and_clips_as_serial():
                 torch.testing.assert_close(p.grad, ref[name].grad, rtol=ROUNDOFF, atol=ROUNDOFF)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([4])
 def test_clip_grad_norm_under_data_parallelism_equals_serial_on_the_whole_batch():
     grid = ProcessGrid(WORLD, data_parallel=2)
@@ -154,6 +158,7 @@ def test_clip_grad_norm_under_data_parallelism_equals_serial_on_the_whole_batch(
             torch.testing.assert_close(p.grad, ref[name].grad, rtol=ROUNDOFF, atol=ROUNDOFF)
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
 def test_clip_grad_norm_counts_shared_rnn_weights_once():
     torch.manual_seed(0)
@@ -185,6 +190,7 @@ class BNNet(LayerParallelModule):
         return nn.Sequential(ConvBlock(3), LPBatchNorm2d(3, sync_comm=self.sync_comm))
 
 
+@pytest.mark.shared_job
 @pytest.mark.parallel([2])
 def test_to_serial_is_a_plain_picklable_module_with_plain_batch_norms():
     grid = ProcessGrid(WORLD, data_parallel=2)  # batch statistics synced over 2 data groups
