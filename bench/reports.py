@@ -12,6 +12,7 @@ check says so.
 """
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -106,9 +107,26 @@ def _last_change(paths):
     return int(t), commit
 
 
+_FOOTER = re.compile(r"_Written by `[^`]*` at commit ([0-9a-f]{7,40})")
+
+
+def _written_at(report):
+    """The commit a report's last line says it was written at (``harness.generate``'s
+    footer), or None."""
+    try:
+        lines = (ROOT / report).read_text().rstrip().splitlines()
+    except OSError:
+        return None
+    m = _FOOTER.search(lines[-1]) if lines else None
+    return m.group(1) if m and _git("cat-file", "-e", m.group(1) + "^{commit}") is not None \
+        else None
+
+
 def stale():
     """[(report, report's commit, code's commit, why)] for every stale report, or None when
-    git's history is not available."""
+    git's history is not available.  A report is stale when its code changed after the commit
+    its footer names (a report committed together with a change to its code, but written
+    before it, is stale too), or, without a footer, after the report's own last commit."""
     if _git("rev-parse", "--is-inside-work-tree") != "true" or \
             _git("rev-parse", "--is-shallow-repository") == "true":
         return None
@@ -120,12 +138,17 @@ def stale():
         written = None if None in ages else min(ages)
         changed = _last_change(code)
         dirty = _git("status", "--porcelain", "--untracked-files=no", "--", *code)
+        footer = _written_at(report)
         if written is None:
             out.append((report, "-", changed[1] if changed else "-", "never committed"))
         elif dirty:
             out.append((report, written[1], "working tree", "uncommitted changes to its code"))
         elif changed is not None and changed[0] > written[0]:
             out.append((report, written[1], changed[1], "its code changed after it"))
+        elif footer and changed is not None and \
+                _git("diff", "--quiet", footer, "HEAD", "--", *code) is None:
+            out.append((report, footer[:7], changed[1],
+                        "its code changed after the commit it was written at"))
     return out
 
 
