@@ -21,7 +21,10 @@ starts); the GRU has no warm starts or penalty (its steps share their weights). 
 every LOG-th batch between audits the true error is measured without calibrating (an audit
 with ``calibrate=False``) beside the estimate in force, which saw only earlier audits: those
 batches judge the estimate.  Speedup = plain PyTorch's time per epoch / the mode's (> 1 is
-faster); audits and measurements are not timed.
+faster); audits and measurements are not timed.  Each mode is one run, so a time has no spread
+across runs: compare modes only within one sitting (the line under each table says when each
+run was measured); on this machine the same run's time has moved by over 1.4x between
+sittings.
 """
 import json
 import statistics
@@ -104,7 +107,8 @@ def report(data):
         goal = ep["serial"][-1]["test_accuracy"] - 0.01
         lines += [f"## {example} ({len(ep['serial'])} epoch(s), {ep['serial'][0]['batches']} "
                   "batches each)", "",
-                  "| mode | s/epoch (min-max) | speedup | final test accuracy | time to serial's "
+                  "| mode | s/epoch, one run (min-max over its epochs) | speedup (one run each) | "
+                  "final test accuracy | time to serial's "
                   "final accuracy - 1 point | true grad error: median / max | calibrated "
                   f"estimate within {FACTOR:g}x (raw alone) | true error <= {target:g} | "
                   "iterations fwd / bwd (mean) | audits: s each (share of training) |",
