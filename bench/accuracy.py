@@ -23,8 +23,7 @@ with ``calibrate=False``) beside the estimate in force, which saw only earlier a
 batches judge the estimate.  Speedup = plain PyTorch's time per epoch / the mode's (> 1 is
 faster); audits and measurements are not timed.  Each mode is one run, so a time has no spread
 across runs: compare modes only within one sitting (the line under each table says when each
-run was measured); on this machine the same run's time has moved by over 1.4x between
-sittings.
+run was measured).
 """
 import json
 import statistics
