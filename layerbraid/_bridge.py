@@ -14,7 +14,8 @@ import numpy as np
 
 from mpi4py import MPI as _MPI
 
-from ._states import _as_state, _clone, _from_bytes, _header, _is_torch, _norm, _raw_bytes
+from ._states import (_as_state, _from_bytes, _header, _is_torch, _norm, _raw_bytes,
+                      _sum, _sum_into)
 from .errors import DivergenceError, MGRITError, RemoteRankError, StallError
 from ._timeouts import timeout, wait_sleep
 from ._comm import add_peers, barrier, bcast_obj, check_exits
@@ -64,6 +65,7 @@ class _Core:
         self._app = None
         self._coarsen_fn, self._refine_fn = coarsen, refine
         self._table = {}
+        self._private = set()  # Note [private states]
         self._next = 0
         self._error = None
         self._device = None
@@ -123,6 +125,7 @@ class _Core:
             comm.Free()
         self.comm = None
         self._table.clear()
+        self._private.clear()
 
     def __del__(self):
         try:
@@ -131,14 +134,30 @@ class _Core:
             pass
 
     # table
-    def _put(self, x):
+    # Note [private states]: the core writes a sum into its second operand (y <- a x + b y).
+    # In place is a pass over the state with no allocation, against an allocation (and, at
+    # a few hundred kB and up, fresh pages) and a pass for a new state; but a state that the
+    # application may hold (a step's input or output, which can be its input itself or a view
+    # into a kept autograd graph; init's values; what states() returns) must never change.
+    # So a state is private only when this table made it (an unpacked message, a new sum),
+    # shares it with no other id (a clone shares until one of the two is written) and has not
+    # handed it to application code since (_handed); sums into a private state are in place,
+    # the others make a new, private state.
+    def _put(self, x, private=False):
         x = _as_state(x)
         if self._device is None and _is_torch(x):
             self._device = x.device
         i = self._next
         self._next += 1
         self._table[i] = x
+        if private:
+            self._private.add(i)
         return i
+
+    def _handed(self, i):
+        """State ``i``, for application code, which may keep it: no longer private."""
+        self._private.discard(i)
+        return self._table[i]
 
     def _fail(self, exc, where):
         if self._error is None:
@@ -266,7 +285,7 @@ class _Core:
         for i in range(lo, hi + 1):
             vid = lib.mgrit_state(self._core, i)
             if vid >= 0:
-                out[i] = self._table[vid]
+                out[i] = self._handed(vid)
         return out
 
     def trace(self):
@@ -307,26 +326,28 @@ def _init_cb(self, t, index, out):
 
 @_callback("_lb_clone", "clone")
 def _clone_cb(self, x, out):
-    out[0] = self._put(_clone(self._table[x]))
+    # Note [private states]: a clone shares its state until a sum writes into one of the two,
+    # which then makes a new state (the copy the clone would have made, and the sum, in one
+    # pass); neither is private while they share.
+    self._private.discard(x)
+    out[0] = self._put(self._table[x])
     return 0
 
 
 @_callback("_lb_free", "free")
 def _free_cb(self, x):
     self._table.pop(x, None)
+    self._private.discard(x)
     return 0
 
 
 @_callback("_lb_sum", "sum")
 def _sum_cb(self, alpha, x, beta, y):
     tx, ty = self._table[x], self._table[y]
-    # Out of place: a step may return its input, so two ids can share one object.
-    if alpha == 1.0 and beta == 1.0:
-        self._table[y] = tx + ty
-    elif beta == 1.0:
-        self._table[y] = ty + alpha * tx
-    else:
-        self._table[y] = alpha * tx + beta * ty
+    # In place only into a private state (Note [private states]).
+    if y not in self._private or not _sum_into(alpha, tx, beta, ty):
+        self._table[y] = _sum(alpha, tx, beta, ty)
+        self._private.add(y)
     return 0
 
 
@@ -352,7 +373,7 @@ def _checked(x, y, level, index, tstart, tstop):
 
 @_callback("_lb_step", "step")
 def _step_cb(self, u, tstart, tstop, level, index, done, out):
-    x = self._table[u]
+    x = self._handed(u)
     t0 = time.perf_counter()
     y = self._step_fn(self._app, x, tstart, tstop, level, index, bool(done))
     self.step_seconds += time.perf_counter() - t0
@@ -362,7 +383,7 @@ def _step_cb(self, u, tstart, tstop, level, index, done, out):
 
 @_callback("_lb_step_interval", "step_interval")
 def _step_interval_cb(self, u, t, level, index, stride, n, done, keep, out):
-    x = self._table[u]
+    x = self._handed(u)
     times = ffi.unpack(t, n + 1)
     t0 = time.perf_counter()
     ys = list(self._interval_fn(self._app, x, times, level, index, stride, bool(done),
@@ -403,19 +424,19 @@ def _pack_cb(self, x, buf, nbytes):
 
 @_callback("_lb_unpack", "unpack")
 def _unpack_cb(self, buf, nbytes, out):
-    out[0] = self._put(_from_bytes(ffi.buffer(buf, nbytes), self._device))
+    out[0] = self._put(_from_bytes(ffi.buffer(buf, nbytes), self._device), private=True)
     return 0
 
 
 @_callback("_lb_coarsen", "coarsen")
 def _coarsen_cb(self, x, level, out):
-    out[0] = self._put(self._coarsen_fn(self._table[x], level))
+    out[0] = self._put(self._coarsen_fn(self._handed(x), level))
     return 0
 
 
 @_callback("_lb_refine", "refine")
 def _refine_cb(self, x, level, out):
-    out[0] = self._put(self._refine_fn(self._table[x], level))
+    out[0] = self._put(self._refine_fn(self._handed(x), level))
     return 0
 
 

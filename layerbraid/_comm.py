@@ -10,6 +10,7 @@ which polls: Ctrl-C gets through, a rank that waits longer than the stall timeou
 rank of the communicator exited (Note [exit notices]) raises :class:`RemoteRankError` saying so.
 Nothing here blocks in MPI.
 """
+import os
 import pickle
 import sys
 import time
@@ -17,7 +18,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ._timeouts import timeout
+from ._timeouts import timeout, wait_sleep
 from .errors import RemoteRankError, StallError
 
 __all__ = []
@@ -55,12 +56,16 @@ def split(comm, color, key, what):
 
 # ---------------------------------------------------------------- the polled wait
 def wait(requests, comm, what, statuses=None):
-    """Waits, polling, for MPI ``requests`` of ``comm`` (Note [deadlines]).  Several tests per
-    wake: MPI's progress can need more than one call to finish what arrived during a nap
-    (Note [polled waits] in cbridge/src/comm.c)."""
+    """Waits, polling, for MPI ``requests`` of ``comm`` (Note [deadlines]), the way the MGRIT
+    core waits (Note [polled waits] in cbridge/src/comm.c): a short spin, then, between tests,
+    a yield of the core when every rank of this node has a core of its own (a nap would wake
+    late by up to its length, on every wait of a pipeline), else a nap of a tenth of the time
+    waited so far, between ``wait_sleep()`` and 1 ms; several tests per wake (MPI's progress
+    can need more than one call to finish what arrived during a nap); the exit notices and the
+    timeout checked about every 50 ms."""
     limit = timeout()
     t0 = time.perf_counter()
-    spins, nap = 0, 1e-5
+    spins, sleep, next_check = 0, None, t0 + 0.05
     while True:
         for _ in range(4):
             done = MPI.Request.Testall(requests, statuses) if statuses is not None \
@@ -68,11 +73,20 @@ def wait(requests, comm, what, statuses=None):
             if done:
                 return
         spins += 1
-        if spins > 100:
-            time.sleep(nap)
-            nap = min(2 * nap, 1e-3)
-            check_exits(comm, what)
-        waited = time.perf_counter() - t0
+        if spins <= 100:
+            continue
+        now = time.perf_counter()
+        if sleep is None:
+            sleep = wait_sleep()
+        if sleep > 0:
+            time.sleep(min(max((now - t0) / 10, sleep), 1e-3))
+        else:
+            os.sched_yield()
+        if now < next_check:
+            continue
+        next_check = now + 0.05
+        check_exits(comm, what)
+        waited = now - t0
         if limit and waited > limit:
             raise StallError(
                 f"stalled: rank {comm.Get_rank()} waited {waited:.0f} s for {what}.  "

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from ._chain import Steps, _Graph
 from ._comm import first_rank_where
@@ -63,8 +64,9 @@ class _LayerSteps(Steps):
     def step_params(self, owned):
         """{step: [(id, parameter)]} for the owned steps: the parameters that require a
         gradient, walked once per forward (a run's graphs collect their gradients by id)."""
-        return {i: [(id(p), p) for p in self.layers.layers[str(i)].parameters()
-                    if p.requires_grad] for i in owned}
+        layers = self.layers.layers
+        return {i: [(id(p), p) for p in _parameters(layers[str(i)]) if p.requires_grad]
+                for i in owned}
 
     # ------------------------------------------------------------------ boundary
     def new_run_state(self):
@@ -253,17 +255,49 @@ class _LayerSteps(Steps):
 
 
 def all_finite(tensors):
-    """Whether every element of ``tensors`` is finite: one sum per tensor, in float64 (NaN and
-    Inf survive a sum; float32 or half values cannot overflow one, float64 values only near
-    1e308 / their count), and one check per device, instead of a boolean copy of every
-    tensor."""
-    by_device = {}
+    """Whether every element of ``tensors`` is finite.  NaN and Inf survive a sum, so one sum per
+    tensor (the small ones concatenated first: per-tensor calls cost more than their elements
+    here), in the tensors' own precision, and one check per device and dtype decide when they
+    are all finite; a sum that is not finite (which a sum of huge finite values can be too)
+    sends that group to the exact elementwise check."""
+    groups = {}
+    for t in tensors:
+        if t.numel():
+            real = torch.view_as_real(t) if t.is_complex() else t
+            groups.setdefault((real.device, real.dtype), []).append(real)
     with torch.no_grad():
-        for t in tensors:
-            if t.numel():
-                real = torch.view_as_real(t) if t.is_complex() else t
-                by_device.setdefault(t.device, []).append(real.sum(dtype=torch.float64))
-        return all(bool(torch.isfinite(torch.stack(sums)).all()) for sums in by_device.values())
+        for group in groups.values():
+            small = [t for t in group if t.numel() <= _SMALL]
+            sums = [t.sum() for t in group if t.numel() > _SMALL]
+            if small:  # one C++ call flattens them (as torch's DistributedDataParallel does)
+                sums.append(_flatten_dense_tensors(small).sum() if len(small) > 1 else
+                            small[0].sum())
+            if not bool(torch.isfinite(torch.stack(sums)).all()) and \
+                    not all(bool(torch.isfinite(t).all()) for t in group):
+                return False
+    return True
+
+
+_SMALL = 4096  # elements: a tensor up to this size is summed in one concatenation with the others
+
+
+def _parameters(module):
+    """``list(module.parameters())``, in its order (modules depth first, each one's own
+    parameters in registration order, every module and parameter once), without the generators
+    of ``named_parameters``: this runs for every owned step at every forward."""
+    out, seen, seen_modules = [], set(), set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen_modules:
+            continue
+        seen_modules.add(id(m))
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return out
 
 
 def check_shape(fx, x, index):

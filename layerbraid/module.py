@@ -11,7 +11,7 @@ from torch import nn
 from . import checkpoint
 from ._autograd import _BroadcastFn, _ToFirstFn
 from ._chain import Run, _Chain, _ChainFn, _check_target, _gradient_estimate
-from ._layer_steps import _LayerSteps, check_shape
+from ._layer_steps import _LayerSteps, all_finite, check_shape
 from ._ownership import _StepLayers, draw_seed, seeded_layer
 from ._parts import FreedOnExit
 from ._comm import allgather_obj, allreduce_floats, arrive, bcast_obj, check_same_settings, \
@@ -385,7 +385,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         self._step_layers.exchange()
         chain = self._chain.exact() if self._solve_exactly else self._chain
         params = [p for leaves in run.own.step_params.values() for _, p in leaves]
-        out = _ChainFn.apply(chain, run, anchor, h0, *params)
+        out = made = _ChainFn.apply(chain, run, anchor, h0, *params)
         status, error = None, None
         if last:
             try:
@@ -395,7 +395,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                     raise TypeError(f"the close layer must return a tensor, got "
                                     f"{type(out).__name__}")
                 status = ("ok", tuple(out.shape), out.dtype)
-                if self.check_finite and not bool(torch.isfinite(out.detach()).all()):
+                if self.check_finite and not all_finite([out.detach()]):
                     status = ("nonfinite", tuple(out.shape), out.dtype)
             except Exception as exc:  # tell every rank, then raise here
                 error, status = exc, ("error", f"{type(exc).__name__}: {exc}")
@@ -412,6 +412,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                 f"the layer-parallel forward produced a non-finite output (NaN or Inf) on rank "
                 f"{self._size - 1}, shape {status[1]}: the input, the weights or the steps "
                 "overflowed (check_finite=False turns this check off)")
+        if self._size == 1 and out is not made:
+            return out  # a new tensor of the close layer: nothing to move, nothing to copy
         if self.output == "next":
             return _ToFirstFn.apply(comm, out, status[1], status[2])
         return _BroadcastFn.apply(comm, self._size - 1, out, status[1], status[2])
@@ -538,7 +540,7 @@ def _check_input(x, check_finite):
         return
     if x.shape[0] == 0:
         raise ValueError(f"the batch is empty: an input of shape {tuple(x.shape)}")
-    if check_finite and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+    if check_finite and x.is_floating_point() and not all_finite([x.detach()]):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"the input holds {bad} NaN or Inf value(s) (shape {tuple(x.shape)}): "
                          "bad input, before any step ran (check_finite=False turns this check "
