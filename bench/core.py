@@ -137,8 +137,10 @@ def tax_lines(rows):
         lines += ["", f"On one rank at one level (the exact path, where layerbraid adds no "
                   f"work of MGRIT's own) the time outside the layer is between {lo:.0f} and "
                   f"{hi:.0f} us per step over states of {exact[0]['size']} to "
-                  f"{exact[-1]['size']} elements (a negative value: within the noise of the "
-                  "layer's own time).  With 2 ranks the figure includes the pipeline's waiting "
+                  f"{exact[-1]['size']} elements"
+                  + (" (a negative value: within the noise of the layer's own time)" if lo < 0
+                     else "") +
+                  ".  With 2 ranks the figure includes the pipeline's waiting "
                   "(each rank idles while the other runs its steps); with 2 levels, MGRIT's own "
                   "vector work (residuals, restrictions, corrections), which grows with the "
                   "state."]
