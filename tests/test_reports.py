@@ -36,6 +36,29 @@ def test_every_report_has_its_command_and_the_stale_ones_are_listed():
         assert "no stale report" in out.stdout or "no git history" in out.stdout, out.stdout
 
 
+def test_every_worker_a_report_launches_is_code_it_measures():
+    """The stale check can only see changes to the files a report lists: every worker that a
+    report's generators launch (``launch("NAME", ...)``, or a constant naming
+    bench/workers/NAME.py) is among them."""
+    if not (ROOT / "bench" / "reports.py").exists():
+        pytest.skip("bench/ is not next to the tests")
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.reports import REPORTS
+    finally:
+        sys.path.remove(str(ROOT))
+    checked = 0
+    for report, (modules, code) in REPORTS.items():
+        for module in modules:  # bench.scaling launches none: it models (layerbraid.plan)
+            text = (ROOT / (module.replace(".", "/") + ".py")).read_text()
+            names = set(re.findall(r'launch\("(\w+)"', text)) | set(
+                re.findall(r'= "(\w+)"\s*# bench/workers/\1\.py', text))
+            for name in names:
+                assert f"bench/workers/{name}.py" in code, (report, module, name)
+                checked += 1
+    assert checked >= 12, checked  # the patterns still find the launches
+
+
 def test_bench_has_one_launch_convention():
     """Every benchmark is a module run as ``python -m bench.NAME`` from the repository's root,
     its jobs started through bench/harness.py: no script edits sys.path, imports from tests/,
