@@ -5,31 +5,33 @@ calibrated estimate judged against it, test accuracy and time beside plain PyTor
     python -m bench.accuracy --report   (rewrites the .md and .png from the .json)
     python -m bench.accuracy --only EXAMPLE/MODE [...]   (reruns those into the .json)
 
-Four networks, each trained in one run per mode with the same seed, batches and initial weights,
-on 2 ranks: examples/mnist.py's demo network (1 epoch; 2 levels, cfactor 4, F-relaxation, first
-down-cycle skipped), examples/volumes3d.py's (3 epochs; 3 levels, cfactor 2, spatial coarsening
-"branch" on levels 1 and 2), examples/sequence_classification.py's GRU on MNIST rows (1 epoch;
-2 levels, cfactor 4) and a deeper ReLU conv chain no example uses by default (mnist's network
-with 24 steps over T = 2, SGD with momentum, its first 300 batches).  Modes: serial (plain PyTorch on one
-rank, the speedup reference, without any penalty), fixed (2 forward / 1 adjoint iteration),
-warm (fixed, each solve starting from the previous batch's states), warm1 (warm starts at 1
-forward / 1 adjoint iteration), smooth (fixed, the loss plus
-0.1 times the depth-smoothness penalty, ``LayerParallelModule.depth_smoothness``), adaptive
-(target_error 1e-2, at most 10 iterations per solve) and adaptive_warm (adaptive with warm
-starts); the GRU has no warm starts or penalty (its steps share their weights).  Every AUDIT-th batch
+Four networks, each trained in every mode with the same seed, batches and initial weights, in
+one job on 2 ranks: examples/mnist.py's demo network (1 epoch; 2 levels, cfactor 4, F-relaxation,
+first down-cycle skipped), examples/volumes3d.py's (3 epochs; 3 levels, cfactor 2, spatial
+coarsening "branch" on levels 1 and 2), examples/sequence_classification.py's GRU on MNIST rows
+(1 epoch; 2 levels, cfactor 4) and a deeper ReLU conv chain no example uses by default (mnist's
+network with 24 steps over T = 2, SGD with momentum, its first 300 batches).  Modes: serial
+(plain PyTorch on one rank, the speedup reference, without any penalty), fixed (2 forward / 1
+adjoint iteration), warm (fixed, each solve starting from the previous batch's states), warm1
+(warm starts at 1 forward / 1 adjoint iteration), smooth (fixed, the loss plus 0.1 times the
+depth-smoothness penalty, ``LayerParallelModule.depth_smoothness``), adaptive (target_error
+1e-2, at most 10 iterations per solve) and adaptive_warm (adaptive with warm starts); the GRU has
+no warm starts or penalty (its steps share their weights).  The modes take turns batch by batch
+(bench/workers/accuracy.py), so each batch's time in a mode is paired with plain PyTorch's on
+the same batch, measured seconds apart under the same load: the speedup per batch is plain
+PyTorch's time for that batch over the mode's (> 1 is faster), shown as the median and
+quartiles over the batches beside the speedup of the whole epochs.  Every AUDIT-th batch
 ``layerbraid.audit_gradients`` measures the true gradient error and calibrates the estimate;
 every LOG-th batch between audits the true error is measured without calibrating (an audit
 with ``calibrate=False``) beside the estimate in force, which saw only earlier audits: those
-batches judge the estimate.  Speedup = plain PyTorch's time per epoch / the mode's (> 1 is
-faster); audits and measurements are not timed.  Each mode is one run, so a time has no spread
-across runs: compare modes only within one sitting (the line under each table says when each
-run was measured).
+batches judge the estimate.  Audits and measurements are not timed.
 """
 import json
 import statistics
 import subprocess
 
-from bench.harness import DOCS, QUICK, ROOT, generate, launch, parser, provenance
+from bench.harness import (DOCS, QUICK, ROOT, SAME, SAME_LEGEND, generate, launch, parser,
+                           provenance)
 
 WORKER = "accuracy"  # bench/workers/accuracy.py
 TARGET = 1e-2
@@ -49,24 +51,42 @@ OUT = DOCS / "accuracy"
 
 
 def measure(only=None):
-    """Runs every example in every mode (``only``: those EXAMPLE/MODE runs, kept beside the
-    stored ones)."""
+    """Runs every example, all its modes in one job (``only``: those EXAMPLE or EXAMPLE/MODE
+    runs, each job with serial, the pairing reference, kept beside the stored runs)."""
     path = OUT.with_suffix(".json")
     data = json.loads(path.read_text()) if only and path.exists() else {"target": TARGET, "runs": {}}
     for example, cfg in RUNS.items():
-        for mode in cfg.get("modes", MODES):
-            if only and f"{example}/{mode}" not in only:
+        modes = cfg.get("modes", MODES)
+        if only:
+            modes = [m for m in modes if example in only or f"{example}/{m}" in only]
+            if not modes:
                 continue
-            print(f"--- {example} {mode}", flush=True)
-            rows = launch(WORKER, 1 if mode == "serial" else 2, example, mode, cfg["epochs"],
-                          cfg["log_every"], TARGET, cfg["max_batches"], cfg["audit_every"],
-                          GAMMA, echo=False)
-            data["runs"][f"{example}/{mode}"] = rows
-            data.setdefault("measured", {})[f"{example}/{mode}"] = provenance()
-            OUT.with_suffix(".json").write_text(json.dumps(data, indent=1))
-            last = [r for r in rows if r["kind"] == "epoch"][-1]
-            print(f"    {last}", flush=True)
+            modes = ["serial"] + [m for m in modes if m != "serial"]
+        print(f"--- {example}: {', '.join(modes)}", flush=True)
+        rows = launch(WORKER, 2, example, ",".join(modes), cfg["epochs"], cfg["log_every"],
+                      TARGET, cfg["max_batches"], cfg["audit_every"], GAMMA, echo=False,
+                      timeout=4 * 3600)
+        when = provenance()
+        for m in modes:
+            data["runs"][f"{example}/{m}"] = [r for r in rows if r.get("mode") == m]
+            data.setdefault("measured", {})[f"{example}/{m}"] = when
+            last = [r for r in data["runs"][f"{example}/{m}"] if r["kind"] == "epoch"][-1]
+            print(f"    {m}: {last['seconds']:.1f} s, test accuracy {last['test_accuracy']:.4f}",
+                  flush=True)
+        OUT.with_suffix(".json").write_text(json.dumps(data, indent=1))
     return data
+
+
+def paired(epochs_a, epochs_b):
+    """Run a's time over run b's, batch by batch (the same batches, measured in turn; with a
+    = serial: the speedup per batch), or None when the runs did not keep each batch's time."""
+    out = []
+    for s, e in zip(epochs_a, epochs_b):
+        a, b = s.get("batch_seconds"), e.get("batch_seconds")
+        if not a or not b or len(a) != len(b):
+            return None
+        out += [x / y for x, y in zip(a, b) if y > 0]
+    return out or None
 
 
 def holds(rows):
@@ -95,7 +115,7 @@ def report(data):
     target = data["target"]
     lines = ["# Gradient accuracy in training", "",
              "Generated by `python -m bench.accuracy` (raw data: docs/accuracy.json). " +
-             __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), ""]
+             __doc__.split("\n\n", 2)[2].replace("\n", " ").strip() + " " + SAME_LEGEND, ""]
     for example in RUNS:
         runs = {m: data["runs"].get(f"{example}/{m}") for m in MODES}
         if not runs["serial"]:
@@ -106,19 +126,25 @@ def report(data):
         goal = ep["serial"][-1]["test_accuracy"] - 0.01
         lines += [f"## {example} ({len(ep['serial'])} epoch(s), {ep['serial'][0]['batches']} "
                   "batches each)", "",
-                  "| mode | s/epoch, one run (min-max over its epochs) | speedup (one run each) | "
-                  "final test accuracy | time to serial's "
+                  "| mode | s/epoch (min-max over the epochs) | s/batch: median [quartiles] | "
+                  "speedup: epochs; per batch, median [quartiles] | final test accuracy | "
+                  "time to serial's "
                   "final accuracy - 1 point | true grad error: median / max | calibrated "
                   f"estimate within {FACTOR:g}x (raw alone) | true error <= {target:g} | "
                   "iterations fwd / bwd (mean) | audits: s each (share of training) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for m in MODES:
             if m not in ep:
                 continue
             secs = [r["seconds"] for r in ep[m]]
             sec = statistics.mean(secs)
             reach = time_to(ep[m], goal)
-            row = [m, f"{sec:.1f} ({min(secs):.1f}-{max(secs):.1f})", f"{plain / sec:.2f}",
+            per_batch = [t for r in ep[m] for t in r.get("batch_seconds", [])]
+            pairs = paired(ep["serial"], ep[m]) if m != "serial" else None
+            row = [m, f"{sec:.1f} ({min(secs):.1f}-{max(secs):.1f})",
+                   quartiles(per_batch, ".3f") if per_batch else "-",
+                   f"{plain / sec:.2f}; " + (quartiles(pairs) + _same(pairs) if pairs else
+                                             "1 (the reference)" if m == "serial" else "-"),
                    f"{100 * ep[m][-1]['test_accuracy']:.2f}%",
                    f"{reach:.0f} s" if reach is not None else "not reached"]
             b = rows[m]
@@ -154,6 +180,19 @@ FINDINGS = f"""- The raw estimate is a solve's own error from its residuals (Not
   is above {FLOOR:g} (float32 round-off and a margin) and which an earlier audit calibrated.
 - An audit costs one exact forward and backward of the batch: about plain PyTorch's time for it,
   spread over the ranks as a pipeline."""
+
+
+def quartiles(values, fmt=".2f"):
+    """``median [first-third quartile]`` of ``values``: over hundreds of batches the extremes
+    are the first batch's warm-up and the machine's hiccups, the quartiles the batches' spread."""
+    q1, med, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return f"{med:{fmt}} [{q1:{fmt}}-{q3:{fmt}}]"
+
+
+def _same(pairs):
+    """The mark of a paired speedup whose quartiles include 1.0."""
+    q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
+    return f" {SAME}" if q1 <= 1.0 <= q3 else ""
 
 
 def _measured(measured, example, modes):
@@ -201,7 +240,11 @@ def _findings(example, ep, rows, plain, goal, target):
                        f"measured batches ({'at least' if share >= 0.9 else 'below'} 90%).")
     for warm, cold in (("warm", "fixed"), ("warm1", "fixed"), ("adaptive_warm", "adaptive")):
         if warm in sec and cold in sec and its.get(warm) and its.get(cold):
-            out.append(f"- {warm} costs {sec[warm] / sec[cold]:.2f}x {cold}'s time per epoch "
+            ratio = paired(ep[warm], ep[cold])  # warm's time over cold's, batch by batch
+            per_batch = (f", {quartiles(ratio)}x per batch (median [quartiles], paired)"
+                         if ratio else "")
+            out.append(f"- {warm} costs {sec[warm] / sec[cold]:.2f}x {cold}'s time per epoch"
+                       f"{per_batch} "
                        f"({its[warm][0]:.1f} / {its[warm][1]:.1f} against {its[cold][0]:.1f} / "
                        f"{its[cold][1]:.1f} iterations); its median true gradient error is "
                        f"{statistics.median(r['grad_error'] for r in rows[warm]):.1e} against "
