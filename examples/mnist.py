@@ -41,7 +41,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_training_arguments(parser, steps=8, channels=8, batch_size=64, epochs=2, lr=0.05)
-    cli.add_lp_arguments(parser)
+    # 8 steps at cfactor 4 are two C-intervals, and one MGRIT iteration that relaxes its first
+    # down-cycle solves two intervals exactly: the F-relaxation makes the first interval exact,
+    # the coarse solve then the second C-point, the final relaxation the rest.  So at its
+    # default depth this network trains with serial's gradients, to round-off, at 1 forward / 1
+    # adjoint iteration (docs/accuracy.md, mode relaxed1); deeper (--steps) it needs more.
+    cli.add_lp_arguments(parser, fwd_iters=1, bwd_iters=1, skip=False)
     parser.add_argument("--dataset", choices=["mnist", "fashion"], default="mnist",
                         help="mnist (default) or fashion")
     args = cli.parse_args(parser, argv)

@@ -67,7 +67,8 @@ _DEFAULT = MGRITOptions()
 
 def add_lp_arguments(parser, *, levels=_DEFAULT.max_levels, cfactor=_DEFAULT.cfactor,
                      fwd_iters=2, bwd_iters=1,
-                     relax="FCF" if _DEFAULT.nrelax else "F", audit_every=50):
+                     relax="FCF" if _DEFAULT.nrelax else "F",
+                     skip=_DEFAULT.skip_first_downcycle, audit_every=50):
     """Adds the ``--lp-*`` MGRIT flags.  The defaults are MGRITOptions' (levels, cfactor,
     relaxation, skip, cycle), with 2 forward / 1 adjoint iterations and no residual tolerance;
     a script may change them."""
@@ -88,7 +89,6 @@ def add_lp_arguments(parser, *, levels=_DEFAULT.max_levels, cfactor=_DEFAULT.cfa
                         "the set iterations (default 0)")
     g.add_argument("--lp-relax", choices=["F", "FCF"], nargs="+", default=[relax],
                    help=f"relaxation, or one per coarsened level (default {relax})")
-    skip = _DEFAULT.skip_first_downcycle
     g.add_argument("--lp-skip-downcycle", action=argparse.BooleanOptionalAction, default=skip,
                    help="skip the work of the first down-cycle (default: "
                         f"{'on' if skip else 'off'})")

@@ -34,14 +34,17 @@ def test_mnist_layer_parallel_on_two_ranks_learns(tmp_path):
     assert h["batches"] == 40
     assert sum(h["last_losses"]) / 5 < 0.6 * sum(h["first_losses"]) / 5
     assert h["test_accuracy"] > 0.6
-    assert h["fwd_iters"] == 2 and h["bwd_iters"] == 1
-    assert 0 < h["fwd_error_estimate"] <= h["fwd_error_estimate_max"] < 1
-    assert 0 < h["bwd_error_estimate"] <= h["bwd_error_estimate_max"] < 1
+    # the defaults: 1 forward / 1 adjoint iteration with the first down-cycle relaxed, which on
+    # the 8 steps' two C-intervals is exact: the estimates and the audit see round-off only
+    assert h["fwd_iters"] == 1 and h["bwd_iters"] == 1
+    assert 0 <= h["fwd_error_estimate"] <= h["fwd_error_estimate_max"] < 1e-5
+    assert 0 <= h["bwd_error_estimate"] <= h["bwd_error_estimate_max"] < 1e-5
     assert "est. error" in proc.stdout
-    # the default audit (every 50 batches: the first) is recorded and printed
+    # the default audit (every 50 batches: the first) is recorded and printed; an error at
+    # float32 round-off leaves the calibration as it was
     audit, = h["audits"]
-    assert audit["batch"] == 0 and 0 < audit["error"] < 1 and audit["seconds"] > 0
-    assert audit["calibration"] == pytest.approx(audit["error"] / audit["raw_estimate"])
+    assert audit["batch"] == 0 and 0 <= audit["error"] < 1e-5 and audit["seconds"] > 0
+    assert audit["calibration"] == 1.0
     assert proc.stdout.count("audits (1): true gradient error median") == 1
     assert (tmp_path / "training_curve.png").stat().st_size > 1000
     assert "test accuracy" in proc.stdout

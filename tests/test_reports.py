@@ -92,3 +92,34 @@ def test_every_report_generator_runs_in_quick_mode(tmp_path):
     for report in reports:
         written = tmp_path / Path(report).name
         assert written.exists() and written.stat().st_size > 0, (report, out.stdout[-2000:])
+
+
+def test_the_accuracy_reports_default_modes_are_the_examples_defaults():
+    """docs/accuracy.md marks each example's default mode (bench/accuracy.py DEFAULTS): the
+    iterations and first down-cycle that the example's --help states are that mode's."""
+    if not (ROOT / "bench" / "accuracy.py").exists():
+        pytest.skip("bench/ is not next to the tests")
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.accuracy import DEFAULTS, MODE_FLAGS
+    finally:
+        sys.path.remove(str(ROOT))
+    scripts = {"mnist": "mnist.py", "volumes3d": "volumes3d.py",
+               "sequence": "sequence_classification.py"}
+    assert set(DEFAULTS) == set(scripts)
+    for example, mode in DEFAULTS.items():
+        out = subprocess.run([sys.executable, str(ROOT / "examples" / scripts[example]), "--help"],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        text = " ".join(out.stdout.split())
+        levels = int(re.search(r"--lp-levels L MGRIT levels;.*?\(default (\d+)\)",
+                               text).group(1))
+        stated = {
+            "levels": 1 if levels == 1 else "more",
+            "fwd_iters": int(re.search(r"iterations of the forward solve \(default (\d+)\)",
+                                       text).group(1)),
+            "bwd_iters": int(re.search(r"iterations of the adjoint solve \(default (\d+)\)",
+                                       text).group(1)),
+            "skip": re.search(r"first down-cycle \(default: (on|off)\)", text).group(1)}
+        want = MODE_FLAGS[mode]
+        assert {k: stated[k] for k in want} == want, (example, mode, stated)

@@ -6,11 +6,13 @@
 EXAMPLE: mnist (examples/mnist.py's network and defaults), volumes3d (examples/volumes3d.py's),
 sequence (examples/sequence_classification.py's GRU on MNIST rows) or convchain (mnist's network
 with 24 steps over T = 2, a deeper ReLU conv chain than any example's default).
-MODES: a comma-separated list of: serial (plain PyTorch, on rank 0 alone), fixed (the example's
-MGRIT settings: 2 forward / 1 adjoint iteration), warm (fixed, with warm starts), warm1 (warm
-starts at 1 forward / 1 adjoint iteration), adaptive (target_error=TARGET, at most 10 iterations
-per solve), adaptive_warm (adaptive, with warm starts), smooth (fixed, the loss plus GAMMA times
-the depth-smoothness penalty).
+MODES: a comma-separated list of: serial (plain PyTorch, on rank 0 alone), exact (one MGRIT
+level: sequential stepping across the ranks), fixed (the example's hierarchy at 2 forward / 1
+adjoint iteration, the first down-cycle skipped), relaxed1 (1 forward / 1 adjoint iteration, the
+first down-cycle relaxed), warm (fixed, with warm starts), warm1 (warm starts at 1 forward / 1
+adjoint iteration), adaptive (target_error=TARGET, at most 10 iterations per solve),
+adaptive_warm (adaptive, with warm starts), smooth (fixed, the loss plus GAMMA times the
+depth-smoothness penalty).
 
 Every mode trains its own model from the same initial weights on the same batches, the modes
 taking turns batch by batch (the order rotating by one each batch, every timed part starting
@@ -98,6 +100,13 @@ def setup(example):
         elif mode.startswith("adaptive"):
             cap = fwd.__class__(**{**fwd.__dict__, "max_iters": 10})
             model = make(lp_comm, serial, cap, cap, mode == "adaptive_warm", target)
+        elif mode == "exact":  # one level: sequential stepping across the ranks
+            one = fwd.__class__(**{**fwd.__dict__, "max_levels": 1})
+            model = make(lp_comm, serial, one, one, False)
+        elif mode == "relaxed1":  # cold, 1/1, the first down-cycle relaxed (not skipped)
+            relaxed = fwd.__class__(**{**fwd.__dict__, "max_iters": 1,
+                                       "skip_first_downcycle": False})
+            model = make(lp_comm, serial, relaxed, relaxed, False)
         elif mode == "warm1":
             model = make(lp_comm, serial, fwd.__class__(**{**fwd.__dict__, "max_iters": 1}), bwd,
                          True)

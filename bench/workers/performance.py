@@ -17,13 +17,13 @@ import time
 from bench import harness
 
 
-def _options(levels, iters):
+def _options(levels, iters, skip=True):
     import layerbraid
 
     return (layerbraid.MGRITOptions(max_levels=levels, cfactor=4, max_iters=iters[0],
-                                    skip_first_downcycle=True),
+                                    skip_first_downcycle=skip),
             layerbraid.MGRITOptions(max_levels=levels, cfactor=4, max_iters=iters[1],
-                                    skip_first_downcycle=True))
+                                    skip_first_downcycle=skip))
 
 
 def _grad_error(model, serial, x, y, comm):
@@ -55,6 +55,8 @@ def worker(argv):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--levels", type=int, default=2)
     p.add_argument("--iters", type=int, nargs=2, default=[2, 1])
+    p.add_argument("--relax-first", action="store_true",
+                   help="relax the first down-cycle instead of skipping it")
     p.add_argument("--batches", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     a = p.parse_args(argv)
@@ -70,7 +72,7 @@ def worker(argv):
     comm = MPI.COMM_WORLD
     ex = harness.example("mnist")
     data = load_mnist()
-    fwd, bwd = _options(a.levels, a.iters)
+    fwd, bwd = _options(a.levels, a.iters, skip=not a.relax_first)
     dp = comm.Get_size() if a.mode in ("dp", "ddp") else 1
     grid = layerbraid.ProcessGrid(comm, data_parallel=dp)  # DDP: only for the loader's shards
     torch.manual_seed(0)
