@@ -52,7 +52,7 @@ RUNS = {"mnist": dict(epochs=1, log_every=25, audit_every=100, max_batches="-"),
         "convchain": dict(epochs=1, log_every=10, audit_every=50, max_batches=300)}
 # Each example's default mode: what `mpiexec -n 2 python examples/EXAMPLE.py` runs
 # (tests/test_examples.py checks these against the examples' flags); convchain is no example.
-DEFAULTS = {"mnist": "relaxed1", "volumes3d": "fixed", "sequence": "fixed"}
+DEFAULTS = {"mnist": "relaxed1", "volumes3d": "fixed", "sequence": "exact"}
 # The levels, iterations and first down-cycle of those modes, as the examples' --help states
 # them (levels: 1, or the example's own hierarchy, "more").
 MODE_FLAGS = {"exact": {"levels": 1},
@@ -305,7 +305,8 @@ def _findings(example, ep, rows, plain, goal, target):
             out.append(f"- {m} ({its[m][0]:.1f} / {its[m][1]:.1f} iterations): the true gradient "
                        f"error is at most {target:g} at {100 * share:.0f}% of the {len(errs)} "
                        f"measured batches ({'at least' if share >= 0.9 else 'below'} 90%).")
-    for warm, cold in (("warm", "fixed"), ("warm1", "fixed"), ("adaptive_warm", "adaptive")):
+    for warm, cold in (("warm", "fixed"), ("warm1", "fixed"), ("warm1", "relaxed1"),
+                       ("adaptive_warm", "adaptive")):
         if warm in sec and cold in sec and its.get(warm) and its.get(cold):
             ratio = paired(ep[warm], ep[cold])  # warm's time over cold's, batch by batch
             per_batch = (f", {quartiles(ratio)}x per batch (median [quartiles], paired)"
