@@ -50,11 +50,14 @@ class _Core:
             from fine index ``index + k * stride`` over ``times[k]..times[k+1]``, in one call
             (Note [fused intervals] in cbridge/src/relax.c).  Without ``keep`` only the last
             state is kept and the others may be None.
+        idle: optional ``idle(app)``, called at the end of a solve that went well on this rank,
+            once its sends were received and before the allreduce that ends the solve (Note
+            [idle work] in cbridge/src/cycle.c); its time counts as step time.
     """
 
     def __init__(self, comm, num_steps, t_start, t_stop, options, init, step, trace=False,
                  mirror=False, coarsen=None, refine=None, store_all=True, real_ranks=None,
-                 owns_comm=False, step_interval=None):
+                 owns_comm=False, step_interval=None, idle=None):
         MPI = _MPI
         # MPI_Comm_dup below is a blocking collective: every rank arrives first, with the
         # deadline, so that one that never builds this solver is reported, not waited for.
@@ -62,6 +65,7 @@ class _Core:
                 "and solvers, in the same order)")
         add_peers(comm)
         self._init_fn, self._step_fn, self._interval_fn = init, step, step_interval
+        self._idle_fn = idle
         self._app = None
         self._coarsen_fn, self._refine_fn = coarsen, refine
         self._table = {}
@@ -86,6 +90,8 @@ class _Core:
         cbs.poll = lib._lb_poll
         if step_interval is not None:
             cbs.step_interval = lib._lb_step_interval
+        if idle is not None:
+            cbs.idle = lib._lb_idle
         self._cbs = cbs
         out = ffi.new("mgrit_core **")
         comm_ptr = ffi.cast("MPI_Comm *", MPI._addressof(comm))
@@ -402,6 +408,14 @@ def _step_interval_cb(self, u, t, level, index, stride, n, done, keep, out):
             x, y, level, index + k * stride, times[k], times[k + 1]))
     for k, y in enumerate(states):
         out[k] = -1 if y is None else self._put(y)
+    return 0
+
+
+@_callback("_lb_idle", "idle")
+def _idle_cb(self):
+    t0 = time.perf_counter()
+    self._idle_fn(self._app)
+    self.step_seconds += time.perf_counter() - t0
     return 0
 
 

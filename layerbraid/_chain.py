@@ -134,6 +134,10 @@ class Steps:
         adjoint_interval(run, w, dts, level, ss, final, keep): the adjoint states after each
             adjoint step over the forward steps ``ss`` (in the adjoint's order), sources
             included.
+    End of this rank's part of the adjoint, optional:
+        adjoint_idle(run): called when this rank's part of the adjoint solve went well and
+            only the allreduce that ends it is left (Note [idle work] in cbridge/src/cycle.c):
+            work that needs no other rank, such as deferred parameter gradients.
     """
 
     def new_run_state(self):
@@ -153,6 +157,9 @@ class Steps:
 
     def adjoint_interval(self, run, w, dts, level, ss, final, keep):
         return None
+
+    def adjoint_idle(self, run):
+        pass
 
 
 class _Chain:
@@ -201,6 +208,7 @@ class _Chain:
             self.bwd = _Core(rev, num_steps, 0.0, t_final, backward_options,
                              init=self._bwd_init, step=self._bwd_step, mirror=True,
                              step_interval=self._bwd_interval, store_all=False,
+                             idle=lambda run: run.steps.adjoint_idle(run),
                              real_ranks=list(range(size))[::-1], owns_comm=True,
                              coarsen=spatial.restrict_adjoint if spatial else None,
                              refine=spatial.interpolate_adjoint if spatial else None)

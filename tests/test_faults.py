@@ -1,4 +1,6 @@
 """Faults on one rank end every rank with their cause: no hang, no silent wrong answer."""
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,6 +130,39 @@ def test_backward_errors_name_the_real_rank():
                                                   f"{WORLD.rank} stopped") as info:
             loss.backward()
         assert info.value.rank == 0
+
+
+@pytest.mark.parallel([2, 3])
+def test_deferred_parameter_gradients_that_fail_end_every_rank_with_their_cause(monkeypatch):
+    """With one level every rank but the first computes its parameter gradients in the
+    adjoint's idle callback, before the allreduce that ends the solve (Note [deferred parameter
+    gradients] in layerbraid/_layer_steps.py): a failure there is the original error on its
+    rank and an error naming that rank on every other, within seconds."""
+    from layerbraid import _layer_steps
+
+    real = _layer_steps._LayerSteps._deferred_parameter_grads
+
+    def broken(run):
+        if WORLD.rank == 1 and run.own.deferred:
+            raise ArithmeticError("the deferred parameter gradients broke")
+        real(run)
+
+    monkeypatch.setattr(_layer_steps._LayerSteps, "_deferred_parameter_grads",
+                        staticmethod(broken))
+    one = MGRITOptions(max_levels=1)
+    model = ODEResNet(WORLD, num_steps=6, forward_options=one, backward_options=one)
+    x, y = batch()
+    loss = F.cross_entropy(model(x), y)
+    t0 = time.perf_counter()
+    if WORLD.rank == 1:
+        with pytest.raises(ArithmeticError, match="the deferred parameter gradients broke"):
+            loss.backward()
+    else:
+        with pytest.raises(RemoteRankError, match=f"failed on rank 1; rank {WORLD.rank} "
+                                                  "stopped") as info:
+            loss.backward()
+        assert info.value.rank == 1
+    assert time.perf_counter() - t0 < 10
 
 
 @pytest.mark.parallel([1, 2])

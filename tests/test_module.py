@@ -360,7 +360,7 @@ def test_fused_runs_equal_the_step_by_step_path(monkeypatch):
     run in the adjoint's final relaxation) against fused=False (one call per step): the output,
     input gradient and every parameter gradient agree to round-off in float64, with 1-3
     levels, spatial coarsening in both modes and a custom step rule, and fused makes fewer
-    autograd calls."""
+    autograd calls (but with one level on the ranks that defer their parameter gradients)."""
     calls = [0]
     grad = torch.autograd.grad
 
@@ -390,7 +390,12 @@ def test_fused_runs_equal_the_step_by_step_path(monkeypatch):
             model.free()
         (n_step, gx_step, gp_step), (n_fused, gx_fused, gp_fused) = got
         case = (levels, net.__name__, mode)
-        assert n_fused < n_step, case
+        if levels == 1 and WORLD.Get_rank() > 0:
+            # Note [deferred parameter gradients]: the adjoint states in one call, then one
+            # call per step for its parameters, off the pipeline's critical path
+            assert n_fused == n_step + 1, case
+        else:
+            assert n_fused < n_step, case
         assert torch.allclose(gx_fused, gx_step, rtol=ROUNDOFF, atol=0), case
         for a, b in zip(gp_fused, gp_step):
             assert torch.allclose(a, b, rtol=ROUNDOFF, atol=ROUNDOFF * float(b.abs().max())), case

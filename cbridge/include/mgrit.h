@@ -98,6 +98,12 @@ typedef struct mgrit_callbacks {
    * application runs an interval through one fused kernel instead of n calls. */
   int (*step_interval)(void *app, mgrit_vec u, const double *t, int level, int64_t index,
                        int64_t stride, int64_t n, int done, int keep, mgrit_vec *out);
+  /* Optional (NULL: never called): called once at the end of a solve that went well on this
+   * rank, when every state this rank sends has been received and only the status allreduce that
+   * ends the solve is left, for which this rank would wait on the others.  Work the application
+   * can finish outside the schedule goes here (Note [idle work] in cbridge/src/cycle.c);
+   * nonzero fails the solve like any callback. */
+  int (*idle)(void *app);
 } mgrit_callbacks;
 
 typedef struct mgrit_core mgrit_core; /* opaque */

@@ -51,9 +51,20 @@ static int iterate(mgrit_core *core, int skip, double *sums) {
 }
 
 /* The end of a solve: the status allreduce, which also sums the final C-relaxation's residual
- * (`final`, when measured). */
+ * (`final`, when measured).
+ *
+ * Note [idle work]: before it, a rank whose part went well waits until its sends are received
+ * (so that no message waits on this rank's MPI progress) and then calls the idle callback:
+ * the allreduce would otherwise make it wait for the slowest rank, and work that needs no
+ * other rank can run in that wait instead of after the solve (the adjoint's deferred
+ * parameter gradients, Note [deferred parameter gradients] in layerbraid/_layer_steps.py).  A
+ * failing idle callback poisons the allreduce like any callback. */
 static int finish(mgrit_core *core, int rc, double *final) {
   double none[3] = {0.0, 0.0, 0.0};
+  if (rc == MGRIT_OK && !core->err && !core->virt && core->cb.idle) {
+    rc = mgrit_i_wait_sends(core);
+    if (rc == MGRIT_OK) MGRIT_I_CB(core, core->cb.idle(core->app));
+  }
   if (rc == MGRIT_OK || rc == MGRIT_ERR_NAN) {
     int status = mgrit_i_allreduce_status(core, final ? final : none);
     if (rc == MGRIT_OK) rc = status;
