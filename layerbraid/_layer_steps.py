@@ -200,12 +200,13 @@ class _LayerSteps(Steps):
     # for its last adjoint state.  A step's parameter gradients are not on that path, so every
     # rank but the first (which ends the pipeline) takes two passes: the chain of adjoint states
     # alone (autograd computes no weight gradient it is not asked for), whose last state the
-    # core then sends at once, and afterwards, while the ranks on its left step theirs, each
-    # step's parameter gradients from the adjoint state at its output (one autograd call per
-    # step, through that step's nodes only).  The second pass repeats what a step's parameters
-    # need of the first (in a ConvBlock, conv2's input gradient): more work on this rank, off
-    # the pipeline's critical path.  The operations and their inputs are those of the one-pass
-    # path, so the gradients agree with it to round-off (tested in float64 at 1e-12).
+    # core then sends at once, and afterwards, while the ranks on its left step theirs, the
+    # parameter gradients: one autograd call per run of steps, from the run's output and the
+    # same adjoint there, as the one-pass path's call but for the leaves alone.  The second
+    # pass repeats the run's state gradients that its parameters need (more work on this rank,
+    # off the pipeline's critical path); in exchange it keeps no adjoint state per step, so a
+    # deferring rank's memory is the one-pass path's.  The gradients agree with the one-pass
+    # path's to round-off (tested in float64 at 1e-12).
     def adjoint_interval(self, run, w, dts, level, ss, final, keep):
         """The final relaxation's adjoint over forward steps ``ss`` (latest first): one
         autograd call per chained run of their graphs (Note [fused runs]), the parameter
@@ -230,26 +231,13 @@ class _LayerSteps(Steps):
         first; only the last without ``keep``), sums the leaves' gradients into ``run.grads``
         (or, with ``defer``, leaves them to ``_deferred_parameter_grads``), and returns the
         last adjoint state."""
-        if defer:
-            xs = [g.x for g in graphs]
-            grads = torch.autograd.grad(graphs[0].y, xs, w, allow_unused=True, retain_graph=True)
-            states = [g if g is not None else torch.zeros_like(w) for g in grads]
-            # the adjoint at a step's output: the run's w for the latest, else the state after
-            # the step that follows it in forward order
-            run.own.deferred.extend(zip(graphs, [w] + states[:-1]))
-            if not keep:
-                states = [None] * (len(graphs) - 1) + states[-1:]
-            out.extend(states)
-            return states[-1]
         xs = [g.x for g in graphs] if keep else [graphs[-1].x]
-        leaves = {}  # a parameter shared by several steps: its gradient is their sum
-        for g in graphs:
-            leaves.update((key, t) for key, t in g.leaves if t.requires_grad)
+        leaves = {} if defer else _run_leaves(graphs)
         grads = torch.autograd.grad(graphs[0].y, xs + list(leaves.values()), w,
-                                    allow_unused=True, retain_graph=run.retain)
-        for key, g in zip(leaves, grads[len(xs):]):
-            if g is not None:
-                run.grads[key] = g if key not in run.grads else run.grads[key] + g
+                                    allow_unused=True, retain_graph=run.retain or defer)
+        if defer:
+            run.own.deferred.append((graphs, w))
+        _accumulate(run.grads, leaves, grads[len(xs):])
         states = [g if g is not None else torch.zeros_like(w) for g in grads[:len(xs)]]
         if not keep:
             states = [None] * (len(graphs) - 1) + states
@@ -262,17 +250,14 @@ class _LayerSteps(Steps):
     @staticmethod
     def _deferred_parameter_grads(run):
         """The parameter gradients that the adjoint's first pass left (Note [deferred parameter
-        gradients]), summed into ``run.grads`` in the order of the one-pass path."""
+        gradients]): one autograd call per run of steps, from the run's output."""
         deferred, run.own.deferred = run.own.deferred, []
-        for graph, w in deferred:
-            leaves = [(key, t) for key, t in graph.leaves if t.requires_grad]
-            if not leaves:
-                continue
-            grads = torch.autograd.grad(graph.y, [t for _, t in leaves], w, allow_unused=True,
-                                        retain_graph=run.retain)
-            for (key, _), g in zip(leaves, grads):
-                if g is not None:
-                    run.grads[key] = g if key not in run.grads else run.grads[key] + g
+        for graphs, w in deferred:
+            leaves = _run_leaves(graphs)
+            if leaves:
+                grads = torch.autograd.grad(graphs[0].y, list(leaves.values()), w,
+                                            allow_unused=True, retain_graph=run.retain)
+                _accumulate(run.grads, leaves, grads)
 
     # ------------------------------------------------------------------ adjoint steps
     def adjoint_step(self, run, w, dt, level, s, final):
@@ -300,6 +285,22 @@ class _LayerSteps(Steps):
             yr = self.apply_rule(layer, xr, dt, s)
             gx, = torch.autograd.grad(yr, xr, w, allow_unused=True)
         return gx if gx is not None else torch.zeros_like(w)
+
+
+def _run_leaves(graphs):
+    """{key: leaf} of a run's graphs that require a gradient; a parameter shared by several
+    steps appears once, and one autograd call sums its gradient over them."""
+    leaves = {}
+    for g in graphs:
+        leaves.update((key, t) for key, t in g.leaves if t.requires_grad)
+    return leaves
+
+
+def _accumulate(sums, leaves, grads):
+    """Adds each leaf's gradient (None where the graph does not use it) into ``sums`` by key."""
+    for key, g in zip(leaves, grads):
+        if g is not None:
+            sums[key] = g if key not in sums else sums[key] + g
 
 
 def all_finite(tensors):
