@@ -23,7 +23,8 @@ mode is marked.  The modes take turns batch by batch (bench/workers/accuracy.py)
 batch's time in a mode is paired with plain PyTorch's on the same batch, measured seconds apart
 under the same load: the speedup per batch is plain PyTorch's time for that batch over the
 mode's (> 1 is faster), shown as the median and quartiles over the batches beside the speedup
-of the whole epochs.  Every AUDIT-th batch
+of the whole epochs.  At the batches that ``layerbraid.audit_due(batch, AUDIT)`` names (0, 1,
+2, 4, ... below AUDIT, then every AUDIT-th, counted over the run)
 ``layerbraid.audit_gradients`` measures the true gradient error and calibrates the estimate;
 every LOG-th batch between audits the true error is measured without calibrating (an audit
 with ``calibrate=False``) beside the estimate in force, which saw only earlier audits: those
@@ -33,6 +34,8 @@ import json
 import math
 import statistics
 import subprocess
+
+from layerbraid.audit import ROUNDOFF_EPSILONS
 
 from bench.harness import (DOCS, QUICK, ROOT, SAME, SAME_LEGEND, generate, launch, parser,
                            provenance)
@@ -188,25 +191,28 @@ def report(data):
 
 
 # Calibration rules replayed on the stored runs: (label, the calibration from the audits' ratios
-# of true to raw error so far, oldest first)
+# of true to raw error so far, oldest first, whether every measured batch counts as an audit)
 RULES = [("geometric mean of the last 3 (layerbraid's)",
-          lambda rs: math.exp(statistics.mean(math.log(r) for r in rs[-3:]))),
-         ("the latest audit", lambda rs: rs[-1]),
-         ("median of the last 3", lambda rs: statistics.median(rs[-3:]))]
-AUDIT_FLOOR = 100 * 2.0 ** -23  # an audit at float32 round-off leaves the calibration as it is
+          lambda rs: math.exp(statistics.mean(math.log(r) for r in rs[-3:])), False),
+         ("the latest audit", lambda rs: rs[-1], False),
+         ("median of the last 3", lambda rs: statistics.median(rs[-3:]), False),
+         ("the previous measured batch (an audit every LOG batches)", lambda rs: rs[-1], True)]
+# an audit at float32 round-off leaves the calibration as it is
+AUDIT_FLOOR = ROUNDOFF_EPSILONS * 2.0 ** -23
 
 
-def replay(rows, rule):
+def replay(rows, rule, every_measured=False):
     """(batches whose estimate ``rule`` would have put within FACTOR of the true error, judged
     batches): the logged batches' raw estimates times the calibration that ``rule`` makes of
-    the audits before them."""
+    the audits before them (``every_measured``: of every measured batch before them)."""
     ratios, ok, n = [], 0, 0
     for r in rows:
         e, raw = r["grad_error"], r.get("raw_estimate")
         if r["kind"] == "batch" and ratios and e > FLOOR and raw:
             n += 1
             ok += e / FACTOR <= raw * rule(ratios) <= e * FACTOR
-        if r["kind"] == "audit" and raw and math.isfinite(e) and e > AUDIT_FLOOR:
+        if (r["kind"] == "audit" or every_measured) and raw and math.isfinite(e) and \
+                e > AUDIT_FLOOR:
             ratios.append(e / raw)
     return ok, n
 
@@ -216,7 +222,7 @@ def _replayed(data):
     rows = []
     for key, run in data["runs"].items():
         b = [r for r in run if r["kind"] in ("batch", "audit")]
-        counts = [replay(b, rule) for _, rule in RULES]
+        counts = [replay(b, rule, every) for _, rule, every in RULES]
         if b and counts[0][1]:
             rows.append((key, counts))
     if not rows:
@@ -226,14 +232,18 @@ def _replayed(data):
              "the same audits: judged batches whose estimate is within "
              f"{FACTOR:g}x of the true error.  The first rule is the one the runs used (its "
              "counts are the tables' above, recomputed); in the adaptive modes the iterations "
-             "followed that rule's estimate, which a replay cannot change.", "",
-             "| run | " + " | ".join(label for label, _ in RULES) + " |",
+             "followed that rule's estimate, which a replay cannot change.  The last rule "
+             "calibrates each judged batch with the ratio of true to raw error measured at the "
+             "logged batch before it, LOG batches earlier, as if every logged batch were an "
+             "audit: where even it misses, that ratio moved by more than "
+             f"{FACTOR:g}x between two logged batches.", "",
+             "| run | " + " | ".join(label for label, _, _ in RULES) + " |",
              "|---|" + "---|" * len(RULES)]
     for key, counts in rows:
         lines.append(f"| {key} | " + " | ".join(f"{ok}/{n} ({100 * ok / n:.0f}%)"
                                                 for ok, n in counts) + " |")
     lines.append("")
-    for k, (label, _) in enumerate(RULES):
+    for k, (label, _, _) in enumerate(RULES):
         met = [key for key, counts in rows if counts[k][0] >= 0.9 * counts[k][1]]
         lines.append(f"- {label}: at least 90% in {len(met)} of {len(rows)} runs.")
     return lines + [""]

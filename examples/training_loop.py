@@ -200,7 +200,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
 
             loss, total = objective()
             total.backward()
-            if audit_every and b % audit_every == 0:  # the true gradient error, on the side
+            # the true gradient error, on the side (batches counted over the whole run)
+            if layerbraid.audit_due(epoch * per_epoch + b, audit_every):
                 a = layerbraid.audit_gradients(model, lambda: objective()[1])
                 audits.append({"batch": b, "error": a.error, "estimate": a.estimate,
                                "raw_estimate": a.raw_estimate, "calibration": a.calibration,

@@ -106,11 +106,12 @@ def add_lp_arguments(parser, *, levels=_DEFAULT.max_levels, cfactor=_DEFAULT.cfa
                         "to the loss, which keeps MGRIT's coarse steps close to the fine ones "
                         "as the network trains; the serial network gets the same (default 0)")
     g.add_argument("--lp-audit-every", type=_nonneg_int, default=audit_every, metavar="K",
-                   help="every K batches (and at each epoch's first), compute the exact "
-                        "gradient of the batch as well (one exact forward and backward) and "
-                        "report the true gradient error; the audits calibrate the error "
-                        "estimate and adaptive iterations (layerbraid.audit_gradients); 0 = "
-                        f"never (default {audit_every})")
+                   help="at batches 0, 1, 2, 4, ... below K and then every K-th batch of "
+                        "the run, compute the exact gradient of the batch as well (one exact "
+                        "forward and backward) and report the true gradient error; the audits "
+                        "calibrate the error estimate and adaptive iterations "
+                        "(layerbraid.audit_gradients, layerbraid.audit_due); 0 = never "
+                        f"(default {audit_every})")
     return g
 
 

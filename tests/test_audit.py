@@ -211,6 +211,39 @@ def test_audit_arguments_are_checked():
     model.free()
 
 
+def test_audit_schedule_is_dense_at_the_start_then_every_k():
+    due = [b for b in range(320) if layerbraid.audit_due(b, 50)]
+    assert due == [0, 1, 2, 4, 8, 16, 32, 50, 100, 150, 200, 250, 300]
+    assert [b for b in range(10) if layerbraid.audit_due(b, 1)] == list(range(10))
+    assert [b for b in range(10) if layerbraid.audit_due(b, 3)] == [0, 1, 2, 3, 6, 9]
+    assert not any(layerbraid.audit_due(b, 0) for b in range(10))
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"batch must be an int >= 0, got {bad!r}"):
+            layerbraid.audit_due(bad, 50)
+        with pytest.raises(ValueError, match=f"every must be an int >= 0, got {bad!r}"):
+            layerbraid.audit_due(0, bad)
+
+
+def test_an_audit_at_round_off_leaves_the_calibration_alone():
+    """Float32: an error of 5 epsilons is round-off and leaves the calibration as it is; one of
+    20 epsilons calibrates."""
+    from layerbraid.audit import ROUNDOFF_EPSILONS, _calibrate
+
+    class Part:
+        def __init__(self):
+            self._audit_ratios, self.calibration = [], None
+
+        def _set_calibration(self, c):
+            self.calibration = c
+
+    eps = torch.finfo(torch.float32).eps
+    assert ROUNDOFF_EPSILONS == 10
+    parts = [Part(), Part()]
+    assert _calibrate(parts, 5 * eps, 1e-3, eps, 3) == 1.0 and parts[0]._audit_ratios == []
+    assert _calibrate(parts, 20 * eps, 1e-3, eps, 3) == pytest.approx(20 * eps / 1e-3)
+    assert [p.calibration for p in parts] == [pytest.approx(20 * eps / 1e-3)] * 2
+
+
 @pytest.mark.parallel([2])
 def test_a_rank_that_stops_before_the_audits_reduction_is_reported(monkeypatch,
                                                                    short_timeout):

@@ -20,8 +20,9 @@ at a barrier), so that their times are paired: each batch's time in a mode is me
 few seconds of plain PyTorch's on the same batch, under the same load.  The timed part of a batch
 is zero_grad, the forward, the backward and the optimizer step.  Every LOG_EVERY batches, before
 the optimizer step, the layer-parallel gradients are compared with exact ones for the same
-weights and batch (``layerbraid.audit_gradients(..., calibrate=False)``); every AUDIT_EVERY
-batches (default 50; 0: never) an audit measures the true error and calibrates the estimate
+weights and batch (``layerbraid.audit_gradients(..., calibrate=False)``); at the batches that
+``layerbraid.audit_due(batch, AUDIT_EVERY)`` names (AUDIT_EVERY default 50; 0: never; batches
+counted over the whole run) an audit measures the true error and calibrates the estimate
 (Note [calibrated estimate]); the batches logged in between judge the calibrated estimate,
 which saw only the audits before them.  Audits are not timed.  Every row printed names its
 mode; an epoch's row carries each batch's time.
@@ -165,6 +166,7 @@ def main():
 
     # every rank reads the same batches (the layer group's loader); serial uses them too
     loader = LayerParallelLoader(TensorDataset(*train), batch, comm=comm, seed=0)
+    per_epoch = len(loader) if max_batches is None else min(len(loader), max_batches)
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         times, losses = {m: [] for m in modes}, {m: [] for m in modes}
@@ -187,7 +189,7 @@ def main():
                 loss, total = objective()
                 total.backward()
                 seconds = time.perf_counter() - t0
-                if m != "serial" and audit_every and b % audit_every == 0:
+                if m != "serial" and layerbraid.audit_due(epoch * per_epoch + b, audit_every):
                     a = layerbraid.audit_gradients(model, lambda: objective()[1])
                     emit(dict(kind="audit", mode=m, epoch=epoch + 1, batch=b,
                               grad_error=a.error, estimate=a.estimate,
