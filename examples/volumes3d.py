@@ -1,8 +1,13 @@
 """3D volume classification, layer-parallel, with spatial coarsening on coarse MGRIT levels.
 
-    mpiexec -n 2 python examples/volumes3d.py --lp-levels 3 --lp-sc-levels 1 2
-    mpiexec -n 2 python examples/volumes3d.py --lp-sc-mode state     # coarse states too
-    mpiexec -n 2 python examples/volumes3d.py --lp-sc-levels          # no spatial coarsening
+    mpiexec -n 2 python examples/volumes3d.py                        # exact stepping (1 level)
+    mpiexec -n 2 python examples/volumes3d.py --lp-levels 3          # MGRIT, coarse in space on 1 2
+    mpiexec -n 2 python examples/volumes3d.py --lp-levels 3 --lp-sc-mode state   # coarse states
+    mpiexec -n 2 python examples/volumes3d.py --lp-levels 3 --lp-sc-levels       # not in space
+
+The default is exact stepping across the ranks (one MGRIT level), the mode docs/accuracy.md
+finds to train like serial PyTorch here, and the fastest one on 2 ranks.  With --lp-levels 2 or
+more, MGRIT's coarse levels are by default all coarse in space too.
 
 Data: no 3D volume data set ships in a package we can install here (the ones we found download
 at run time), so this example generates a labelled synthetic set: noisy volumes holding one
@@ -70,10 +75,10 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_training_arguments(parser, steps=16, channels=4, batch_size=16, epochs=2, lr=0.01,
                                optimizer="adam", log_interval=10)
-    cli.add_lp_arguments(parser, levels=3, cfactor=2, fwd_iters=2, bwd_iters=1)
-    parser.add_argument("--lp-sc-levels", type=int, nargs="*", default=[1, 2], metavar="L",
-                        help="MGRIT levels that are also coarse in space (default 1 2; none: "
-                             "no spatial coarsening)")
+    cli.add_lp_arguments(parser, levels=1, cfactor=2, fwd_iters=2, bwd_iters=1)
+    parser.add_argument("--lp-sc-levels", type=int, nargs="*", default=None, metavar="L",
+                        help="MGRIT levels that are also coarse in space (default: every coarse "
+                             "level, 1 to --lp-levels - 1; the flag alone: none)")
     parser.add_argument("--lp-sc-mode", choices=("branch", "state"), default="branch",
                         help="branch (default): states stay fine, the coarse steps compute their "
                              "increment on the coarse grid; state: coarse levels store coarse "
@@ -85,7 +90,12 @@ def main(argv=None):
     args = cli.parse_args(parser, argv)
     comm = MPI.COMM_WORLD
     cli.check_run(parser, args, comm)
+    if args.lp_sc_levels is None:
+        args.lp_sc_levels = list(range(1, args.lp_levels))
     bad = [v for v in args.lp_sc_levels if not 1 <= v < args.lp_levels]
+    if bad and args.lp_levels == 1:
+        parser.error(f"--lp-sc-levels {bad[0]}: --lp-levels 1 has no coarse level to coarsen in "
+                     "space (MGRIT's coarse levels start at --lp-levels 2)")
     if bad:
         parser.error(f"--lp-sc-levels {bad[0]}: levels 1 to {args.lp_levels - 1} (of "
                      f"--lp-levels {args.lp_levels}) can be coarse in space")
