@@ -181,6 +181,12 @@ def test_volumes3d_with_spatial_coarsening_runs_and_checks_its_flags(tmp_path):
                            "--lp-levels", "2", "--lp-sc-levels", "2"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "--lp-sc-levels 2: levels 1 to 1" in proc.stderr
+    # the default is one level (exact stepping), which has no coarse level to coarsen in space
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "volumes3d.py"),
+                           "--lp-sc-levels", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--lp-sc-levels 1: --lp-levels 1 has no coarse level" in \
+        proc.stderr
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "volumes3d.py"),
                            "--lp-sc-mode", "coarse"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
