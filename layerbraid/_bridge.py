@@ -294,6 +294,12 @@ class _Core:
                 out[i] = self._handed(vid)
         return out
 
+    def release_states(self):
+        """Frees the states the last solve left in the core: after ``states()`` the caller holds
+        what it needs, and the core would otherwise keep the solution until the next solve."""
+        if self._core is not None:
+            self._check(lib.mgrit_release_states(self._core))
+
     def trace(self):
         """The schedule of the last solve as TraceEntry objects (see trace_entries)."""
         return trace_entries(trace_array(self._core))

@@ -226,6 +226,7 @@ class _Chain:
         self.warm_start = bool(warm_start)
         self.target_error = target_error
         self._warm_fwd, self._warm_bwd = {}, {}
+        self._zeros = None  # the cold guess of the solve running (_guess)
         self._options = {id(self.fwd): forward_options, id(self.bwd): backward_options}
         self._contraction = {}  # core -> the last measured contraction factor
         self._alignment = {}    # core -> the last residual sum over the residual norm
@@ -310,9 +311,14 @@ class _Chain:
                 share = _FORWARD_SHARE if core is self.fwd else _ADJOINT_SHARE
                 core.set_rtol(self._adaptive_rtol(core, share * self.target_error))
         t0 = time.perf_counter()
-        with torch.no_grad():
-            iters, norms = core.solve(run)
+        self._zeros = None
+        try:
+            with torch.no_grad():
+                iters, norms = core.solve(run)
+        finally:
+            self._zeros = None
         states = core.states()
+        core.release_states()  # what the solve returns is in states; the core would keep it
         stats = SolveStats(iters, norms, time.perf_counter() - t0, core.step_seconds,
                            core.comm_seconds())
         final, final_sum, unorm = core.final_residual()
@@ -357,11 +363,15 @@ class _Chain:
         return s is not None and tuple(s.shape) == run.shape and s.dtype == run.dtype
 
     def _guess(self, warm, index, run):
-        """The previous solve's state at ``index`` (warm start), else zeros."""
+        """The previous solve's state at ``index`` (warm start), else zeros: one tensor for
+        every point of a solve (the core never writes into a state the application made, Note
+        [private states] in _bridge.py), so that a cold start's guesses cost one state."""
         s = warm.get(index)
         if s is not None and tuple(s.shape) == run.shape and s.dtype == run.dtype:
             return s
-        return torch.zeros(run.shape, dtype=run.dtype, device=run.device)
+        if self._zeros is None:
+            self._zeros = torch.zeros(run.shape, dtype=run.dtype, device=run.device)
+        return self._zeros
 
     # ------------------------------------------------------------------ callbacks
     def _fwd_init(self, run, t, index):
@@ -370,6 +380,7 @@ class _Chain:
         return self._guess(self._warm_fwd, index, run)
 
     def _fwd_step(self, run, u, t0, t1, level, index, done):
+        self._zeros = None  # the guesses are made: what the core keeps of them stays
         final = bool(done and level == 0)
         _solve_state.final = final
         if final:
@@ -382,6 +393,7 @@ class _Chain:
     def _fwd_interval(self, run, u, times, level, index, stride, done, keep):
         """A run of forward steps: the provider's fused version, else one step at a time
         (which still saves the core's crossing into Python per step)."""
+        self._zeros = None  # the guesses are made: what the core keeps of them stays
         final = bool(done and level == 0)
         _solve_state.final = final
         dts = [b - a for a, b in zip(times[:-1], times[1:])]
@@ -396,6 +408,7 @@ class _Chain:
         return self._guess(self._warm_bwd, index, run)
 
     def _bwd_step(self, run, w, t0, t1, level, index, done):
+        self._zeros = None  # the guesses are made: what the core keeps of them stays
         s = self.adjoint_step_index(index, level)
         steps = run.steps
         final = bool(level == 0 and done)
@@ -406,6 +419,7 @@ class _Chain:
         return out if src is None else out + src
 
     def _bwd_interval(self, run, w, times, level, index, stride, done, keep):
+        self._zeros = None  # the guesses are made: what the core keeps of them stays
         dts = [b - a for a, b in zip(times[:-1], times[1:])]
         ss = [self.adjoint_step_index(index + k * stride, level) for k in range(len(dts))]
         out = run.steps.adjoint_interval(run, w, dts, level, ss, bool(level == 0 and done),
@@ -419,6 +433,12 @@ class _Chain:
         """The VJP of a kept graph for the state; in the final relaxation (each step once) also
         for its leaves, whose gradients are summed into ``run.grads``."""
         leaves = [(k, t) for k, t in graph.leaves if t.requires_grad] if final else []
+        if graph.increment and not leaves:
+            # The VJP is linear in w: scaling the result instead of w keeps one state less
+            # alive while autograd runs.
+            gx, = torch.autograd.grad(graph.out, graph.x, w, allow_unused=True,
+                                      retain_graph=run.retain or not final)
+            return w.clone() if gx is None else torch.add(w, gx, alpha=scale)
         grads = torch.autograd.grad(graph.out, [graph.x] + [t for _, t in leaves],
                                     scale * w if graph.increment else w, allow_unused=True,
                                     retain_graph=run.retain or not final)

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 from torch._utils import _flatten_dense_tensors
+from torch.autograd.graph import get_gradient_edge
 
 from ._chain import Steps, _Graph
 from ._comm import first_rank_where
@@ -87,6 +88,9 @@ class _LayerSteps(Steps):
         return run.own.h0.detach()
 
     def output(self, run, states):
+        run.own.live = {}  # the forward's final relaxation is over
+        if run.record:
+            _unchain_outputs(run.graphs)
         if self.rank != self.size - 1:
             return torch.zeros((), dtype=run.dtype, device=run.device)
         out = states[self.num_steps]
@@ -285,6 +289,22 @@ class _LayerSteps(Steps):
             yr = self.apply_rule(layer, xr, dt, s)
             gx, = torch.autograd.grad(yr, xr, w, allow_unused=True)
         return gx if gx is not None else torch.zeros_like(w)
+
+
+def _unchain_outputs(graphs):
+    """Note [unchained outputs]: a fused step's graph keeps its output ``y``, the next step's
+    ``x`` where the two are chained (Note [fused runs]) and the root of its run's adjoint call.
+    A ``y`` that no step takes as its ``x`` (a C-point's new value: the final F-relaxation ran
+    from the old one) is kept by nothing else, a whole state per C-point for as long as the
+    graphs live.  Its gradient edge serves as the root instead (``torch.autograd.grad`` takes
+    one), and the state is freed; the chained ones are the next step's saved input anyway."""
+    xs = {id(g.x) for g in graphs.values()}
+    for g in graphs.values():
+        y = g.y
+        if isinstance(y, torch.Tensor) and id(y) not in xs and y.grad_fn is not None:
+            g.y = get_gradient_edge(y)
+            if g.out is y:
+                g.out = g.y
 
 
 def _run_leaves(graphs):

@@ -400,3 +400,49 @@ def test_fused_runs_equal_the_step_by_step_path(monkeypatch):
         assert torch.allclose(gx_fused, gx_step, rtol=ROUNDOFF, atol=0), case
         for a, b in zip(gp_fused, gp_step):
             assert torch.allclose(a, b, rtol=ROUNDOFF, atol=ROUNDOFF * float(b.abs().max())), case
+
+
+def _chain_runs(t):
+    """The layer-parallel runs in ``t``'s autograd graph (their nodes keep the run)."""
+    seen, stack, runs = set(), [t.grad_fn], []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "run"):
+            runs.append(fn.run)
+        stack.extend(f for f, _ in fn.next_functions)
+    return runs
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([1, 3])
+def test_a_multilevel_forward_keeps_no_state_beyond_its_graphs():
+    """Between a 2-level forward and its backward the only states alive are the kept graphs'
+    (Note [unchained outputs]): the cores hold none after a solve, and a step's output that no
+    step takes as its input (a C-point's new value) is kept as a gradient edge, not a tensor;
+    the gradients are still the step-by-step path's."""
+    x, _ = batch(n=2)
+    opts = MGRITOptions(max_levels=2, cfactor=4, max_iters=2, min_coarse=1)
+    grads = []
+    for fused in (True, False):
+        torch.manual_seed(1)
+        model = ODEResNet(WORLD, num_steps=16, forward_options=opts, backward_options=opts,
+                          fused=fused)
+        out = model(x.clone())
+        runs = _chain_runs(out)
+        assert len(runs) == 1
+        assert not model._chain.fwd._table, "the forward core kept states after its solve"
+        if fused:
+            graphs = list(runs[0].graphs.values())
+            xs = {id(g.x) for g in graphs}
+            tensors = [g for g in graphs if isinstance(g.y, torch.Tensor)]
+            assert all(id(g.y) in xs for g in tensors)
+            assert len(tensors) < len(graphs)  # the C-points' new values went
+        out.square().sum().backward()
+        assert not model._chain.bwd._table, "the adjoint core kept states after its solve"
+        grads.append([p.grad for _, layer in model.owned_steps() for p in layer.parameters()])
+        model.free()
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=ROUNDOFF, atol=ROUNDOFF * float(b.abs().max()))

@@ -186,6 +186,10 @@ double mgrit_final_residual_sum(const mgrit_core *core);
 /* The level-0 points this rank owns, [*lo, *hi], and the id of the state at fine point i. */
 void mgrit_owned(const mgrit_core *core, int level, int64_t *lo, int64_t *hi);
 mgrit_vec mgrit_state(const mgrit_core *core, int64_t index);
+/* Frees every state the last solve left in the core (mgrit_state answers MGRIT_NONE after it):
+ * for an application that has taken what it needs and would otherwise hold the solution until
+ * the next solve.  Local. */
+int mgrit_release_states(mgrit_core *core);
 /* The number of points of `level` (intervals + 1), and the fine steps in one of its steps. */
 int64_t mgrit_level_points(const mgrit_core *core, int level);
 int64_t mgrit_level_stride(const mgrit_core *core, int level);

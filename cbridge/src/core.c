@@ -251,3 +251,9 @@ mgrit_vec mgrit_state(const mgrit_core *core, int64_t i) {
   if (i < L->lo || i > L->hi) return MGRIT_NONE;
   return L->u[i - L->lo];
 }
+
+int mgrit_release_states(mgrit_core *core) {
+  if (!core) return MGRIT_ERR_ARG;
+  for (int l = 0; l < core->nlevels; l++) mgrit_i_free_level_states(core, l);
+  return MGRIT_OK;
+}
