@@ -132,6 +132,23 @@ def _last_stats(model):
     raise ValueError("no layer-parallel part")
 
 
+def _raw_solves(model):
+    """{"raw_fwd": ..., "raw_bwd": ...}: the forward's and the adjoint's raw error estimates of
+    the last batch, each summed over the model's layer-parallel parts and their solves (the
+    gradient's raw estimate combines the two, Note [adaptive iterations]); None where a solve
+    measured none."""
+    out = {}
+    for key, attr in (("raw_fwd", "forward_stats"), ("raw_bwd", "backward_stats")):
+        values = []
+        for m in model.modules():
+            if hasattr(m, "_counted_parameters"):
+                stats = getattr(m, attr, None)
+                stats = stats if isinstance(stats, list) else [stats]
+                values += [getattr(s, "raw_error_estimate", None) for s in stats]
+        out[key] = None if not values or None in values else sum(values)
+    return out
+
+
 def main():
     import json
     import time
@@ -190,18 +207,21 @@ def main():
                 total.backward()
                 seconds = time.perf_counter() - t0
                 if m != "serial" and layerbraid.audit_due(epoch * per_epoch + b, audit_every):
+                    solves = _raw_solves(model)
                     a = layerbraid.audit_gradients(model, lambda: objective()[1])
                     emit(dict(kind="audit", mode=m, epoch=epoch + 1, batch=b,
                               grad_error=a.error, estimate=a.estimate,
                               raw_estimate=a.raw_estimate, calibrated=a.calibrated,
-                              seconds=a.seconds))
+                              seconds=a.seconds, **solves))
                 elif m != "serial" and b % log_every == 0:
                     f, g = _last_stats(model)
+                    solves = _raw_solves(model)
                     a = layerbraid.audit_gradients(model, lambda: objective()[1], calibrate=False)
                     emit(dict(kind="batch", mode=m, epoch=epoch + 1, batch=b,
                               grad_error=a.error, estimate=a.estimate,
                               raw_estimate=a.raw_estimate, calibration=a.calibration,
-                              calibrated=a.calibrated, it_fwd=f.iterations, it_bwd=g.iterations))
+                              calibrated=a.calibrated, it_fwd=f.iterations, it_bwd=g.iterations,
+                              **solves))
                 t0 = time.perf_counter()
                 opt.step()
                 times[m].append(seconds + time.perf_counter() - t0)
