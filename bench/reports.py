@@ -23,10 +23,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The code every report exercises: the core, and the Python on its path.
 _CORE = ["cbridge/src", "cbridge/include", "layerbraid/_bridge.py", "layerbraid/_schedule.py",
-         "layerbraid/_states.py"]
-_ENGINE = _CORE + ["layerbraid/_chain.py", "layerbraid/_comm.py", "layerbraid/_transport.py"]
+         "layerbraid/_states.py", "layerbraid/options.py"]
+# Everything the solve engine imports runs in every solve (tests/test_reports.py checks the
+# list against _chain.py's imports), but for the exception classes of layerbraid/errors.py.
+_ENGINE = _CORE + ["layerbraid/_chain.py", "layerbraid/_comm.py", "layerbraid/_transport.py",
+                   "layerbraid/_timeouts.py", "layerbraid/stats.py"]
+# The ResNet path, and ConvBlock (layerbraid/nn/__init__.py): the layer the ResNet benchmarks
+# and the examples step.
 _RESNET = _ENGINE + ["layerbraid/module.py", "layerbraid/_layer_steps.py",
-                     "layerbraid/_ownership.py", "layerbraid/_autograd.py"]
+                     "layerbraid/_ownership.py", "layerbraid/_autograd.py",
+                     "layerbraid/nn/__init__.py"]
 # The examples' networks that reports train or time (bench.harness.example loads them with
 # their neighbour training_loop.py).
 _MNIST = ["examples/mnist.py", "examples/training_loop.py"]
@@ -73,7 +79,7 @@ REPORTS = {
                          _RESNET + _MNIST + _VOLUMES + [
                              "examples/sequence_classification.py", "layerbraid/nn/rnn.py",
                              "layerbraid/nn/_cell_steps.py", "layerbraid/nn/_cells.py",
-                             "layerbraid/audit.py", "layerbraid/stats.py", "bench/accuracy.py",
+                             "layerbraid/audit.py", "bench/accuracy.py",
                              "bench/workers/accuracy.py"]),
     "docs/contraction.md": (["bench.contraction"],
                             _RESNET + _VOLUMES + ["bench/contraction.py",

@@ -1,4 +1,5 @@
 """The reports under docs/ and the code they measure: the suite says which are stale."""
+import ast
 import re
 import subprocess
 import sys
@@ -57,6 +58,54 @@ def test_every_worker_a_report_launches_is_code_it_measures():
                 assert f"bench/workers/{name}.py" in code, (report, module, name)
                 checked += 1
     assert checked >= 12, checked  # the patterns still find the launches
+
+
+def _package_imports(path):
+    """The files of the package that ``path`` (a module of it) imports, relatively or by its
+    absolute name, at any depth of the module (imports inside functions included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = path.parent
+            for _ in range(node.level - 1):
+                base = base.parent
+        elif (node.module or "").split(".")[0] == "layerbraid":
+            base = ROOT
+        else:
+            continue
+        names = [node.module] if node.module else [a.name for a in node.names]
+        for name in names:
+            target = base.joinpath(*name.split("."))
+            for candidate in (target.with_suffix(".py"), target / "__init__.py"):
+                if candidate.exists():
+                    out.add(candidate)
+    return out
+
+
+def test_the_engine_list_holds_everything_the_engine_imports():
+    """Every report lists the solve engine's files (bench/reports.py _ENGINE): a change to any
+    file that _chain.py reaches through its imports runs in every solve, so it must stale the
+    reports.  Only layerbraid/errors.py (exception classes) is left out."""
+    if not (ROOT / "bench" / "reports.py").exists():
+        pytest.skip("bench/ is not next to the tests")
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.reports import _ENGINE, REPORTS
+    finally:
+        sys.path.remove(str(ROOT))
+    seen, todo = set(), [ROOT / "layerbraid" / "_chain.py"]
+    while todo:
+        path = todo.pop()
+        if path not in seen:
+            seen.add(path)
+            todo.extend(_package_imports(path))
+    reached = {p.relative_to(ROOT).as_posix() for p in seen} - {"layerbraid/errors.py"}
+    assert len(reached) >= 8, reached  # the walk still follows the engine's imports
+    assert reached <= set(_ENGINE), sorted(reached - set(_ENGINE))
+    for report, (_, code) in REPORTS.items():
+        assert set(_ENGINE) <= set(code), report
 
 
 def test_bench_has_one_launch_convention():
