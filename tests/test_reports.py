@@ -37,17 +37,23 @@ def test_every_report_has_its_command_and_the_stale_ones_are_listed():
         assert "no stale report" in out.stdout or "no git history" in out.stdout, out.stdout
 
 
-def test_every_worker_a_report_launches_is_code_it_measures():
-    """The stale check can only see changes to the files a report lists: every worker that a
-    report's generators launch (``launch("NAME", ...)``, or a constant naming
-    bench/workers/NAME.py) is among them."""
+def _bench_reports():
+    """bench/reports.py as a module (skips where bench/ is not next to the tests)."""
     if not (ROOT / "bench" / "reports.py").exists():
         pytest.skip("bench/ is not next to the tests")
     sys.path.insert(0, str(ROOT))
     try:
-        from bench.reports import REPORTS
+        import bench.reports
     finally:
         sys.path.remove(str(ROOT))
+    return bench.reports
+
+
+def test_every_worker_a_report_launches_is_code_it_measures():
+    """The stale check can only see changes to the files a report lists: every worker that a
+    report's generators launch (``launch("NAME", ...)``, or a constant naming
+    bench/workers/NAME.py) is among them."""
+    REPORTS = _bench_reports().REPORTS
     checked = 0
     for report, (modules, code) in REPORTS.items():
         for module in modules:  # bench.scaling launches none: it models (layerbraid.plan)
@@ -88,13 +94,8 @@ def test_the_engine_list_holds_everything_the_engine_imports():
     """Every report lists the solve engine's files (bench/reports.py _ENGINE): a change to any
     file that _chain.py reaches through its imports runs in every solve, so it must stale the
     reports.  Only layerbraid/errors.py (exception classes) is left out."""
-    if not (ROOT / "bench" / "reports.py").exists():
-        pytest.skip("bench/ is not next to the tests")
-    sys.path.insert(0, str(ROOT))
-    try:
-        from bench.reports import _ENGINE, REPORTS
-    finally:
-        sys.path.remove(str(ROOT))
+    reports = _bench_reports()
+    _ENGINE, REPORTS = reports._ENGINE, reports.REPORTS
     seen, todo = set(), [ROOT / "layerbraid" / "_chain.py"]
     while todo:
         path = todo.pop()
