@@ -478,6 +478,12 @@ def _one_by_one(step, run, u, times, level, index, stride, done, keep):
     return out
 
 
+BACKWARD_TWICE = ("backward ran twice through the same layer-parallel forward: the forward's "
+                  "graphs are freed by the first backward (to save memory); set "
+                  "model.retain_graphs = True before the forward to backward through it again "
+                  "(retain_graph=True, gradcheck)")
+
+
 class _ChainFn(torch.autograd.Function):
     """``inputs -> output`` by a chain's forward solve; backward by its adjoint solve.  The chain
     and the run arrive as arguments and are kept in ``ctx``; ``anchor`` (Note [every rank runs
@@ -494,10 +500,7 @@ class _ChainFn(torch.autograd.Function):
     def backward(ctx, grad):
         run = ctx.run
         if run is None:
-            raise RuntimeError("backward ran twice through the same layer-parallel forward: the "
-                               "forward's graphs are freed by the first backward (to save "
-                               "memory); set model.retain_graphs = True before the forward to "
-                               "backward through it again (retain_graph=True, gradcheck)")
+            raise RuntimeError(BACKWARD_TWICE)
         grads = ctx.chain.backward(run, grad)
         if not run.retain:
             ctx.run = None  # the kept graphs are consumed

@@ -3,6 +3,7 @@
 The state enters on the first rank (the open layer's output) and leaves on the last (the close
 layer's input); each rank differentiates the layers it owns.
 """
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -326,9 +327,9 @@ def _accumulate(sums, leaves, grads):
 def all_finite(tensors):
     """Whether every element of ``tensors`` is finite.  NaN and Inf survive a sum, so one sum per
     tensor (the small ones concatenated first: per-tensor calls cost more than their elements
-    here), in the tensors' own precision, and one check per device and dtype decide when they
-    are all finite; a sum that is not finite (which a sum of huge finite values can be too)
-    sends that group to the exact elementwise check."""
+    here), in the tensors' own precision, and the sum of those sums, read as one number per
+    device and dtype, decide when they are all finite; a sum that is not finite (which a sum of
+    huge finite values can be too) sends that group to the exact elementwise check."""
     groups = {}
     for t in tensors:
         if t.numel():
@@ -341,7 +342,8 @@ def all_finite(tensors):
             if small:  # one C++ call flattens them (as torch's DistributedDataParallel does)
                 sums.append(_flatten_dense_tensors(small).sum() if len(small) > 1 else
                             small[0].sum())
-            if not bool(torch.isfinite(torch.stack(sums)).all()) and \
+            total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+            if not math.isfinite(float(total)) and \
                     not all(bool(torch.isfinite(t).all()) for t in group):
                 return False
     return True

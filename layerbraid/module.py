@@ -2,6 +2,7 @@
 import dataclasses
 import logging
 import re
+import time
 from typing import Optional
 
 import numpy as np
@@ -10,7 +11,8 @@ from torch import nn
 
 from . import checkpoint
 from ._autograd import _BroadcastFn, _ToFirstFn
-from ._chain import Run, _Chain, _ChainFn, _check_target, _gradient_estimate
+from ._chain import BACKWARD_TWICE, Run, _Chain, _ChainFn, _check_target, _gradient_estimate, \
+    _solve_state
 from ._layer_steps import _LayerSteps, all_finite, check_shape
 from ._ownership import _StepLayers, draw_seed, seeded_layer
 from ._parts import FreedOnExit
@@ -311,6 +313,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         """Record the schedule of the following forward and adjoint solves (see ``trace``)."""
         self._chain.fwd.set_trace(on)
         self._chain.bwd.set_trace(on)
+        self._tracing = bool(on)  # a trace needs the core (Note [serial path])
 
     def trace(self):
         """``(forward, adjoint)``: the schedule this rank ran in the last solves, as lists of
@@ -378,14 +381,17 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             # graph, so that that stage's backward (collective) runs on this rank too.
             h0 = x if isinstance(x, torch.Tensor) and x.requires_grad else \
                 torch.zeros((), dtype=dtype, device=device)
-        run = Run(self._steps, shape, dtype, device, record, retain=self.retain_graphs)
-        run.own.step_params = self._steps.step_params(self._chain.owned)
-        run.own.fused = bool(self.fused)
-        anchor = self._anchor.to(device) if self._anchor.device != device else self._anchor
         self._step_layers.exchange()
-        chain = self._chain.exact() if self._solve_exactly else self._chain
-        params = [p for leaves in run.own.step_params.values() for _, p in leaves]
-        out = made = _ChainFn.apply(chain, run, anchor, h0, *params)
+        if self._size == 1 and self._serial_path():
+            out = made = self._serial_forward(h0, record)
+        else:
+            run = Run(self._steps, shape, dtype, device, record, retain=self.retain_graphs)
+            run.own.step_params = self._steps.step_params(self._chain.owned)
+            run.own.fused = bool(self.fused)
+            anchor = self._anchor.to(device) if self._anchor.device != device else self._anchor
+            chain = self._chain.exact() if self._solve_exactly else self._chain
+            params = [p for leaves in run.own.step_params.values() for _, p in leaves]
+            out = made = _ChainFn.apply(chain, run, anchor, h0, *params)
         status, error = None, None
         if last:
             try:
@@ -417,6 +423,85 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         if self.output == "next":
             return _ToFirstFn.apply(comm, out, status[1], status[2])
         return _BroadcastFn.apply(comm, self._size - 1, out, status[1], status[2])
+
+    # Note [serial path]: with one rank and both solves exact (one level, or an audit's exact
+    # solve) MGRIT has nothing to do: the solve is the steps one after another, and its adjoint
+    # the steps' VJPs in reverse.  Then the steps run as plain autograd, in the caller's graph,
+    # with no solver between them: the forward is the serial network's, the backward torch's
+    # own (parameter gradients accumulate where PyTorch puts them), and what layerbraid adds is
+    # the step size per step, the checks a step's output gets in the core's path (shape and
+    # dtype), the solve statistics, and, at the end of the backward, the finiteness check of
+    # the gradients.  The step sizes are the core's (the differences of its time points), so
+    # the two paths agree bit for bit (tested).  A trace needs the core, which records it.
+    def _serial_path(self):
+        chain = self._chain
+        exact = self._solve_exactly or (chain.fwd.num_levels() == 1 and
+                                        chain.bwd.num_levels() == 1)
+        return exact and not self.__dict__.get("_tracing", False)
+
+    def _serial_forward(self, h0, record):
+        """The chain's output from ``h0`` on the serial path (Note [serial path])."""
+        chain = self._chain.exact() if self._solve_exactly else self._chain
+        layers, steps, n = self._steps.layers.layers, self._steps, self.num_steps
+        times = self._times()
+        t0 = time.perf_counter()
+        x = h0
+        _solve_state.in_solve = _solve_state.final = True
+        try:
+            with torch.set_grad_enabled(record):
+                for i in range(n):
+                    y = steps.apply_rule(layers[str(i)], x, times[i + 1] - times[i], i)
+                    if y.dtype != x.dtype:
+                        raise TypeError(
+                            f"the step at level 0, fine index {i} returned dtype {y.dtype}, "
+                            f"but its input has dtype {x.dtype}: a step must keep the dtype")
+                    x = y
+        finally:
+            _solve_state.in_solve = _solve_state.final = False
+        seconds = time.perf_counter() - t0
+        chain.forward_stats = SolveStats(0, [], seconds, seconds, 0.0, error_estimate=0.0,
+                                         raw_error_estimate=0.0)
+        if x is h0:
+            x = x.clone()
+        if record and x.requires_grad:
+            done, retain = [], self.retain_graphs  # the backwards through this forward
+            x.register_hook(lambda grad: self._serial_backward_started(chain, h0, done, retain))
+        return x
+
+    def _serial_backward_started(self, chain, h0, done, retain):
+        """The chain's output got its gradient: its adjoint runs now, in the same backward;
+        once the backward is over, its statistics and the finiteness check (Note [serial
+        path]).  A second backward through the same forward is refused unless
+        ``retain_graphs`` was set at the forward, as on more ranks, where the first backward
+        frees the graphs."""
+        if done and not retain:
+            raise RuntimeError(BACKWARD_TWICE)
+        done.append(True)
+        t0 = time.perf_counter()
+        owned = [p for leaves in self._steps.step_params(self._chain.owned).values()
+                 for _, p in leaves]
+
+        def finished():
+            seconds = time.perf_counter() - t0
+            chain.backward_stats = SolveStats(0, [], seconds, seconds, 0.0,
+                                              error_estimate=0.0, raw_error_estimate=0.0)
+            if self.check_finite:
+                grads = [p.grad for p in owned if p.grad is not None]
+                if h0.is_leaf and h0.grad is not None:
+                    grads.append(h0.grad)
+                self._steps._check_finite(None, grads)
+
+        torch.autograd.Variable._execution_engine.queue_callback(finished)
+
+    def _times(self):
+        """The time points of the fine grid as the core computes them (grid.c): ``t_i = T *
+        (i / N)``, so that a step's size is the core's to the bit."""
+        times = self.__dict__.get("_time_points")
+        if times is None:
+            n = self.num_steps
+            times = [0.0 + (self.t_final - 0.0) * (i / n) for i in range(n + 1)]
+            self._time_points = times
+        return times
 
     def _settings(self):
         """What every rank of the layer group must agree on for a forward and its backward: the

@@ -382,6 +382,8 @@ def test_fused_runs_equal_the_step_by_step_path(monkeypatch):
             spatial = layerbraid.SpatialCoarsening([1], mode=mode) if mode else None
             model = net(WORLD, num_steps=16, forward_options=opts, backward_options=opts,
                         spatial=spatial, fused=fused)
+            # one level on one rank runs as plain autograd unless traced (Note [serial path])
+            model.set_trace(levels == 1)
             xx = x.clone().requires_grad_(True)
             calls[0] = 0
             model(xx).square().sum().backward()
@@ -400,6 +402,81 @@ def test_fused_runs_equal_the_step_by_step_path(monkeypatch):
         assert torch.allclose(gx_fused, gx_step, rtol=ROUNDOFF, atol=0), case
         for a, b in zip(gp_fused, gp_step):
             assert torch.allclose(a, b, rtol=ROUNDOFF, atol=ROUNDOFF * float(b.abs().max())), case
+
+
+def _has_chain_node(t):
+    """Whether ``t``'s autograd graph goes through a layer-parallel solve (_ChainFn)."""
+    seen, stack = set(), [t.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if type(fn).__name__ == "_ChainFnBackward":
+            return True
+        stack.extend(f for f, _ in fn.next_functions)
+    return False
+
+
+class _OddTime(ODEResNet):
+    """T = 1.3: step sizes that are not the same to the bit (the core's t_{i+1} - t_i)."""
+
+    def __init__(self, comm, num_steps):
+        LayerParallelModule.__init__(self, num_steps=num_steps, t_final=1.3, comm=comm)
+        self.channels = 4
+        self.open = nn.Conv2d(1, 4, 3, padding=1)
+        self.close = nn.Sequential(nn.Flatten(), nn.Linear(4 * 8 * 8, 3))
+
+
+@pytest.mark.parallel([1])
+def test_one_rank_exact_runs_as_plain_autograd_and_equals_the_solver_path(monkeypatch):
+    """Note [serial path]: one rank, one level: the steps run in the caller's graph with no
+    solver and no nested autograd call, and give the solver path's output, input gradient and
+    parameter gradients bit for bit (float64 and float32, step sizes that are not powers of 2,
+    a custom step rule), the serial network's too; the solve statistics are an exact solve's;
+    gradients accumulate over backwards as in PyTorch."""
+    calls = [0]
+    grad = torch.autograd.grad
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", counted)
+    for net, dtype, steps in [(ODEResNet, torch.float64, 8), (_OddTime, torch.float32, 24),
+                              (_OddTime, torch.float64, 7), (_Damped, torch.float64, 7)]:
+        torch.manual_seed(2)
+        model = net(MPI.COMM_SELF, num_steps=steps).to(dtype)
+        x, y = batch(dtype=dtype)
+        got = []
+        for traced in (False, True):  # a trace needs the core: the solver path
+            model.set_trace(traced)
+            model.zero_grad()
+            xx = x.clone().requires_grad_(True)
+            calls[0] = 0
+            out = model(xx)
+            assert _has_chain_node(out) == traced, (net.__name__, traced)
+            F.cross_entropy(out, y).backward()
+            assert (calls[0] == 0) == (not traced), (net.__name__, traced, calls[0])
+            got.append((out.detach(), xx.grad, [p.grad.clone() for p in model.parameters()]))
+            for stats in (model.forward_stats, model.backward_stats):
+                assert stats.iterations == 0 and stats.error_estimate == 0.0, stats
+                assert stats.seconds > 0, stats
+        (out_s, gx_s, gp_s), (out_c, gx_c, gp_c) = got
+        case = (net.__name__, dtype, steps)
+        assert torch.equal(out_s, out_c) and torch.equal(gx_s, gx_c), case
+        assert all(torch.equal(a, b) for a, b in zip(gp_s, gp_c)), case
+        assert model.gradient_error_estimate() == 0.0
+        serial = model.to_serial()
+        xs = x.clone().requires_grad_(True)
+        F.cross_entropy(serial(xs), y).backward()
+        torch.testing.assert_close(xs.grad, gx_s, rtol=ROUNDOFF, atol=0)
+        # .grad accumulates: a second forward and backward on the serial path doubles it
+        model.set_trace(False)
+        F.cross_entropy(model(x), y).backward()
+        for a, p in zip(gp_c, model.parameters()):
+            torch.testing.assert_close(p.grad, 2 * a, rtol=ROUNDOFF, atol=0)
+        model.free()
 
 
 def _chain_runs(t):
