@@ -346,6 +346,19 @@ def test_stages_that_change_shape_chain_like_serial():
                 torch.testing.assert_close(p.grad, q.grad, rtol=ROUNDOFF, atol=ROUNDOFF)
 
 
+def _count_autograd_calls(monkeypatch):
+    """[n]: n counts the calls of ``torch.autograd.grad`` from now on (reset it to 0 at will)."""
+    calls = [0]
+    grad = torch.autograd.grad
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", counted)
+    return calls
+
+
 class _Damped(ODEResNet):
     """A custom step rule (the graph is the new state, not an increment)."""
 
@@ -361,14 +374,7 @@ def test_fused_runs_equal_the_step_by_step_path(monkeypatch):
     input gradient and every parameter gradient agree to round-off in float64, with 1-3
     levels, spatial coarsening in both modes and a custom step rule, and fused makes fewer
     autograd calls."""
-    calls = [0]
-    grad = torch.autograd.grad
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return grad(*args, **kwargs)
-
-    monkeypatch.setattr(torch.autograd, "grad", counted)
+    calls = _count_autograd_calls(monkeypatch)
     x, _ = batch(n=2)
     cases = [(1, ODEResNet, None), (1, _Damped, None)] + [
         (levels, net, mode) for levels in (2, 3) for net in (ODEResNet, _Damped)
@@ -435,14 +441,7 @@ def test_one_rank_exact_runs_as_plain_autograd_and_equals_the_solver_path(monkey
     parameter gradients bit for bit (float64 and float32, step sizes that are not powers of 2,
     a custom step rule), the serial network's too; the solve statistics are an exact solve's;
     gradients accumulate over backwards as in PyTorch."""
-    calls = [0]
-    grad = torch.autograd.grad
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return grad(*args, **kwargs)
-
-    monkeypatch.setattr(torch.autograd, "grad", counted)
+    calls = _count_autograd_calls(monkeypatch)
     for net, dtype, steps in [(ODEResNet, torch.float64, 8), (_OddTime, torch.float32, 24),
                               (_OddTime, torch.float64, 7), (_Damped, torch.float64, 7)]:
         torch.manual_seed(2)
