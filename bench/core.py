@@ -134,8 +134,9 @@ def tax_lines(rows):
                  for r in exact)
         hi = max(max(r["us_outside_per_forward_step"], r["us_outside_per_adjoint_step"])
                  for r in exact)
-        lines += ["", f"On one rank at one level (the exact path, where layerbraid adds no "
-                  f"work of MGRIT's own) the time outside the layer is between {lo:.0f} and "
+        lines += ["", f"On one rank at one level (the exact path, whose steps run as plain "
+                  f"autograd with no solver between them: Note [serial path] in module.py) the "
+                  f"time outside the layer is between {lo:.0f} and "
                   f"{hi:.0f} us per step over states of {exact[0]['size']} to "
                   f"{exact[-1]['size']} elements"
                   + (" (a negative value: within the noise of the layer's own time)" if lo < 0
