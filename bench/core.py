@@ -8,7 +8,8 @@
 2. Seconds per solve through Python (numpy callbacks), scalar and 64k-element states, 1 and 2
    ranks, against plain sequential stepping of the same step function.
 3. layerbraid's time per step outside the layer, in the forward and the adjoint of a
-   LayerParallelModule, with states of 1k, 64k and 1M elements (bench/workers/tax.py).
+   LayerParallelModule, with states of 1k, 64k and 1M elements, and how much of it is MPI and
+   how much the solves' bookkeeping (bench/workers/tax.py).
 """
 import json
 import subprocess
@@ -116,18 +117,24 @@ def tax_lines(rows):
              "(bench/workers/tax.py).  Time outside the layer per step = (layerbraid's time - "
              "the steps it ran x plain PyTorch's time per step) / the steps it ran, on the "
              "busiest rank: the core, the callbacks, the graph bookkeeping, the messages and "
-             "the waiting for them.  2 levels: cfactor 4, 2 forward / 1 adjoint iterations.  "
-             "Forward and backward times: median [min-max].", "",
+             "the waiting for them.  Of it, from the solves' own statistics (``SolveStats``: "
+             "the solve's time, its time in the steps and in MPI), per step the rank ran, the "
+             "most over the ranks, median over the timed iterations: `MPI` (messages and the "
+             "waiting for them) and `bookkeeping` (neither steps nor MPI: the core's sweeps and "
+             "the callbacks' vector sums, norms, clones and packing).  2 levels: cfactor 4, 2 "
+             "forward / 1 adjoint iterations.  Forward and backward times: median [min-max].", "",
              "| ranks | levels | state elements | forward ms | plain forward ms | backward ms | "
              "plain backward ms | steps run (fwd / adjoint) | us outside per forward step | "
-             "us outside per adjoint step |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "us outside per adjoint step | forward us per step: MPI / bookkeeping | adjoint "
+             "us per step: MPI / bookkeeping |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['ranks']} | {r['levels']} | {r['size']} | {spread(r['lp_forward'], '.2f', 1e3)}"
             f" | {spread(r['plain_forward'], '.2f', 1e3)} | "
             f"{spread(r['lp_backward'], '.2f', 1e3)} | {spread(r['plain_backward'], '.2f', 1e3)}"
             f" | {r['fwd_steps']} / {r['bwd_steps']} | {r['us_outside_per_forward_step']:.0f} | "
-            f"{r['us_outside_per_adjoint_step']:.0f} |")
+            f"{r['us_outside_per_adjoint_step']:.0f} | {_split(r, 'forward')} | "
+            f"{_split(r, 'adjoint')} |")
     exact = [r for r in rows if r["levels"] == 1 and r["ranks"] == 1]
     if exact:
         lo = min(min(r["us_outside_per_forward_step"], r["us_outside_per_adjoint_step"])
@@ -142,10 +149,39 @@ def tax_lines(rows):
                   + (" (a negative value: within the noise of the layer's own time)" if lo < 0
                      else "") +
                   ".  With 2 ranks the figure includes the pipeline's waiting "
-                  "(each rank idles while the other runs its steps); with 2 levels, MGRIT's own "
-                  "vector work (residuals, restrictions, corrections), which grows with the "
-                  "state."]
+                  "(each rank idles while the other runs its steps)."]
+    multi = [r for r in rows if r["levels"] > 1 and "us_bookkeeping_per_forward_step" in r]
+    for ranks in sorted({r["ranks"] for r in multi}):
+        rs = [r for r in multi if r["ranks"] == ranks]
+        sizes = (f"at {rs[0]['size']}" if len(rs) == 1 else
+                 f"from {rs[0]['size']} to {rs[-1]['size']}")
+        lines += ["", f"With {rs[0]['levels']} levels on {ranks} rank{'s' if ranks > 1 else ''}, "
+                  f"{sizes} state elements: bookkeeping "
+                  f"{_range(rs, 'us_bookkeeping_per_forward_step')} us per forward step and "
+                  f"{_range(rs, 'us_bookkeeping_per_adjoint_step')} per adjoint step, MPI "
+                  f"{_range(rs, 'us_mpi_per_forward_step')} and "
+                  f"{_range(rs, 'us_mpi_per_adjoint_step')}; at {rs[-1]['size']} elements the "
+                  f"forward's bookkeeping is {_share(rs[-1])} of its time outside the layer."]
     return lines
+
+
+def _split(r, solve):
+    """'MPI / bookkeeping' us per step of a tax row, or '' for data measured without them."""
+    mpi, book = r.get(f"us_mpi_per_{solve}_step"), r.get(f"us_bookkeeping_per_{solve}_step")
+    return "" if mpi is None else f"{mpi:.0f} / {book:.0f}"
+
+
+def _range(rows, key):
+    lo, hi = min(r[key] for r in rows), max(r[key] for r in rows)
+    return f"{lo:.0f}" if round(lo) == round(hi) else f"{lo:.0f}-{hi:.0f}"
+
+
+def _share(r):
+    """The forward's bookkeeping as a share of its time outside the layer (which also holds
+    MPI and what runs outside the solve), in percent."""
+    outside = r["us_outside_per_forward_step"]
+    return f"{100 * r['us_bookkeeping_per_forward_step'] / outside:.0f}%" if outside > 0 else \
+        "more than all (the layer ran faster inside the solve than in plain PyTorch)"
 
 
 if __name__ == "__main__":

@@ -271,11 +271,16 @@ def report(data):
         "and plain PyTorch itself takes longer than its bound.  `/ chain bound` scales the",
         "bound by plain PyTorch's time over its own bound: the time as a multiple of the work",
         "at the cost a step has inside plain PyTorch's chain, which leaves layerbraid's",
-        "overhead alone.  `target` is the least speedup the row is held to.",
+        "overhead alone.  `target` is the least speedup the row is held to.  `MPI` and",
+        "`bookkeeping` come from the solves' own statistics (``SolveStats``), forward and",
+        "adjoint together, the most over the ranks (median over the pairs): the time in the",
+        "core's MPI calls (messages and the waiting for them, which the schedule has too) and",
+        "the time in neither the steps nor MPI (the core's sweeps and the callbacks' vector",
+        "sums, norms, clones and packing: overhead the bound leaves out).",
         "",
         "| configuration | ms | plain PyTorch ms | speedup | target | bound ms | / bound | "
-        "plain / bound | / chain bound | err param grad |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "plain / bound | / chain bound | MPI ms | bookkeeping ms | err param grad |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     verdicts, chain = [], []
     for ranks, steps, levels, fwd, bwd, target, meaning in LAYER_ROWS:
@@ -290,14 +295,18 @@ def report(data):
         plain_bound = statistics.median(
             steps * (r["step_seconds"] + r["vjp_param_seconds"]) for r in runs)
         over, plain_over = statistics.median(lp_t) / bound, statistics.median(pl_t) / plain_bound
+        mpi, book = (statistics.median(r[key] for r in runs) if key in runs[0] else None
+                     for key in ("mpi_seconds", "bookkeeping_seconds"))
         lines.append(
             f"| {label} | {spread(lp_t, '.0f', 1e3)} | {spread(pl_t, '.0f', 1e3)} | {cell} | "
             f">= {target:.2f} ({meaning}) | {1e3 * bound:.0f} | {over:.2f} | {plain_over:.2f} "
-            f"| {over / plain_over:.2f} "
+            f"| {over / plain_over:.2f} | {'' if mpi is None else f'{1e3 * mpi:.0f}'} "
+            f"| {'' if book is None else f'{1e3 * book:.0f}'} "
             f"| {statistics.median(r['err_param_grad'] for r in runs):.1e} |")
         verdicts.append((label, med, lo, target, _verdict(med, lo, target)))
         if levels > 1 and (fwd, bwd) == (2, 1):
-            chain.append((label, over, over / plain_over))
+            chain.append((label, over, over / plain_over,
+                          None if book is None else book / statistics.median(lp_t)))
     lines += ["", "### What the benchmark-layer rows show", ""]
     met = [v for v in verdicts if v[4] != "not met"]
     lines.append(f"- {len(met)} of {len(verdicts)} rows meet their target by the median; "
@@ -307,11 +316,13 @@ def report(data):
         if verdict != "met in every measurement":
             lines.append(f"- {label}: speedup {med:.2f} (lowest {lo:.2f}) against {target:.2f}: "
                          f"{verdict}.")
-    for label, over, over_chain in chain:
+    for label, over, over_chain, book in chain:
         lines.append(f"- {label}, against the target of at most {BOUND_TARGET:.2f}x the work "
                      f"bound: {over:.2f}x the bound ({'met' if over <= BOUND_TARGET else 'not met'})"
                      f", {over_chain:.2f}x the chain bound "
-                     f"({'met' if over_chain <= BOUND_TARGET else 'not met'}).")
+                     f"({'met' if over_chain <= BOUND_TARGET else 'not met'})"
+                     + ("" if book is None else
+                        f"; the solves' bookkeeping is {100 * book:.0f}% of its time") + ".")
 
     lines += [
         "",
@@ -322,34 +333,65 @@ def report(data):
         "counted): the growth of the bytes torch's allocator holds, at their peak (from the",
         "profiler's allocation events: every tensor, the kept graphs and layerbraid's states",
         "included; the same for every run of the same code), per step the rank owns; plain",
-        "PyTorch's is its growth over 64 steps.  Beside it, the peak resident set's growth over",
-        "another forward+backward, what the OS saw: it varies between runs of the same code with",
-        "what the C allocator returns and reuses, so it is shown, not judged.  Separate processes.",
+        "PyTorch's is its growth over 64 steps.  `graph` is the same growth when the forward",
+        "has returned (the kept graph and the output), per owned step; `above the graph` is what",
+        "the backward adds at its peak, in states (one state: the batch's activations after a",
+        "step), beside the fine C-points the rank's adjoint solve owns (its MGRIT unknowns, from",
+        "cfactor on: kept from its coarse solve through its final relaxation).  Beside them, the",
+        "peak resident set's growth over another forward+backward, what the OS saw: it varies",
+        "between runs of the same code with what the C allocator returns and reuses, so it is",
+        "shown, not judged.  Separate processes.",
         "",
         "| configuration | allocated MB per rank | MB per owned step | / plain's per step "
-        "| resident set growth, MB per rank |",
-        "|---|---|---|---|---|",
+        "| graph MB per owned step (/ plain's) | above the graph, states per rank | adjoint "
+        "C-points per rank | resident set growth, MB per rank |",
+        "|---|---|---|---|---|---|---|---|",
     ]
 
-    def per_step(label):
-        return max(r["allocated_bytes"] / r["owned_steps"] for r in memory[label]["per_rank"])
+    def per_step(label, key="allocated_bytes"):
+        return max(r[key] / r["owned_steps"] for r in memory[label]["per_rank"])
 
-    plain_step = per_step(MEMORY[0][0])
+    def above(label, r):  # the backward's peak over the kept graph, in states
+        return (r["allocated_bytes"] - r["after_forward_bytes"]) / memory[label]["state_bytes"]
+
+    plain = MEMORY[0][0]
+    plain_step = per_step(plain)
+    graphs = "after_forward_bytes" in memory[plain]["per_rank"][0]
     ratios = {label: per_step(label) / plain_step for label in list(memory)[1:]}
     for label in memory:
         rows = memory[label]["per_rank"]
         ratio = f"{ratios[label]:.2f}" if label in ratios else "1 (the reference)"
+        graph = (f"{per_step(label, 'after_forward_bytes') / 1e6:.3f} ("
+                 f"{per_step(label, 'after_forward_bytes') / per_step(plain, 'after_forward_bytes'):.2f})"
+                 if graphs else "")
         lines.append(f"| {label} | "
                      + ", ".join(f"{r['allocated_bytes'] / 1e6:.1f}" for r in rows)
-                     + f" | {per_step(label) / 1e6:.3f} | {ratio} | "
+                     + f" | {per_step(label) / 1e6:.3f} | {ratio} | {graph} | "
+                     + (", ".join(f"{above(label, r):.1f}" for r in rows) if graphs else "") + " | "
+                     + ", ".join(str(r.get("adjoint_c_points", "")) for r in rows) + " | "
                      + ", ".join(f"{r['growth_bytes'] / 1e6:.0f}" for r in rows) + " |")
     within = [label for label, r in ratios.items() if r <= MEMORY_TARGET]
     worst = max(ratios, key=ratios.get)
     lines += ["", f"Within {MEMORY_TARGET}x plain PyTorch's allocated memory per step: "
               f"{', '.join(within) if within else 'none'}; the most: {worst} "
-              f"({ratios[worst]:.2f}x).  A multilevel solve also keeps MGRIT's own states (the "
-              "coarse levels' values and right-hand sides), which the serial network does not "
-              "have."]
+              f"({ratios[worst]:.2f}x)."]
+    if graphs:
+        g = [per_step(label, "after_forward_bytes") / per_step(plain, "after_forward_bytes")
+             for label in list(memory)[1:]]
+        worst_rows = memory[worst]["per_rank"]
+        r = max(worst_rows, key=lambda r: r["allocated_bytes"] / r["owned_steps"])
+        c = r.get("adjoint_c_points", 0)
+        without = ((r["allocated_bytes"] - c * memory[worst]["state_bytes"]) / r["owned_steps"]
+                   / plain_step)
+        span = f"{min(g):.2f}" if f"{min(g):.2f}" == f"{max(g):.2f}" else \
+            f"{min(g):.2f}-{max(g):.2f}"
+        lines += ["", f"The kept graph per owned step is {span}x plain "
+                  f"PyTorch's in every layer-parallel row.  What differs is the backward's "
+                  f"working memory above it: {above(plain, memory[plain]['per_rank'][0]):.1f} states "
+                  f"for plain PyTorch's whole chain, {above(worst, r):.1f} on the busiest rank of "
+                  f"{worst}"
+                  + (f", of which its adjoint's {c} C-point values are MGRIT's own unknowns "
+                     f"(without them: {without:.2f}x plain's per step)" if c else "") + "."]
 
     step, vjp, vjp_p, n = pj["step_seconds"], pj["vjp_seconds"], pj["vjp_param_seconds"], pj["steps"]
     lines += [

@@ -121,6 +121,8 @@ def main():
     # Training-like: a new batch each time and a small SGD step between (what warm starts see).
     # Layer-parallel and serial runs alternate, so that machine noise hits both alike.
     lp_times, serial_times = [], []
+    split = []  # this rank's (MPI, bookkeeping) seconds of each timed forward+backward
+
     for k in range(args.repeats + 1):
         xb = torch.randn(args.batch, args.channels, 28, 28, generator=g).requires_grad_(True)
         comm.Barrier()
@@ -129,6 +131,7 @@ def main():
         t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         if k > 0:
             lp_times.append(t)
+            split.append(solve_split(model))
         if args.serial and comm.rank == 0:
             xs = xb.detach().clone().requires_grad_(True)
             t0 = time.perf_counter()
@@ -139,6 +142,7 @@ def main():
         if k < args.repeats:  # the same SGD step on both copies of the weights
             _sgd(model, serial, comm, lr=1e-3)
     lp_time = statistics.median(lp_times)
+    splits = comm.gather([statistics.median(v) for v in zip(*split)], root=0)
 
     # work model: steps (forward) and VJPs (backward) this rank ran, from the core's trace of
     # one more solve, untimed (a traced solve always runs in the core: one rank with one level
@@ -155,7 +159,10 @@ def main():
                       fwd_steps_per_rank=[w[0] for w in work],
                       bwd_vjps_per_rank=[w[1] for w in work],
                       fwd_iterations=model.forward_stats.iterations,
-                      bwd_iterations=model.backward_stats.iterations)
+                      bwd_iterations=model.backward_stats.iterations,
+                      # the most over the ranks of each one's median
+                      mpi_seconds=max(sp[0] for sp in splits),
+                      bookkeeping_seconds=max(sp[1] for sp in splits))
         if args.serial:
             result["serial_seconds"] = statistics.median(serial_times)
             result["speedup"] = result["serial_seconds"] / lp_time
@@ -170,6 +177,16 @@ def main():
             Path(args.json).write_text(json.dumps(result, indent=1))
 
 
+def solve_split(model):
+    """(MPI, bookkeeping) seconds of the last forward and adjoint solves together, from their
+    statistics: the time in the core's MPI calls (messages and the waiting for them), and the
+    time in neither the steps nor MPI (the core's sweeps and the callbacks' vector sums, norms,
+    clones and packing)."""
+    stats = (model.forward_stats, model.backward_stats)
+    return (sum(st.comm_seconds for st in stats),
+            sum(st.seconds - st.step_seconds - st.comm_seconds for st in stats))
+
+
 def traced_work(model, step, x):
     """(steps, VJPs) this rank ran in ``step(x)``, one forward and backward of ``model``,
     from the core's trace of it; tracing is switched off again afterwards."""
@@ -181,21 +198,38 @@ def traced_work(model, step, x):
     return tuple(sum(1 for e in t if e.op.endswith("step")) for t in model.trace())
 
 
-def allocator_peak(run):
-    """Peak growth of the bytes torch's CPU allocator holds while ``run()`` runs, from the
-    profiler's allocation and free events (every tensor torch allocates, layerbraid's states
-    included; not the OS's page cache or the allocator's reuse, which is what makes the resident
-    set's growth vary between runs of the same code)."""
-    from torch.profiler import ProfilerActivity, profile
+def allocator_profile(forward, backward):
+    """(peak, after the forward): the growth of the bytes torch's CPU allocator holds while
+    ``backward(forward())`` runs, at its peak and when ``forward()`` has returned (the kept
+    graph and the output), from the profiler's allocation and free events (every tensor torch
+    allocates, layerbraid's states included; not the OS's page cache or the allocator's reuse,
+    which is what makes the resident set's growth vary between runs of the same code)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
+        with record_function("bench.forward"):
+            out = forward()
+        backward(out)
+    events = prof.profiler.kineto_results.events()
+    forward_end = max(e.end_ns() for e in events if e.name() == "bench.forward")
+    live = peak = after_forward = 0
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
         live += e.nbytes()
         peak = max(peak, live)
-    return peak
+        if e.start_ns() <= forward_end:
+            after_forward = live
+    return peak, after_forward
+
+
+def adjoint_c_points(model):
+    """The fine C-points this rank owns in the adjoint solve, those from cfactor on (the
+    adjoint's MGRIT unknowns, kept through its final relaxation); 0 with one level or for the
+    serial network."""
+    chain = getattr(model, "_chain", None)
+    if chain is None or chain.bwd is None or chain.bwd.num_levels() < 2:
+        return 0
+    lo, hi, _ = chain.bwd.level_info()[1]
+    return max(0, hi - max(lo, 1) + 1)
 
 
 def memory(model, args, comm):
@@ -216,11 +250,14 @@ def memory(model, args, comm):
     model(small).sum().backward()
     model.zero_grad(set_to_none=True)
 
-    def step():
+    def forward():
         x = torch.randn(args.batch, args.channels, 28, 28,
                         generator=torch.Generator().manual_seed(3))
         x.requires_grad_(True)
-        model(x).sum().backward()
+        return model(x).sum()
+
+    def step():
+        forward().backward()
 
     gc.collect()
     comm.Barrier()
@@ -230,10 +267,11 @@ def memory(model, args, comm):
     model.zero_grad(set_to_none=True)
     gc.collect()
     comm.Barrier()
-    allocated = allocator_peak(step)
+    allocated, after_forward = allocator_profile(forward, lambda loss: loss.backward())
     owned = len(list(model.owned_steps())) if hasattr(model, "owned_steps") else args.steps
-    rows = comm.gather({"allocated_bytes": allocated, "growth_bytes": max(peak - before, 0),
-                        "owned_steps": owned}, root=0)
+    rows = comm.gather({"allocated_bytes": allocated, "after_forward_bytes": after_forward,
+                        "growth_bytes": max(peak - before, 0), "owned_steps": owned,
+                        "adjoint_c_points": adjoint_c_points(model)}, root=0)
     if comm.rank == 0:
         print(json.dumps({"memory": args.memory, "ranks": comm.size, "steps": args.steps,
                           "levels": args.levels, "per_rank": rows,

@@ -8,7 +8,9 @@ SIZE: elements of the state (float32); LEVELS: MGRIT levels (cfactor 4, 2 forwar
 iterations, first down-cycle skipped; 1 = exact).  The forward (recording the graph, as in
 training) and the backward are timed separately, alternating with plain PyTorch's; the time
 outside the layer per step is (layerbraid's time - the steps it ran x plain PyTorch's time per
-step) / the steps it ran, on the busiest rank, for the forward's steps and the adjoint's VJPs.
+step) / the steps it ran, on the busiest rank, for the forward's steps and the adjoint's VJPs;
+and, from each solve's statistics, its time in MPI and its bookkeeping (neither the steps nor
+MPI), per step the rank ran, the most over the ranks.
 """
 import json
 import statistics
@@ -54,6 +56,9 @@ def main():
     serial = model.to_serial()
     x = torch.randn(size, generator=torch.Generator().manual_seed(0))  # the same on every rank
     times = {"lp_forward": [], "lp_backward": [], "plain_forward": [], "plain_backward": []}
+    # this rank's solves, per timed iteration: (forward, adjoint) x (MPI seconds, seconds in
+    # neither the steps nor MPI: the core's sweeps and the vector sums, norms and packing)
+    split = []
     for k in range(repeats + 1):
         for name, m in (("lp", model), ("plain", serial)):
             if name == "plain" and comm.rank != 0:
@@ -74,11 +79,19 @@ def main():
             if k > 0:
                 times[f"{name}_forward"].append(t1 - t0)
                 times[f"{name}_backward"].append(t2 - t1)
+                if name == "lp":
+                    split.append([v for st in (m.forward_stats, m.backward_stats)
+                                  for v in (st.comm_seconds,
+                                            st.seconds - st.step_seconds - st.comm_seconds)])
         comm.Barrier()
     # the steps and VJPs, from the core's trace of one more solve, untimed (a traced solve runs
     # in the core; one rank with one level runs as plain autograd otherwise, as timed)
-    counts = comm.gather(traced_work(model, lambda xx: model(xx).sum().backward(),
-                                     x.clone().requires_grad_(True)), root=0)
+    work = traced_work(model, lambda xx: model(xx).sum().backward(),
+                       x.clone().requires_grad_(True))
+    counts = comm.gather(work, root=0)
+    # per executed step on this rank, the median over the timed iterations
+    medians = [statistics.median(v[j] for v in split) / max(work[j // 2], 1) for j in range(4)]
+    splits = comm.gather(medians, root=0)
     if comm.rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         fwd_steps, bwd_steps = max(c[0] for c in counts), max(c[1] for c in counts)
@@ -88,7 +101,11 @@ def main():
             "us_outside_per_forward_step": 1e6 * (med["lp_forward"] - fwd_steps *
                                                   med["plain_forward"] / steps) / fwd_steps,
             "us_outside_per_adjoint_step": 1e6 * (med["lp_backward"] - bwd_steps *
-                                                  med["plain_backward"] / steps) / bwd_steps}))
+                                                  med["plain_backward"] / steps) / bwd_steps,
+            # the most over the ranks, us per step the rank ran
+            **{key: 1e6 * max(sp[j] for sp in splits) for j, key in enumerate((
+                "us_mpi_per_forward_step", "us_bookkeeping_per_forward_step",
+                "us_mpi_per_adjoint_step", "us_bookkeeping_per_adjoint_step"))}}))
 
 
 if __name__ == "__main__":
