@@ -386,3 +386,39 @@ def test_fused_interval_that_leaves_out_states():
             MGRIT(step=nonlinear_step, init=nonlinear_init, num_steps=12, comm=WORLD,
                   options=MGRITOptions(max_levels=1), step_interval=step_interval).solve()
         assert says in str(info.value), info.value  # its own error, or another rank's
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_without_spatial_transfers_a_correction_moves_the_coarse_value_up(monkeypatch):
+    """Note [injected correction]: without spatial transfers a C-point's restricted value is
+    its fine value itself, so the correction u_c + (u_k - v_k) is the coarse value u_k: the
+    C-point takes the coarse level's state as it is, with no sum over the states and no
+    round-off.  One iteration that skips the first down-cycle and no final C-relaxation leave
+    every fine C-point at the state the coarse sequential solve made for it."""
+    import layerbraid._bridge as bridge
+
+    made, sums = {}, []
+
+    def step(u, t0, t1, level):
+        out = u + (t1 - t0) * np.sin(u)
+        made[id(out)] = (level, out)  # the reference keeps the id from being reused
+        return out
+
+    for name in ("_sum", "_sum_into"):
+        real = getattr(bridge, name)
+        monkeypatch.setattr(bridge, name, lambda *a, _f=real, _n=name: sums.append(_n) or _f(*a))
+    res = MGRIT(step=step, init=lambda t: np.full(3, 0.5) if t == 0 else np.zeros(3),
+                num_steps=24, t_start=0.0, t_stop=2.0, comm=WORLD,
+                options=MGRITOptions(max_levels=2, cfactor=4, max_iters=1, tol=0.0,
+                                     skip_first_downcycle=True, final_fc_relax=False)).solve()
+    c_points = [i for i in res.states if i > 0 and i % 4 == 0]
+    assert c_points, "every rank of 1-3 owns a C-point of 24 steps"
+    for i in c_points:
+        assert id(res.states[i]) in made and made[id(res.states[i])][0] == 1, i
+    assert sums == []
+    # the coarse solve itself: sequential steps of 4 dt from u(0), between the core's times
+    u, t = np.full(3, 0.5), lambda k: 2.0 * (4 * k / 24) if k < 6 else 2.0
+    for k in range(1, 7):
+        u = u + (t(k) - t(k - 1)) * np.sin(u)
+        if 4 * k in res.states:
+            assert np.array_equal(res.states[4 * k], u), k

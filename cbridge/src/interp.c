@@ -2,7 +2,8 @@
 #include "_mgrit.h"
 
 /* F-relax level l from its corrected C-points (the coarsest level was solved already), then add
- * e_k = u_k - v_k at every point k >= 1 of level l, F-points included, to point k cf of level l-1.
+ * e_k = u_k - v_k at every point k >= 1 of level l, F-points included, to point k cf of level l-1
+ * (without spatial transfers: replace that point's value by u_k, Note [injected correction]).
  * Each point's coarse states are released as soon as its correction is added, the others at the
  * end: the next descent rebuilds them. */
 int mgrit_i_correct(mgrit_core *core, int l) {
@@ -11,6 +12,17 @@ int mgrit_i_correct(mgrit_core *core, int l) {
   if (l != core->nlevels - 1 && (rc = mgrit_i_fsweep(core, l, 0))) return rc;
   for (int64_t k = C->lo < 1 ? 1 : C->lo; k <= C->hi; k++) {
     mgrit_i_trace(core, l, MGRIT_OP_CORRECT, k, -1, 0);
+    if (!core->cb.coarsen && !core->cb.refine) {
+      /* Note [injected correction]: without spatial transfers v_k is the fine value u_{k cf}
+       * itself (the restriction cloned it, and nothing changes level l-1's C-points between
+       * that restriction and this correction), so u_{k cf} + (u_k - v_k) is u_k: the coarse
+       * value moves up, exactly, with no pass over the states. */
+      mgrit_vec u = C->u[k - C->lo];
+      C->u[k - C->lo] = MGRIT_NONE;
+      mgrit_i_set(core, &C->v[k - C->lo], MGRIT_NONE);
+      mgrit_i_set(core, &F->u[k * F->cf - F->lo], u);
+      continue;
+    }
     mgrit_vec e = C->u[k - C->lo];
     mgrit_i_sum(core, -1.0, C->v[k - C->lo], 1.0, e);
     /* v_k is spent.  Released now, the fine state it may share (an injection) goes as soon as
