@@ -88,11 +88,11 @@ def main():
     # in the core; one rank with one level runs as plain autograd otherwise, as timed)
     work = traced_work(model, lambda xx: model(xx).sum().backward(),
                        x.clone().requires_grad_(True))
-    counts = comm.gather(work, root=0)
     # per executed step on this rank, the median over the timed iterations
     medians = [statistics.median(v[j] for v in split) / max(work[j // 2], 1) for j in range(4)]
-    splits = comm.gather(medians, root=0)
+    gathered = comm.gather((work, medians), root=0)
     if comm.rank == 0:
+        counts, splits = zip(*gathered)
         med = {k: statistics.median(v) for k, v in times.items()}
         fwd_steps, bwd_steps = max(c[0] for c in counts), max(c[1] for c in counts)
         print(json.dumps({
