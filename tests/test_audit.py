@@ -113,8 +113,11 @@ def test_audit_and_probe_leave_batch_norm_statistics_and_warm_starts_alone():
     assert model._chain._warm_fwd.keys() == warm[0].keys()
     assert all(model._chain._warm_fwd[k] is v for k, v in warm[0].items())
     assert all(model._chain._warm_bwd[k] is v for k, v in warm[1].items())
-    # a probe continues from the batch's own solution, in a solver of its own
+    # a probe continues from the batch's own solution, in a solver of its own, and leaves
+    # those states as they were
+    values = [(v, v.clone()) for d in warm for v in d.values()]
     probe = layerbraid.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
+    assert all(torch.equal(v, saved) for v, saved in values)
     assert probe.iterations == [(3, 3)]
     assert audit.error / CALIBRATED_FACTOR <= probe.change <= audit.error * CALIBRATED_FACTOR
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
