@@ -36,6 +36,10 @@ from .stats import SolveStats, contraction, error_estimate
 
 __all__ = []
 
+# The probe solvers a chain keeps, one per pair of iteration counts (each holds two cores and a
+# communicator; MPICH allows about 2,000 communicators per process).
+_PROBES_KEPT = 4
+
 # How adaptive iterations split a model's target_error (Note [adaptive iterations]).
 _FORWARD_SHARE = 0.1
 _ADJOINT_SHARE = 0.5
@@ -262,16 +266,19 @@ class _Chain:
         ``bwd_iters`` MGRIT iterations (no stopping rule, no target), on the same levels, from
         the guesses this chain's next solves would start from: with warm starts the last
         solves' states, else the cold guess (Note [gradient probe], audit.py).  Built on first
-        use per pair of counts (collective), freed with this chain."""
+        use per pair of counts (collective); the last _PROBES_KEPT pairs' are kept, freed with
+        this chain."""
         key = (fwd_iters, bwd_iters)
-        if key not in self._probes:
+        probe = self._probes.pop(key, None)  # reinserted below: the most recently used last
+        if probe is None:
+            if len(self._probes) >= _PROBES_KEPT:  # adaptive iterations vary the counts
+                self._probes.pop(next(iter(self._probes))).free()  # the same on every rank
             f, b = (replace(o, max_iters=k, tol=0.0, rtol=0.0) for o, k in
                     ((self._options[id(self.fwd)], fwd_iters),
                      (self._options[id(self.bwd)], bwd_iters)))
-            self._probes[key] = _Chain(self.comm, self.num_steps, self.t_final, f, b,
-                                       spatial=self.spatial, warm_start=self.warm_start,
-                                       store_all=self.store_all)
-        probe = self._probes[key]
+            probe = _Chain(self.comm, self.num_steps, self.t_final, f, b, spatial=self.spatial,
+                           warm_start=self.warm_start, store_all=self.store_all)
+        self._probes[key] = probe
         probe._warm_fwd, probe._warm_bwd = dict(self._warm_fwd), dict(self._warm_bwd)
         return probe
 

@@ -425,15 +425,6 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             return _ToFirstFn.apply(comm, out, status[1], status[2])
         return _BroadcastFn.apply(comm, self._size - 1, out, status[1], status[2])
 
-    # Note [serial path]: with one rank and both solves exact (one level, or an audit's exact
-    # solve) MGRIT has nothing to do: the solve is the steps one after another, and its adjoint
-    # the steps' VJPs in reverse.  Then the steps run as plain autograd, in the caller's graph,
-    # with no solver between them: the forward is the serial network's, the backward torch's
-    # own (parameter gradients accumulate where PyTorch puts them), and what layerbraid adds is
-    # the step size per step, the checks a step's output gets in the core's path (shape and
-    # dtype), the solve statistics, and, at the end of the backward, the finiteness check of
-    # the gradients.  The step sizes are the core's (the differences of its time points), so
-    # the two paths agree bit for bit (tested).  A trace needs the core, which records it.
     def _solving_chain(self):
         """The chain a forward solves with: this module's own, or the variant an audit
         (exact) or a probe (further iterations) asks for."""
@@ -443,6 +434,15 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             return self._chain.probe(*self._solve_probe)
         return self._chain
 
+    # Note [serial path]: with one rank and both solves exact (one level, or an audit's exact
+    # solve) MGRIT has nothing to do: the solve is the steps one after another, and its adjoint
+    # the steps' VJPs in reverse.  Then the steps run as plain autograd, in the caller's graph,
+    # with no solver between them: the forward is the serial network's, the backward torch's
+    # own (parameter gradients accumulate where PyTorch puts them), and what layerbraid adds is
+    # the step size per step, the checks a step's output gets in the core's path (shape and
+    # dtype), the solve statistics, and, at the end of the backward, the finiteness check of
+    # the gradients.  The step sizes are the core's (the differences of its time points), so
+    # the two paths agree bit for bit (tested).  A trace needs the core, which records it.
     def _serial_path(self):
         chain = self._chain
         exact = self._solve_exactly or (chain.fwd.num_levels() == 1 and

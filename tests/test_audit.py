@@ -205,6 +205,22 @@ def test_probe_is_the_change_of_one_more_iteration():
         m.free()
 
 
+def test_a_chain_keeps_its_latest_probe_solvers_only():
+    """Adaptive iterations probe at varying counts: the chain keeps the solvers of the last
+    four pairs, the most recently used last, and frees the others."""
+    from layerbraid._chain import _PROBES_KEPT
+
+    model = net(MPI.COMM_SELF, steps=8)
+    chain = model._chain
+    made = {k: chain.probe(k, 1) for k in range(1, 7)}
+    assert list(chain._probes) == [(k, 1) for k in range(7 - _PROBES_KEPT, 7)]
+    assert all(made[k].freed == (k < 7 - _PROBES_KEPT) for k in made)
+    assert chain.probe(3, 1) is made[3]  # reused, and now the most recent
+    assert list(chain._probes)[-1] == (3, 1)
+    model.free()
+    assert all(p.freed for p in made.values())
+
+
 def test_probe_needs_a_backward_first():
     model = net(MPI.COMM_SELF, steps=8)
     x, y = batch(n=4, seed=0)
