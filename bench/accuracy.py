@@ -28,7 +28,10 @@ of the whole epochs.  At the batches that ``layerbraid.audit_due(batch, AUDIT)``
 ``layerbraid.audit_gradients`` measures the true gradient error and calibrates the estimate;
 every LOG-th batch between audits the true error is measured without calibrating (an audit
 with ``calibrate=False``) beside the estimate in force, which saw only earlier audits: those
-batches judge the estimate.  Audits and measurements are not timed.
+batches judge the estimate, and ``layerbraid.probe_gradients`` measures beside it how much
+the gradients change with one more iteration of each solve (the probe: an estimate of the error
+that needs no calibration), judged at the same batches.  Audits, measurements and probes are
+not timed.
 """
 import json
 import math
@@ -118,6 +121,19 @@ def holds(rows):
     return ok, raw, len(judged)
 
 
+def probe_holds(rows):
+    """(probe within FACTOR of the true error, judged, the probe's mean seconds, the same
+    batches' exact measurement's mean seconds) over the logged batches above the floor that
+    were probed; None where none was."""
+    judged = [r for r in rows if r["kind"] == "batch" and r["grad_error"] > FLOOR
+              and r.get("probe") is not None]
+    if not judged:
+        return None
+    ok = sum(r["grad_error"] / FACTOR <= r["probe"] <= r["grad_error"] * FACTOR for r in judged)
+    return (ok, len(judged), statistics.mean(r["probe_seconds"] for r in judged),
+            statistics.mean(r["audit_seconds"] for r in judged))
+
+
 def time_to(ep, goal):
     """Seconds of training until the first epoch whose test accuracy reaches ``goal``."""
     total = 0.0
@@ -147,9 +163,10 @@ def report(data):
                   "speedup: epochs; per batch, median [quartiles] | final test accuracy | "
                   "time to serial's "
                   "final accuracy - 1 point | true grad error: median / max | calibrated "
-                  f"estimate within {FACTOR:g}x (raw alone) | true error <= {target:g} | "
+                  f"estimate within {FACTOR:g}x (raw alone) | probe within {FACTOR:g}x | "
+                  f"true error <= {target:g} | "
                   "iterations fwd / bwd (mean) | audits: s each (share of training) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for m in MODES:
             if m not in ep:
                 continue
@@ -169,18 +186,20 @@ def report(data):
             if b:
                 errs = [r["grad_error"] for r in b]
                 ok, raw, n = holds(b)
+                probed = probe_holds(b)
                 logged = [r for r in b if r["kind"] == "batch"]
                 audits = [r for r in b if r["kind"] == "audit"]
                 a_sec = statistics.mean(r["seconds"] for r in audits) if audits else 0.0
                 share = a_sec * len(audits) / max(sum(secs), 1e-9)
                 row += [f"{statistics.median(errs):.1e} / {max(errs):.1e}",
                         f"{ok}/{n} ({raw}/{n})" if n else "- (no error above the floor)",
+                        f"{probed[0]}/{probed[1]}" if probed else "-",
                         f"{sum(e <= target for e in errs)}/{len(errs)}",
                         f"{statistics.mean(r['it_fwd'] for r in logged):.1f} / "
                         f"{statistics.mean(r['it_bwd'] for r in logged):.1f}" if logged else "-",
                         f"{a_sec:.2f} ({100 * share:.0f}%)" if audits else "-"]
             else:
-                row += ["0 (the reference)", "-", "-", "-", "-"]
+                row += ["0 (the reference)", "-", "-", "-", "-", "-"]
             lines.append("| " + " | ".join(row) + " |")
         lines += ["", _measured(data.get("measured", {}), example, list(ep)),
                   "", f"![true error and estimate per logged batch]({OUT.name}_{example}.png)", ""]
@@ -269,8 +288,15 @@ FINDINGS = f"""- The raw estimate is a solve's own error from its residuals (Not
   is the raw one times the ratio of true to raw error measured by the last audits (Note
   [calibrated estimate] in layerbraid/audit.py).  The judged batches are those whose true error
   is above {FLOOR:g} (float32 round-off and a margin) and which an earlier audit calibrated.
+- The probe (Note [gradient probe] in layerbraid/audit.py) is the relative change of the
+  gradients when the batch is solved again with one more iteration in each solve (with warm
+  starts: continued from the batch's own solution): an iterate's error is what further
+  iterations remove, so the change is within 1 / (1 - q) of the error for solves that shrink it
+  by q per iteration, with no assumption about the steps and no calibration.  It is judged at
+  every logged batch above the floor, the first ones included.
 - An audit costs one exact forward and backward of the batch: about plain PyTorch's time for it,
-  spread over the ranks as a pipeline."""
+  spread over the ranks as a pipeline.  A probe costs one layer-parallel forward and backward at
+  one iteration more than the batch's."""
 
 
 def quartiles(values, fmt=".2f"):
@@ -348,6 +374,15 @@ def _findings(example, ep, rows, plain, goal, target):
             out.append(f"- {m}: the calibrated estimate is within {FACTOR:g}x of the true error "
                        f"at {ok} of {n} judged batches ({100 * ok / n:.0f}%; the raw estimate "
                        f"alone at {raw}), so it {verdict} the 90% this report asks of it.")
+        probed = probe_holds(rows[m])
+        if probed:
+            pok, pn, p_sec, a_sec = probed
+            verdict = "meets" if pok >= 0.9 * pn else "misses"
+            out.append(f"- {m}: the probe (one more iteration) is within {FACTOR:g}x of the true "
+                       f"error at {pok} of {pn} logged batches above the floor "
+                       f"({100 * pok / pn:.0f}%, no calibration), so it {verdict} the 90%; a "
+                       f"probe took {p_sec:.2f} s, an exact measurement of the same batch "
+                       f"{a_sec:.2f} s.")
     out += _advice(example, ep, rows, acc, goal, target)
     return [f"### {example}: what the run shows", ""] + out
 

@@ -150,6 +150,18 @@ def _audit_line(audits, seconds):
     return text + f"; they took {100 * share:.0f}% on top of the epoch's training time"
 
 
+def _probe_line(probes, seconds):
+    """'  probes: the gradients' change with one more iteration ...' for the epoch's probes."""
+    import statistics
+
+    changes = sorted(p["change"] for p in probes)
+    share = sum(p["seconds"] for p in probes) / max(seconds, 1e-9)
+    return (f"  probes ({len(probes)}): the gradients change by {statistics.median(changes):.1e} "
+            f"(median; max {changes[-1]:.1e}) with one more MGRIT iteration, an estimate of "
+            f"their true error; the probes took {100 * share:.0f}% on top of the epoch's "
+            "training time")
+
+
 def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False, grid=None):
     """Trains ``model`` on ``data`` = {"train", "test"} datasets (or {"train_x", "train_y",
     "test_x", "test_y"} tensors); every rank runs this same loop.  ``prepare`` maps a raw batch
@@ -157,6 +169,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     of every batch."""
     data_size = grid.data_size if grid is not None else 1
     audit_every = 0 if args.serial else getattr(args, "lp_audit_every", 0)
+    probe_every = 0 if args.serial else getattr(args, "lp_probe_every", 0)
     smoothness = getattr(args, "lp_smoothness", 0.0)
     device = torch.device(args.device)
     optimizer = make_optimizer(args, model.parameters())
@@ -185,7 +198,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             bar = tqdm(total=per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch",
                        dynamic_ncols=True, leave=True, mininterval=0.5 if sys.stderr.isatty() else 10)
         losses, t0 = [], time.perf_counter()
-        solves, audits = _SolveLog(), []
+        solves, audits, probes = _SolveLog(), [], []
         loader.set_epoch(epoch)
         for b, (xb, yb) in enumerate(loader):
             if b >= per_epoch:
@@ -206,6 +219,10 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                 audits.append({"batch": b, "error": a.error, "estimate": a.estimate,
                                "raw_estimate": a.raw_estimate, "calibration": a.calibration,
                                "calibrated": a.calibrated, "seconds": a.seconds})
+            if layerbraid.audit_due(epoch * per_epoch + b, probe_every):
+                p = layerbraid.probe_gradients(model, lambda: objective()[1])
+                probes.append({"batch": b, "change": p.change, "iterations": p.iterations,
+                               "seconds": p.seconds})
             optimizer.step()
             solves.add(model)
             if data_size > 1:  # report the whole batch's loss, not this group's shard
@@ -219,7 +236,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                                     **{k: f"{v:.1f}" for k, v in solves.summary().items()
                                        if k.endswith("iters")})
         audit_seconds = sum(a["seconds"] for a in audits)
-        seconds = time.perf_counter() - t0 - audit_seconds
+        probe_seconds = sum(p["seconds"] for p in probes)
+        seconds = time.perf_counter() - t0 - audit_seconds - probe_seconds
         if bar is not None:
             bar.close()
         m = min(args.test_limit or len(test_set), len(test_set))
@@ -230,7 +248,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
         record = {"epoch": epoch + 1, "train_loss": sum(losses) / len(losses), "loss_curve": curve,
                   "test_accuracy": acc, "seconds_per_batch": seconds / len(losses),
                   "batches": len(losses), "first_losses": losses[:5], "last_losses": losses[-5:],
-                  **solves.summary(), "audits": audits, "audit_seconds": audit_seconds}
+                  **solves.summary(), "audits": audits, "audit_seconds": audit_seconds,
+                  "probes": probes, "probe_seconds": probe_seconds}
         history.append(record)
         if rank == 0:
             s = record
@@ -239,6 +258,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                   f"{_mgrit_line(s)}", flush=True)
             if audits:
                 print(_audit_line(audits, seconds), flush=True)
+            if probes:
+                print(_probe_line(probes, seconds), flush=True)
             missed = solves.missed_line(args)
             if missed:
                 print(missed, flush=True)

@@ -26,6 +26,7 @@ autograd reaches ``_ChainFn.backward`` everywhere.
 import math
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -34,6 +35,10 @@ from .options import MGRITOptions
 from .stats import SolveStats, contraction, error_estimate
 
 __all__ = []
+
+# The probe solvers a chain keeps, one per pair of iteration counts (each holds two cores and a
+# communicator; MPICH allows about 2,000 communicators per process).
+_PROBES_KEPT = 4
 
 # How adaptive iterations split a model's target_error (Note [adaptive iterations]).
 _FORWARD_SHARE = 0.1
@@ -179,7 +184,8 @@ class _Chain:
             the provider then takes what its output needs in the final relaxation).
 
     ``calibration`` (default 1) multiplies the residuals' error estimates (Note [calibrated
-    estimate], audit.py); ``exact()`` is the same chain solved exactly.
+    estimate], audit.py); ``exact()`` is the same chain solved exactly, ``probe()`` the same
+    chain iterated further (Note [gradient probe], audit.py).
     """
 
     def __init__(self, comm, num_steps, t_final, forward_options, backward_options, *,
@@ -189,6 +195,8 @@ class _Chain:
         self.t_final, self.store_all = t_final, store_all
         self.calibration = 1.0
         self._exact = None
+        self._probes = {}  # (forward iterations, adjoint iterations) -> _Chain
+        self.spatial, self.target_error = spatial, target_error
         rank, size = comm.Get_rank(), comm.Get_size()
         self.fwd = self.bwd = None
         self.fwd = _Core(comm, num_steps, 0.0, t_final, forward_options,
@@ -224,7 +232,6 @@ class _Chain:
         starts = sorted(num_steps - j for j in range(max(alo, 1), ahi + 1))
         assert starts == self.owned, "adjoint distribution does not mirror the forward one"
         self.warm_start = bool(warm_start)
-        self.target_error = target_error
         self._warm_fwd, self._warm_bwd = {}, {}
         self._zeros = None  # the cold guess of the solve running (_guess)
         self._options = {id(self.fwd): forward_options, id(self.bwd): backward_options}
@@ -240,6 +247,9 @@ class _Chain:
                 core.close()
         if self._exact is not None:
             self._exact.free()
+        for probe in self._probes.values():
+            probe.free()
+        self._probes.clear()
 
     def exact(self):
         """This chain solved exactly: one level, i.e. sequential stepping across the ranks, over
@@ -250,6 +260,27 @@ class _Chain:
             self._exact = _Chain(self.comm, self.num_steps, self.t_final, one, one,
                                  store_all=self.store_all)
         return self._exact
+
+    def probe(self, fwd_iters, bwd_iters):
+        """This chain with its forward and adjoint solves running exactly ``fwd_iters`` and
+        ``bwd_iters`` MGRIT iterations (no stopping rule, no target), on the same levels, from
+        the guesses this chain's next solves would start from: with warm starts the last
+        solves' states, else the cold guess (Note [gradient probe], audit.py).  Built on first
+        use per pair of counts (collective); the last _PROBES_KEPT pairs' are kept, freed with
+        this chain."""
+        key = (fwd_iters, bwd_iters)
+        probe = self._probes.pop(key, None)  # reinserted below: the most recently used last
+        if probe is None:
+            if len(self._probes) >= _PROBES_KEPT:  # adaptive iterations vary the counts
+                self._probes.pop(next(iter(self._probes))).free()  # the same on every rank
+            f, b = (replace(o, max_iters=k, tol=0.0, rtol=0.0) for o, k in
+                    ((self._options[id(self.fwd)], fwd_iters),
+                     (self._options[id(self.bwd)], bwd_iters)))
+            probe = _Chain(self.comm, self.num_steps, self.t_final, f, b, spatial=self.spatial,
+                           warm_start=self.warm_start, store_all=self.store_all)
+        self._probes[key] = probe
+        probe._warm_fwd, probe._warm_bwd = dict(self._warm_fwd), dict(self._warm_bwd)
+        return probe
 
     @property
     def freed(self):

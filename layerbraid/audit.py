@@ -19,6 +19,20 @@ the raw estimate assumes), and slowly afterwards.  So ``audit_due`` audits the b
 4, 8, ... below ``every`` (a handful of extra audits, once), then every ``every``-th batch: the
 calibration follows the network out of its initialization instead of keeping the first audit's
 ratio for ``every`` batches.
+
+Note [gradient probe]: an iterate's error is what further iterations remove.  If the solves
+shrink the gradients' error by a factor q per iteration, one more iteration changes the
+gradients by between (1 - q) and (1 + q) times their error, so the change estimates the error
+within a factor 1 / (1 - q) (within 3x for q <= 2/3), measured in the gradients themselves:
+it needs neither the residual estimate's assumption of steps that neither amplify nor damp nor
+a calibration.  ``probe_gradients`` re-solves the batch with one iteration more in each
+multilevel solve: without warm starts from the same cold guess, so that the first iterations
+repeat the batch's and the change is that of one iteration, ``g_{k+1} - g_k``; with warm starts
+from the batch's own solution, for k + 1 iterations more (``g_{2k+1} - g_k``, closer still to
+the error).  It cannot see an error that iterations do not reduce (q near 1: a stalled solve,
+whose SolveStats.contraction is near 1).  Its cost is one layer-parallel forward and backward at
+k + 1 iterations: about (k + 1) / k times a training batch's solves, where an audit's exact
+solve steps the whole network in sequence.
 """
 import math
 import time
@@ -30,7 +44,7 @@ import torch
 from ._parts import counted_parameters, layer_parallel_parts
 from ._comm import allreduce_floats
 
-__all__ = ["GradientAudit", "audit_gradients", "audit_due"]
+__all__ = ["GradientAudit", "GradientProbe", "audit_gradients", "audit_due", "probe_gradients"]
 
 ROUNDOFF_EPSILONS = 10  # an audit's error at or below this many epsilons is round-off
 
@@ -65,6 +79,27 @@ class GradientAudit:
         if not self.estimate or not self.error:
             return None
         return self.estimate / self.error
+
+
+@dataclass
+class GradientProbe:
+    """What one probe measured (the same on every rank of the layer group).
+
+    Attributes:
+        change: the relative 2-norm change of all parameter gradients, ``|g' - g| / |g'|``,
+            where ``g`` are the gradients the last backward left and ``g'`` those of the same
+            batch and weights with every multilevel solve iterated further (Note [gradient
+            probe]): the probe's estimate of ``g``'s true relative error.  0.0 where every
+            part solves exactly.
+        iterations: per layer-parallel part, the (forward, adjoint) iterations the probe ran;
+            None for a part that solves exactly (it is not probed).
+        seconds: the probe's time: a layer-parallel forward and backward of the batch at those
+            iterations, plus the comparison.
+    """
+
+    change: float
+    iterations: list
+    seconds: float
 
 
 def audit_due(batch: int, every: int) -> bool:
@@ -109,53 +144,18 @@ def audit_gradients(model, closure, *, history: int = 3, calibrate: bool = True)
         raise ValueError(f"history must be an int >= 1, got {history!r}")
     if not isinstance(calibrate, bool):
         raise ValueError(f"calibrate must be True or False, got {calibrate!r}")
-    parts = layer_parallel_parts(model)
-    if not parts:
-        raise ValueError("audit_gradients needs a model that holds layer-parallel modules")
+    parts = _parts(model, "audit_gradients")
     comm, counted = counted_parameters(model)
     t0 = time.perf_counter()
     raw = _sum_or_none(p._raw_gradient_error_estimate() for p in parts)
     estimate = _sum_or_none(p.gradient_error_estimate() for p in parts)
-    params = list(model.parameters())
-    approx = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    stats = [(p, p._save_stats()) for p in parts]
-    try:
-        for p in params:
-            p.grad = None
+
+    def exactly(on):
         for part in parts:
-            part._solve_exactly = True
-        try:
-            loss = closure()
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise TypeError(f"the closure must return the loss, a 0-d tensor; got "
-                                f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
-            loss.backward()
-        finally:
-            for part in parts:
-                part._solve_exactly = False
-        exact = {id(p): p.grad for p in params}
-    finally:
-        for p, g in zip(params, approx):
-            p.grad = g
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for part, saved in stats:
-            part._restore_stats(saved)
-    num = den = 0.0
-    eps = 0.0
-    with torch.no_grad():
-        for p in counted:
-            g, ref = p.grad, exact[id(p)]
-            if ref is None and g is None:
-                continue
-            if ref is None:
-                ref = torch.zeros_like(g)
-            diff = ref if g is None else g - ref
-            num += float(diff.double().pow(2).sum())
-            den += float(ref.double().pow(2).sum())
-            eps = max(eps, torch.finfo(ref.dtype).eps if ref.is_floating_point() else 0.0)
+            part._solve_exactly = on
+
+    exact = _gradients_with(model, parts, closure, exactly)
+    num, den, eps = _difference(counted, exact)
     if comm is not None and comm.Get_size() > 1:
         num, den = allreduce_floats(comm, [num, den], "sum", "a gradient audit")
         eps, = allreduce_floats(comm, [eps], "max", "a gradient audit")
@@ -168,6 +168,108 @@ def audit_gradients(model, closure, *, history: int = 3, calibrate: bool = True)
         calibration = _calibration(parts[0]._audit_ratios)
     return GradientAudit(error, estimate, raw, calibration, calibrated,
                          time.perf_counter() - t0)
+
+
+def probe_gradients(model, closure) -> GradientProbe:
+    """Measures how much the gradients the last backward left change when every layer-parallel
+    solve of the batch iterates further (Note [gradient probe]): an estimate of their error that
+    needs no exact solve and no calibration.
+
+    Call it where ``audit_gradients`` is called (after ``loss.backward()``, before
+    ``optimizer.step()``, on every rank of the layer group, with a ``closure`` that computes the
+    same batch's loss again).  The closure runs once with each part's solves at one iteration
+    more than the batch's last solves ran, from the same cold guess or, with warm starts, from
+    the batch's own solution; then the gradients, the buffers, the solve statistics and the
+    warm-start states are as they were.  It costs one layer-parallel forward and backward of the
+    batch at those iterations (``GradientProbe.seconds``).
+
+    Returns:
+        A :class:`GradientProbe`, the same on every rank.
+    """
+    parts = _parts(model, "probe_gradients")
+    iterations = [_iterations(p) for p in parts]
+    comm, counted = counted_parameters(model)
+    t0 = time.perf_counter()
+
+    def probing(on):
+        for part, its in zip(parts, iterations):
+            part._solve_probe = (its[0] + 1, its[1] + 1) if on and its is not None else None
+
+    more = _gradients_with(model, parts, closure, probing)
+    num, den, _ = _difference(counted, more)
+    if comm is not None and comm.Get_size() > 1:
+        num, den = allreduce_floats(comm, [num, den], "sum", "a gradient probe")
+    change = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+    probed = [None if its is None else (its[0] + 1, its[1] + 1) for its in iterations]
+    return GradientProbe(change, probed, time.perf_counter() - t0)
+
+
+def _parts(model, who):
+    parts = layer_parallel_parts(model)
+    if not parts:
+        raise ValueError(f"{who} needs a model that holds layer-parallel modules")
+    return parts
+
+
+def _iterations(part):
+    """(forward, adjoint) iterations of the part's last solves (the most over an RNN's
+    layers); None for a part whose solves are exact (one level)."""
+    fwd, bwd = part.forward_stats, part.backward_stats
+    fwd, bwd = (s if isinstance(s, list) else [s] for s in (fwd, bwd))
+    if not fwd or not bwd or any(s is None or not s.seconds for s in fwd + bwd):
+        raise ValueError("probe_gradients needs a backward first: it probes the gradients "
+                         "that the last backward left")
+    its = max(s.iterations for s in fwd), max(s.iterations for s in bwd)
+    return None if its == (0, 0) else its  # one level: no iterations
+
+
+def _gradients_with(model, parts, closure, mode):
+    """The parameter gradients of ``closure``'s loss with ``mode(True)`` in force ({id(p):
+    gradient}); afterwards the gradients, the buffers and the parts' solve statistics are put
+    back as they were, and ``mode(False)``."""
+    params = list(model.parameters())
+    approx = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    stats = [(p, p._save_stats()) for p in parts]
+    try:
+        for p in params:
+            p.grad = None
+        mode(True)
+        try:
+            loss = closure()
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise TypeError(f"the closure must return the loss, a 0-d tensor; got "
+                                f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
+            loss.backward()
+        finally:
+            mode(False)
+        return {id(p): p.grad for p in params}
+    finally:
+        for p, g in zip(params, approx):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for part, saved in stats:
+            part._restore_stats(saved)
+
+
+def _difference(counted, other):
+    """(sum |g - other|^2, sum |other|^2, the largest machine epsilon of their dtypes) over
+    this rank's counted parameters."""
+    num = den = eps = 0.0
+    with torch.no_grad():
+        for p in counted:
+            g, ref = p.grad, other[id(p)]
+            if ref is None and g is None:
+                continue
+            if ref is None:
+                ref = torch.zeros_like(g)
+            diff = ref if g is None else g - ref
+            num += float(diff.double().pow(2).sum())
+            den += float(ref.double().pow(2).sum())
+            eps = max(eps, torch.finfo(ref.dtype).eps if ref.is_floating_point() else 0.0)
+    return num, den, eps
 
 
 def _calibration(ratios):

@@ -112,6 +112,13 @@ def add_lp_arguments(parser, *, levels=_DEFAULT.max_levels, cfactor=_DEFAULT.cfa
                         "calibrate the error estimate and adaptive iterations "
                         "(layerbraid.audit_gradients, layerbraid.audit_due); 0 = never "
                         f"(default {audit_every})")
+    g.add_argument("--lp-probe-every", type=_nonneg_int, default=0, metavar="K",
+                   help="at the same schedule of batches (0, 1, 2, 4, ... below K, then every "
+                        "K-th), solve the batch again with one more MGRIT iteration in each "
+                        "solve and report how much the gradients change: an estimate of their "
+                        "true error that needs no exact solve and no calibration, at about one "
+                        "more layer-parallel forward and backward (layerbraid.probe_gradients); "
+                        "0 = never (default 0)")
     return g
 
 

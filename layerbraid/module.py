@@ -161,6 +161,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         object.__setattr__(self, "_grid", grid)
         self._built = False
         self._solve_exactly = False  # set by audit_gradients
+        self._solve_probe = None  # (forward, adjoint iterations), set by probe_gradients
         self._audit_ratios = []
 
     # ------------------------------------------------------------------ what subclasses define
@@ -389,7 +390,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             run.own.step_params = self._steps.step_params(self._chain.owned)
             run.own.fused = bool(self.fused)
             anchor = self._anchor.to(device) if self._anchor.device != device else self._anchor
-            chain = self._chain.exact() if self._solve_exactly else self._chain
+            chain = self._solving_chain()
             params = [p for leaves in run.own.step_params.values() for _, p in leaves]
             out = made = _ChainFn.apply(chain, run, anchor, h0, *params)
         status, error = None, None
@@ -424,6 +425,15 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             return _ToFirstFn.apply(comm, out, status[1], status[2])
         return _BroadcastFn.apply(comm, self._size - 1, out, status[1], status[2])
 
+    def _solving_chain(self):
+        """The chain a forward solves with: this module's own, or the variant an audit
+        (exact) or a probe (further iterations) asks for."""
+        if self._solve_exactly:
+            return self._chain.exact()
+        if self._solve_probe is not None:
+            return self._chain.probe(*self._solve_probe)
+        return self._chain
+
     # Note [serial path]: with one rank and both solves exact (one level, or an audit's exact
     # solve) MGRIT has nothing to do: the solve is the steps one after another, and its adjoint
     # the steps' VJPs in reverse.  Then the steps run as plain autograd, in the caller's graph,
@@ -441,7 +451,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
 
     def _serial_forward(self, h0, record):
         """The chain's output from ``h0`` on the serial path (Note [serial path])."""
-        chain = self._chain.exact() if self._solve_exactly else self._chain
+        chain = self._solving_chain()
         layers, steps, n = self._steps.layers.layers, self._steps, self.num_steps
         times = self._times()
         t0 = time.perf_counter()
@@ -515,7 +525,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                 "output": self.output,
                 "check_finite": (self.check_finite, self._steps.check_finite),
                 "check_inputs": self.check_inputs,
-                "an exact solve (audit_gradients)": self._solve_exactly}
+                "an exact solve (audit_gradients)": self._solve_exactly,
+                "a probe's iterations (probe_gradients)": self._solve_probe}
 
     # ------------------------------------------------------------------ serial view, state
     def _gather_state(self, root=None):

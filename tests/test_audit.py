@@ -98,7 +98,7 @@ class BNNet(layerbraid.LayerParallelModule):
 
 @pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
-def test_audit_leaves_batch_norm_statistics_and_warm_starts_alone():
+def test_audit_and_probe_leave_batch_norm_statistics_and_warm_starts_alone():
     assert WORLD.Get_size() in (1, 2)
     torch.manual_seed(0)
     o = opts(2, cfactor=2)
@@ -113,16 +113,28 @@ def test_audit_leaves_batch_norm_statistics_and_warm_starts_alone():
     assert model._chain._warm_fwd.keys() == warm[0].keys()
     assert all(model._chain._warm_fwd[k] is v for k, v in warm[0].items())
     assert all(model._chain._warm_bwd[k] is v for k, v in warm[1].items())
+    # a probe continues from the batch's own solution, in a solver of its own, and leaves
+    # those states as they were
+    values = [(v, v.clone()) for d in warm for v in d.values()]
+    probe = layerbraid.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
+    assert all(torch.equal(v, saved) for v, saved in values)
+    assert probe.iterations == [(3, 3)]
+    assert audit.error / CALIBRATED_FACTOR <= probe.change <= audit.error * CALIBRATED_FACTOR
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+    assert all(model._chain._warm_fwd[k] is v for k, v in warm[0].items())
+    assert all(model._chain._warm_bwd[k] is v for k, v in warm[1].items())
     model.free()
 
 
 @pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
-def test_calibrated_estimate_holds_on_a_trained_amplifying_network():
+def test_estimates_hold_on_a_trained_amplifying_network():
     """24 ReLU conv steps, 2/1 iterations, SGD with momentum: as training makes the steps
     amplify, the true gradient error grows several times over; audits every 8 batches keep
-    the estimate, judged at the batches between them, within the factor of the truth, while
-    the raw estimate alone drifts away from it."""
+    the calibrated estimate, judged at the batches between them, within the factor of the
+    truth, while the raw estimate alone drifts away from it.  The probe (one more iteration)
+    is within the factor at every judged batch with no calibration at all, and leaves the
+    gradients as they were."""
     assert WORLD.Get_size() in (1, 3)
     model = net(WORLD)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -135,14 +147,87 @@ def test_calibrated_estimate_holds_on_a_trained_amplifying_network():
             audit = layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
             errors.append(audit.error)
         elif b % 4 == 0 and b > 8:
+            grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+            probe = layerbraid.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
+            assert all(p.grad is g is None or torch.equal(p.grad, g)
+                       for p, g in zip(model.parameters(), grads))
+            assert probe.iterations == [(3, 2)]
             true = serial_error(model, x, y)
             judged.append((b, model.gradient_error_estimate(), true,
-                           model._raw_gradient_error_estimate()))
+                           model._raw_gradient_error_estimate(), probe.change))
         opt.step()
     assert errors[-1] > 3 * errors[0], errors  # the network came to amplify errors
-    for b, est, true, raw in judged:
+    for b, est, true, raw, change in judged:
         assert true / CALIBRATED_FACTOR <= est <= true * CALIBRATED_FACTOR, (b, est, true)
-    assert any(raw > true * CALIBRATED_FACTOR for _, _, true, raw in judged), judged
+        assert true / CALIBRATED_FACTOR <= change <= true * CALIBRATED_FACTOR, (b, change, true)
+    assert any(raw > true * CALIBRATED_FACTOR for _, _, true, raw, _ in judged), judged
+    model.free()
+
+
+def _relative_change(model, other):
+    """|g_other - g_model| / |g_other| over the model's counted parameters (collective)."""
+    from layerbraid._parts import counted_parameters
+
+    theirs = dict(other.named_parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    num = den = 0.0
+    for p in counted_parameters(model)[1]:
+        q = theirs[names[id(p)]].grad
+        num += float((p.grad - q).pow(2).sum())
+        den += float(q.pow(2).sum())
+    return math.sqrt(WORLD.allreduce(num) / WORLD.allreduce(den))
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([1, 2])
+def test_probe_is_the_change_of_one_more_iteration():
+    """Without warm starts the probe re-solves from the same cold guess with one iteration
+    more in each solve: its change is that of a copy run at 3/2 iterations, to round-off."""
+    assert WORLD.Get_size() in (1, 2)
+    model, more = net(WORLD, steps=16), net(WORLD, steps=16, forward_options=opts(3),
+                                            backward_options=opts(2))
+    x, y = batch(n=8, seed=2)
+    F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(more(x), y).backward()
+    stats = model.forward_stats, model.backward_stats
+    probe = layerbraid.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
+    assert probe.change > 1e-4  # a real change to measure
+    assert probe.change == pytest.approx(_relative_change(model, more), rel=1e-9)
+    assert (model.forward_stats, model.backward_stats) == stats
+    assert WORLD.allgather(probe.change) == [probe.change] * WORLD.Get_size()
+    # exact: nothing to probe, and no probe solver is built
+    exact = net(WORLD, steps=16, forward_options=opts(1, levels=1),
+                backward_options=opts(1, levels=1))
+    F.cross_entropy(exact(x), y).backward()
+    probe = layerbraid.probe_gradients(exact, lambda: F.cross_entropy(exact(x), y))
+    assert probe.change == 0.0 and probe.iterations == [None] and not exact._chain._probes
+    for m in (model, more, exact):
+        m.free()
+
+
+def test_a_chain_keeps_its_latest_probe_solvers_only():
+    """Adaptive iterations probe at varying counts: the chain keeps the solvers of the last
+    four pairs, the most recently used last, and frees the others."""
+    from layerbraid._chain import _PROBES_KEPT
+
+    model = net(MPI.COMM_SELF, steps=8)
+    chain = model._chain
+    made = {k: chain.probe(k, 1) for k in range(1, 7)}
+    assert list(chain._probes) == [(k, 1) for k in range(7 - _PROBES_KEPT, 7)]
+    assert all(made[k].freed == (k < 7 - _PROBES_KEPT) for k in made)
+    assert chain.probe(3, 1) is made[3]  # reused, and now the most recent
+    assert list(chain._probes)[-1] == (3, 1)
+    model.free()
+    assert all(p.freed for p in made.values())
+
+
+def test_probe_needs_a_backward_first():
+    model = net(MPI.COMM_SELF, steps=8)
+    x, y = batch(n=4, seed=0)
+    with pytest.raises(ValueError, match="needs a backward first"):
+        layerbraid.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
+    with pytest.raises(ValueError, match="layer-parallel modules"):
+        layerbraid.probe_gradients(nn.Linear(2, 2), lambda: torch.zeros(()))
     model.free()
 
 
@@ -170,7 +255,7 @@ def test_estimate_does_not_depend_on_the_rank_count():
 
 @pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
-def test_audit_of_a_layer_parallel_gru():
+def test_audit_and_probe_of_a_layer_parallel_gru():
     assert WORLD.Get_size() in (1, 2)
     torch.manual_seed(0)
     o = opts(1, cfactor=2)
@@ -194,6 +279,16 @@ def test_audit_of_a_layer_parallel_gru():
     assert audit.error == pytest.approx(math.sqrt(num / den), rel=1e-9)
     assert model.forward_stats is stats
     assert audit.raw_estimate is not None and audit.calibration > 0
+    # the probe: the change of a copy at one iteration more (2/2), to round-off
+    more = LayerParallelGRU(3, 5, num_layers=2, comm=WORLD, forward_options=opts(2, cfactor=2),
+                            backward_options=opts(2, cfactor=2))
+    more.load_state_dict(model.state_dict())
+    loss_of(more).backward()
+    probe = layerbraid.probe_gradients(model, lambda: loss_of(model))
+    assert probe.iterations == [(2, 2)]
+    assert probe.change == pytest.approx(_relative_change(model, more), rel=1e-9)
+    assert model.forward_stats is stats
+    more.free()
     model.free()
 
 
@@ -245,24 +340,26 @@ def test_an_audit_at_round_off_leaves_the_calibration_alone():
 
 
 @pytest.mark.parallel([2])
-def test_a_rank_that_stops_before_the_audits_reduction_is_reported(monkeypatch,
-                                                                   short_timeout):
-    """Rank 1 never reaches the audit's reduction: rank 0 raises StallError naming it after
-    the timeout instead of waiting forever; rank 1 ends with its own error."""
+@pytest.mark.parametrize("name, what", [("audit_gradients", "a gradient audit"),
+                                        ("probe_gradients", "a gradient probe")])
+def test_a_rank_that_stops_before_the_reduction_is_reported(monkeypatch, short_timeout, name,
+                                                            what):
+    """Rank 1 never reaches the audit's (or the probe's) reduction: rank 0 raises StallError
+    naming it after the timeout instead of waiting forever; rank 1 ends with its own error."""
     import layerbraid.audit as audit_module
 
     assert WORLD.Get_size() == 2
     model = net(WORLD, steps=8)
     x, y = batch(n=4, seed=0)
     F.cross_entropy(model(x), y).backward()
+    measure = getattr(layerbraid, name)
     if WORLD.rank == 1:
         def stop(*args, **kwargs):
             raise RuntimeError("rank 1 stops before the reduction")
         monkeypatch.setattr(audit_module, "allreduce_floats", stop)
     if WORLD.rank == 0:
-        with pytest.raises(layerbraid.StallError, match="every rank's part of a gradient "
-                                                        "audit"):
-            layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
+        with pytest.raises(layerbraid.StallError, match=f"every rank's part of {what}"):
+            measure(model, lambda: F.cross_entropy(model(x), y))
     else:
         with pytest.raises(RuntimeError, match="rank 1 stops before the reduction"):
-            layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
+            measure(model, lambda: F.cross_entropy(model(x), y))

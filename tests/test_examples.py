@@ -85,9 +85,17 @@ def test_a_target_error_the_caps_cannot_reach_is_said_once_per_epoch(tmp_path):
     # 1/1 iterations that skip the first down-cycle (with it relaxed, 1/1 is exact here)
     proc = run(2, "mnist.py", "--lp-target-error", "1e-6", "--lp-fwd-iters", 1,
                "--lp-bwd-iters", 1, "--lp-skip-downcycle", "--epochs", 2, "--max-batches", 3, "--test-limit", 100,
-               "--out-dir", tmp_path, "--lp-audit-every", 0)
+               "--out-dir", tmp_path, "--lp-audit-every", 0, "--lp-probe-every", 2)
     assert proc.stdout.count("solves ended above their share of --lp-target-error 1e-06") == 2
     assert "raise them to reach the target" in proc.stdout
+    # the probes (batches 0, 1, 2, 4 of the run) are recorded and printed: a real change, as
+    # 1/1 iterations that skip the first down-cycle leave a real error
+    hist = metrics(tmp_path)["history"]
+    assert [[p["batch"] for p in h["probes"]] for h in hist] == [[0, 1, 2], [1]]
+    for p in hist[0]["probes"] + hist[1]["probes"]:
+        assert p["change"] > 1e-6 and p["seconds"] > 0 and p["iterations"] == [[2, 2]]
+    assert proc.stdout.count("probes (3): the gradients change by") == 1
+    assert proc.stdout.count("probes (1): the gradients change by") == 1
 
 
 @pytest.mark.parametrize("flag, value, words", [

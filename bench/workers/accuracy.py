@@ -24,7 +24,9 @@ weights and batch (``layerbraid.audit_gradients(..., calibrate=False)``); at the
 ``layerbraid.audit_due(batch, AUDIT_EVERY)`` names (AUDIT_EVERY default 50; 0: never; batches
 counted over the whole run) an audit measures the true error and calibrates the estimate
 (Note [calibrated estimate]); the batches logged in between judge the calibrated estimate,
-which saw only the audits before them.  Audits are not timed.  Every row printed names its
+which saw only the audits before them, and ``layerbraid.probe_gradients`` measures the
+gradients' change with one more iteration (Note [gradient probe]) beside them.  Audits and
+probes are not timed.  Every row printed names its
 mode; an epoch's row carries each batch's time.
 """
 import sys
@@ -217,11 +219,13 @@ def main():
                     f, g = _last_stats(model)
                     solves = _raw_solves(model)
                     a = layerbraid.audit_gradients(model, lambda: objective()[1], calibrate=False)
+                    p = layerbraid.probe_gradients(model, lambda: objective()[1])
                     emit(dict(kind="batch", mode=m, epoch=epoch + 1, batch=b,
                               grad_error=a.error, estimate=a.estimate,
                               raw_estimate=a.raw_estimate, calibration=a.calibration,
                               calibrated=a.calibrated, it_fwd=f.iterations, it_bwd=g.iterations,
-                              **solves))
+                              probe=p.change, probe_seconds=p.seconds,
+                              audit_seconds=a.seconds, **solves))
                 t0 = time.perf_counter()
                 opt.step()
                 times[m].append(seconds + time.perf_counter() - t0)

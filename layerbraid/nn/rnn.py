@@ -91,6 +91,7 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         self.forward_stats = []
         self.backward_stats = []
         self._solve_exactly = False  # set by audit_gradients
+        self._solve_probe = None  # (forward, adjoint iterations), set by probe_gradients
         self._audit_ratios = []
         self._calibration = 1.0
 
@@ -123,7 +124,9 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
                                        store_all=False)
             self._chains[seq].calibration = self._calibration
         chain = self._chains[seq]
-        return chain.exact() if self._solve_exactly else chain
+        if self._solve_exactly:
+            return chain.exact()
+        return chain.probe(*self._solve_probe) if self._solve_probe is not None else chain
 
     def gradient_error_estimate(self):
         """An estimate of the last backward's relative parameter-gradient error: the sum over
@@ -158,7 +161,8 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         return {"the input's shape and dtype": (tuple(x.shape), str(x.dtype)),
                 "target_error": self.target_error,
                 "the calibration of the error estimate": self._calibration,
-                "an exact solve (audit_gradients)": self._solve_exactly}
+                "an exact solve (audit_gradients)": self._solve_exactly,
+                "a probe's iterations (probe_gradients)": self._solve_probe}
 
     def forward(self, x, hx=None):
         """x: (batch, seq, input_size), the whole sequence, on every rank of the communicator.
