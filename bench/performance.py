@@ -11,7 +11,8 @@ alike):
 1. The demo network (examples/mnist.py) in training: plain PyTorch (1 and 2 threads), data
    parallel on 2 ranks (torch DDP; layerbraid's ProcessGrid), and layer parallel at 1 level
    (exact) on 1 and 2 ranks and at 2 levels (the demo's settings among them).  Each job is
-   bench/workers/performance.py; its reference is the plain PyTorch job of the same round.
+   bench/workers/performance.py; each job pairs its batches with plain PyTorch's in the same
+   process (the 2-thread row is timed against the plain PyTorch job of the same round).
 2. The benchmark conv layer alone (bench/workers/resnet.py): each job alternates a
    layer-parallel forward+backward with plain PyTorch's on rank 0 (the other ranks wait in a
    barrier, so the reference runs with the machine as busy as in a 1-rank job), and measures
@@ -141,8 +142,9 @@ def measure(a):
     t0 = time.time()
     for r in range(a.rounds):
         for label, ranks, args in rows:
-            demo[label].append(launch("performance", ranks, *args, "--batches", a.batches,
-                                      timeout=900, echo=False)[-1])
+            paired = [] if args[0] == "plain" else ["--paired"]
+            demo[label].append(launch("performance", ranks, *args, *paired, "--batches",
+                                      a.batches, timeout=900, echo=False)[-1])
             print(f"round {r + 1}: {label}: {1e3 * demo[label][-1]['seconds']:.1f} ms/batch",
                   flush=True)
         for ranks, steps, levels, fwd, bwd, _, _ in layer_rows:
@@ -199,9 +201,15 @@ def report(data):
         "",
         "The MNIST network of `make demo` (examples/mnist.py): a strided conv to 8 channels at",
         "14x14, 8 residual steps `x + dt relu(conv(relu(conv x)))`, a linear classifier; batch",
-        "64, float32, SGD; one thread per rank.  Each job times its batches (median of "
-        f"{data['batches']}); a row's speedup in a round is the 1-thread plain PyTorch job's",
-        "time of that round over the row's.  Data parallel: each rank half the batch, the",
+        "64, float32, SGD; one thread per rank.  Each job times its batches (`ms / batch`: "
+        f"median of {data['batches']}",
+        "per job, the slowest rank's; spread over the rounds).  A 2-thread row's speedup in a",
+        "round is the 1-thread plain PyTorch job's time of that round over the row's.  Every",
+        "other job pairs each of its timed batches with one of plain PyTorch (a serial copy",
+        "of the network with its own SGD, 1 thread, on rank 0 while the other ranks wait; the",
+        "two in alternating order), and its speedup's spread is over every pair of every round:",
+        "separate jobs see the machine in different states, a pair sees both timings under",
+        "the same one.  Data parallel: each rank half the batch, the",
         "gradients averaged (torch's DistributedDataParallel over gloo on loopback, or",
         "layerbraid's ProcessGrid with 2 data groups of one layer rank).  Gradient error =",
         "||g - g_serial|| / ||g_serial|| over every parameter, on one batch of 64, at the",
@@ -217,7 +225,11 @@ def report(data):
             continue
         runs = demo[label]
         times = [run["seconds"] for run in runs]
-        demo_speed[label] = speedup(ref, times)
+        if "plain_times" in runs[0]:  # paired with plain PyTorch batch by batch in its jobs
+            demo_speed[label] = speedup([t for r in runs for t in r["plain_times"]],
+                                        [t for r in runs for t in r["times"]])
+        else:  # against the reference job of the same round
+            demo_speed[label] = speedup(ref, times)
         target = DEMO_TARGETS.get(label)
         cell = "1 (the reference)" if label == REFERENCE else demo_speed[label][3]
         lines.append(

@@ -2,10 +2,16 @@
 gradient error against the serial network at the initial weights and after the timed batches
 (a worker of bench/performance.py, run under mpiexec; prints one JSON line on rank 0).
 
-    mpiexec -n 2 python -m bench.workers.performance lp --iters 2 1 --batches 20
+    mpiexec -n 2 python -m bench.workers.performance lp --iters 2 1 --batches 20 --paired
 
 MODE: plain (plain PyTorch), ddp (torch DistributedDataParallel, gloo), dp (layerbraid's
 ProcessGrid, one data group per rank), lp (layer parallel on every rank).
+
+With --paired every timed batch is paired with one of plain PyTorch on rank 0, in the same
+process (a serial copy of the network with its own SGD, on a batch of 64; the other ranks wait
+in a barrier meanwhile, so the reference runs with the machine as busy as in a 1-rank job), the
+two in alternating order: the speedup of each pair then compares the two under the same state
+of the machine, which separate jobs do not.
 """
 import argparse
 import copy
@@ -59,6 +65,8 @@ def worker(argv):
                    help="relax the first down-cycle instead of skipping it")
     p.add_argument("--batches", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--paired", action="store_true",
+                   help="time plain PyTorch (1 thread, rank 0) after or before every batch")
     a = p.parse_args(argv)
     import torch
     import torch.nn.functional as F
@@ -90,17 +98,28 @@ def worker(argv):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = LayerParallelLoader(TensorDataset(data["train_x"], data["train_y"]), 64 // dp,
                                  comm=grid, seed=0)
-    times = []
+    paired = a.paired and a.mode != "plain"
+    if paired:  # plain PyTorch's copy, trained alongside on its own batches of 64
+        plain = (copy.deepcopy(model.module) if a.mode == "ddp" else model.to_serial())
+        plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    times, plain_times = [], []
     for k, (xb, yb) in enumerate(loader):
         if k == a.warmup + a.batches:
             break
+        plain_first = paired and k % 2 == 1
+        if plain_first:
+            plain_times.append(_plain_batch(plain, plain_opt, data, k, comm, a.threads))
         comm.Barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
         F.cross_entropy(model(xb), yb).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    times = times[a.warmup:]
+        if paired:
+            times[-1] = comm.allreduce(times[-1], op=MPI.MAX)  # the batch ends on its last rank
+            if not plain_first:
+                plain_times.append(_plain_batch(plain, plain_opt, data, k, comm, a.threads))
+    times, plain_times = times[a.warmup:], plain_times[a.warmup:]
     slowest = max(comm.allgather(statistics.median(times)))
     if a.mode == "ddp":
         serial = copy.deepcopy(model.module)
@@ -108,11 +127,34 @@ def worker(argv):
         serial = model.to_serial()
     err1 = _error(a.mode, model, serial, x, y, half, grid)
     out = {"seconds": slowest, "grad_error_init": err0, "grad_error_trained": err1}
+    if paired:
+        out["times"], out["plain_times"] = times, plain_times
     if a.mode == "lp":
         out["fwd_iters"] = model.forward_stats.iterations
         out["bwd_iters"] = model.backward_stats.iterations
     if comm.Get_rank() == 0:
         print(json.dumps(out), flush=True)
+
+
+def _plain_batch(plain, opt, data, k, comm, threads):
+    """Seconds of one training batch of plain PyTorch on rank 0 (1 thread; the batch of 64 at
+    position ``k`` of the training set) while the other ranks wait; the same on every rank."""
+    import torch
+    import torch.nn.functional as F
+
+    seconds = None
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        x, y = data["train_x"][64 * k:64 * k + 64], data["train_y"][64 * k:64 * k + 64]
+        torch.set_num_threads(1)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(plain(x), y).backward()
+        opt.step()
+        seconds = time.perf_counter() - t0
+        torch.set_num_threads(threads)
+    comm.Barrier()
+    return comm.bcast(seconds, root=0)
 
 
 def _ddp(model, comm):
