@@ -18,7 +18,7 @@ warm (fixed, each solve starting from the previous batch's states), warm1 (warm 
 forward / 1 adjoint iteration), smooth (fixed, the loss plus 0.1 times the depth-smoothness
 penalty, ``LayerParallelModule.depth_smoothness``), adaptive (target_error 1e-2, at most 10
 iterations per solve), adaptive_warm (adaptive with warm starts), tuned (``IterationTuner`` at
-1e-2: from fixed's counts, every 10 batches the probe moves every solve's iterations by one
+1e-2: from fixed's counts, every 20 batches the probe moves every solve's iterations by one
 toward the fewest whose probed error meets the target; the tuner's time counts as training's)
 and tuned_warm (tuned with warm starts); the GRU has no warm starts or penalty (its steps share
 their weights), and volumes3d no relaxed1.  The example's default

@@ -263,7 +263,7 @@ class IterationTuner:
         max_iterations: the most iterations any solve is given.
     """
 
-    def __init__(self, model, target: float, *, every: int = 10, max_iterations: int = 10):
+    def __init__(self, model, target: float, *, every: int = 20, max_iterations: int = 10):
         from ._chain import _check_target
 
         self.parts = _parts(model, "IterationTuner")

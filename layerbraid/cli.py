@@ -102,7 +102,7 @@ def add_lp_arguments(parser, *, levels=_DEFAULT.max_levels, cfactor=_DEFAULT.cfa
                         "--lp-bwd-iters times (raise those, e.g. to 10); default: off")
     g.add_argument("--lp-tune-error", type=_fraction, default=None, metavar="E",
                    help="adaptive iterations aimed with the gradient probe: at --lp-probe-every's "
-                        "batches (default 10 with this flag), probe the gradients and move every "
+                        "batches (default 20 with this flag), probe the gradients and move every "
                         "solve's iterations by one toward the fewest whose probed error is at "
                         "most E (layerbraid.IterationTuner); starts at --lp-fwd-iters / "
                         "--lp-bwd-iters, at most 10; default: off")
@@ -202,7 +202,7 @@ def parse_args(parser, argv=None):
             parser.error("--lp-tune-error and --lp-target-error are two kinds of adaptive "
                          "iterations: give one")
         if getattr(args, "lp_probe_every", 0) == 0:
-            args.lp_probe_every = 10
+            args.lp_probe_every = 20
     if getattr(args, "dp_size", 1) > 1:
         size = world().Get_size()
         if size % args.dp_size:

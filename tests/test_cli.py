@@ -33,8 +33,8 @@ def test_per_level_values_and_switches():
     assert args.lp_target_error == 1e-2
 
 
-def test_tuned_iterations_probe_every_ten_batches_unless_told():
-    assert cli.parse_args(parser(), ["--lp-tune-error", "1e-2"]).lp_probe_every == 10
+def test_tuned_iterations_probe_every_twenty_batches_unless_told():
+    assert cli.parse_args(parser(), ["--lp-tune-error", "1e-2"]).lp_probe_every == 20
     args = cli.parse_args(parser(), ["--lp-tune-error", "1e-2", "--lp-probe-every", "4"])
     assert args.lp_tune_error == 1e-2 and args.lp_probe_every == 4
     assert cli.parse_args(parser(), []).lp_tune_error is None

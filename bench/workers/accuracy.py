@@ -35,7 +35,7 @@ mode; an epoch's row carries each batch's time.
 import sys
 from bench import harness
 
-TUNE_EVERY = 10  # the tuned modes probe every this many batches (the examples' default)
+TUNE_EVERY = 20  # the tuned modes probe every this many batches (the examples' default)
 
 
 def setup(example):
