@@ -283,7 +283,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                 print("  (it: MGRIT iterations per batch; est. error: the estimated relative "
                       "error of the forward's output and of the adjoint's input gradient, "
                       "layerbraid.SolveStats.error_estimate, calibrated by the audits, whose "
-                      "line gives the true gradient error; --lp-target-error adapts the "
+                      "line gives the true gradient error; --lp-target-error or --lp-tune-error adapt the "
                       "iterations to a target)", flush=True)
         if args.checkpoint:  # one file, atomic, loadable on any number of ranks
             layerbraid.save_checkpoint(model, args.checkpoint, optimizer,
