@@ -356,12 +356,13 @@ def _tuned_sentence(m, tunings, seconds, target):
     probe met the target, and its share of the training time (``seconds``, the tuner's
     included)."""
     counts = [tuple(t["iterations"][0]) for t in tunings if t["iterations"][0] is not None]
+    start = [tuple(tunings[0]["ran"][0])] if tunings[0]["ran"][0] is not None else []
     met = sum(t["change"] <= target for t in tunings)
     moves = sum(t["ran"][0] is not None and tuple(t["ran"][0]) != tuple(t["iterations"][0])
                 for t in tunings)
     share = sum(t["seconds"] for t in tunings) / max(seconds, 1e-9)
     text = (f"- {m}: the tuner probed {len(tunings)} batches and moved the iterations {moves} "
-            f"times, through " + ", ".join(f"{f}/{b}" for f, b in sorted(set(counts))))
+            f"times, through " + ", ".join(f"{f}/{b}" for f, b in sorted(set(start + counts))))
     if counts:
         text += f", ending at {counts[-1][0]}/{counts[-1][1]}"
     return text + (f" (forward/adjoint); at {met} of them ({100 * met / len(tunings):.0f}%) the "
