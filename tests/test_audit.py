@@ -474,3 +474,30 @@ def test_a_rank_that_stops_before_the_reduction_is_reported(monkeypatch, short_t
     else:
         with pytest.raises(RuntimeError, match="rank 1 stops before the reduction"):
             measure(model, lambda: F.cross_entropy(model(x), y))
+
+
+@pytest.mark.parallel([2])
+def test_a_rank_that_stops_before_the_tuners_reduction_is_reported(monkeypatch, short_timeout):
+    """Rank 1 probes with rank 0 but never reaches the reduction of the tuner's lower re-solve:
+    rank 0 raises StallError naming it after the timeout; rank 1 ends with its own error."""
+    import layerbraid.audit as audit_module
+
+    assert WORLD.Get_size() == 2
+    model = net(WORLD, steps=8)
+    x, y = batch(n=4, seed=0)
+    F.cross_entropy(model(x), y).backward()
+    tuner = layerbraid.IterationTuner(model, 0.9)  # loose: it tries one iteration fewer
+    if WORLD.rank == 1:
+        real = audit_module.allreduce_floats
+
+        def stop(comm, values, op, what):
+            if what == "an iteration tuner":
+                raise RuntimeError("rank 1 stops before the tuner's reduction")
+            return real(comm, values, op, what)
+        monkeypatch.setattr(audit_module, "allreduce_floats", stop)
+    if WORLD.rank == 0:
+        with pytest.raises(layerbraid.StallError, match="every rank's part of an iteration tuner"):
+            tuner(lambda: F.cross_entropy(model(x), y), 0)
+    else:
+        with pytest.raises(RuntimeError, match="rank 1 stops before the tuner's reduction"):
+            tuner(lambda: F.cross_entropy(model(x), y), 0)
