@@ -17,8 +17,11 @@ down-cycle skipped), relaxed1 (1 forward / 1 adjoint iteration, the first down-c
 warm (fixed, each solve starting from the previous batch's states), warm1 (warm starts at 1
 forward / 1 adjoint iteration), smooth (fixed, the loss plus 0.1 times the depth-smoothness
 penalty, ``LayerParallelModule.depth_smoothness``), adaptive (target_error 1e-2, at most 10
-iterations per solve) and adaptive_warm (adaptive with warm starts); the GRU has no warm starts
-or penalty (its steps share their weights), and volumes3d no relaxed1.  The example's default
+iterations per solve), adaptive_warm (adaptive with warm starts), tuned (``IterationTuner`` at
+1e-2: from fixed's counts, every 20 batches the probe moves every solve's iterations by one
+toward the fewest whose probed error meets the target; the tuner's time counts as training's)
+and tuned_warm (tuned with warm starts); the GRU has no warm starts or penalty (its steps share
+their weights), and volumes3d no relaxed1.  The example's default
 mode is marked.  The modes take turns batch by batch (bench/workers/accuracy.py), so each
 batch's time in a mode is paired with plain PyTorch's on the same batch, measured seconds apart
 under the same load: the speedup per batch is plain PyTorch's time for that batch over the
@@ -49,12 +52,12 @@ FLOOR = 1e-5  # float32 round-off of a gradient, and a margin
 FACTOR = 3.0  # an estimate "holds" within this factor of the true error, either way
 GAMMA = 0.1  # the depth-smoothness penalty's weight in mode smooth
 MODES = ["serial", "exact", "fixed", "relaxed1", "warm", "warm1", "smooth", "adaptive",
-         "adaptive_warm"]
+         "adaptive_warm", "tuned", "tuned_warm"]
 RUNS = {"mnist": dict(epochs=1, log_every=25, audit_every=100, max_batches="-"),
         "volumes3d": dict(epochs=3, log_every=4, audit_every=16, max_batches="-",
                           modes=[m for m in MODES if m != "relaxed1"]),
         "sequence": dict(epochs=1, log_every=25, audit_every=100, max_batches="-",
-                         modes=["serial", "exact", "fixed", "adaptive"]),  # no penalty: shared weights
+                         modes=["serial", "exact", "fixed", "adaptive", "tuned"]),  # no penalty: shared weights
         "convchain": dict(epochs=1, log_every=10, audit_every=50, max_batches=300)}
 # Each example's default mode: what `mpiexec -n 2 python examples/EXAMPLE.py` runs
 # (tests/test_examples.py checks these against the examples' flags); convchain is no example.
@@ -203,7 +206,8 @@ def report(data):
             lines.append("| " + " | ".join(row) + " |")
         lines += ["", _measured(data.get("measured", {}), example, list(ep)),
                   "", f"![true error and estimate per logged batch]({OUT.name}_{example}.png)", ""]
-        lines += _findings(example, ep, rows, plain, goal, target) + [""]
+        tunings = {m: [r for r in runs[m] if r["kind"] == "tuning"] for m in ep}
+        lines += _findings(example, ep, rows, plain, goal, target, tunings) + [""]
         _plot(example, rows, target)
     lines += _replayed(data) + ["## Reading it", "", FINDINGS]
     return lines
@@ -294,6 +298,11 @@ FINDINGS = f"""- The raw estimate is a solve's own error from its residuals (Not
   iterations remove, so the change is within 1 / (1 - q) of the error for solves that shrink it
   by q per iteration, with no assumption about the steps and no calibration.  It is judged at
   every logged batch above the floor, the first ones included.
+- The tuned modes aim their iterations with the probe (Note [tuned iterations] in
+  layerbraid/audit.py): at each of their probes, above the target every solve gets one iteration
+  more; at or below it the batch is solved once more with one fewer, from the cold guess, and
+  the counts go down if that change meets the target.  Their time per batch includes the
+  tuner's.
 - An audit costs one exact forward and backward of the batch: about plain PyTorch's time for it,
   spread over the ranks as a pipeline.  A probe costs one layer-parallel forward and backward at
   one iteration more than the batch's."""
@@ -342,7 +351,26 @@ def _iterations(rows):
             statistics.mean(r["it_bwd"] for r in logged))
 
 
-def _findings(example, ep, rows, plain, goal, target):
+def _tuned_sentence(m, tunings, seconds, target):
+    """What a tuned run's tuner did (its "tuning" rows): where its counts went, how often its
+    probe met the target, and its share of the training time (``seconds``, the tuner's
+    included)."""
+    counts = [tuple(t["iterations"][0]) for t in tunings if t["iterations"][0] is not None]
+    start = [tuple(tunings[0]["ran"][0])] if tunings[0]["ran"][0] is not None else []
+    met = sum(t["change"] <= target for t in tunings)
+    moves = sum(t["ran"][0] is not None and tuple(t["ran"][0]) != tuple(t["iterations"][0])
+                for t in tunings)
+    share = sum(t["seconds"] for t in tunings) / max(seconds, 1e-9)
+    text = (f"- {m}: the tuner probed {len(tunings)} batches and moved the iterations {moves} "
+            f"times, through " + ", ".join(f"{f}/{b}" for f, b in sorted(set(start + counts))))
+    if counts:
+        text += f", ending at {counts[-1][0]}/{counts[-1][1]}"
+    return text + (f" (forward/adjoint); at {met} of them ({100 * met / len(tunings):.0f}%) the "
+                   f"probe met the target {target:g} at the counts the batch ran; the tuner "
+                   f"took {100 * share:.0f}% of the training time.")
+
+
+def _findings(example, ep, rows, plain, goal, target, tunings=None):
     """Sentences computed from this example's runs."""
     out = []
     sec = {m: statistics.mean(r["seconds"] for r in ep[m]) for m in ep}
@@ -355,8 +383,11 @@ def _findings(example, ep, rows, plain, goal, target):
             out.append(f"- {m} ({its[m][0]:.1f} / {its[m][1]:.1f} iterations): the true gradient "
                        f"error is at most {target:g} at {100 * share:.0f}% of the {len(errs)} "
                        f"measured batches ({'at least' if share >= 0.9 else 'below'} 90%).")
+    for m in (m for m in MODES if (tunings or {}).get(m)):
+        out.append(_tuned_sentence(m, tunings[m], sum(r["seconds"] for r in ep[m]), target))
     for warm, cold in (("warm", "fixed"), ("warm1", "fixed"), ("warm1", "relaxed1"),
-                       ("adaptive_warm", "adaptive")):
+                       ("adaptive_warm", "adaptive"), ("tuned_warm", "tuned"),
+                       ("tuned", "adaptive")):
         if warm in sec and cold in sec and its.get(warm) and its.get(cold):
             ratio = paired(ep[warm], ep[cold])  # warm's time over cold's, batch by batch
             per_batch = (f", {quartiles(ratio)}x per batch (median [quartiles], paired)"

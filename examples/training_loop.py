@@ -156,10 +156,16 @@ def _probe_line(probes, seconds):
 
     changes = sorted(p["change"] for p in probes)
     share = sum(p["seconds"] for p in probes) / max(seconds, 1e-9)
-    return (f"  probes ({len(probes)}): the gradients change by {statistics.median(changes):.1e} "
+    text = (f"  probes ({len(probes)}): the gradients change by {statistics.median(changes):.1e} "
             f"(median; max {changes[-1]:.1e}) with one more MGRIT iteration, an estimate of "
-            f"their true error; the probes took {100 * share:.0f}% on top of the epoch's "
-            "training time")
+            f"their true error")
+    tuned = probes[-1].get("tuned")
+    if tuned is None:
+        return text + (f"; the probes took {100 * share:.0f}% on top of the epoch's training "
+                       "time")
+    counts = ", ".join("exact" if its is None else f"{its[0]}/{its[1]}" for its in tuned)
+    return text + (f"; --lp-tune-error set the iterations to {counts} (forward/adjoint), its "
+                   f"probes {100 * share:.0f}% of the epoch's training time")
 
 
 def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False, grid=None):
@@ -170,6 +176,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     data_size = grid.data_size if grid is not None else 1
     audit_every = 0 if args.serial else getattr(args, "lp_audit_every", 0)
     probe_every = 0 if args.serial else getattr(args, "lp_probe_every", 0)
+    tune = None if args.serial else getattr(args, "lp_tune_error", None)
+    tuner = layerbraid.IterationTuner(model, tune, every=probe_every) if tune else None
     smoothness = getattr(args, "lp_smoothness", 0.0)
     device = torch.device(args.device)
     optimizer = make_optimizer(args, model.parameters())
@@ -219,7 +227,13 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                 audits.append({"batch": b, "error": a.error, "estimate": a.estimate,
                                "raw_estimate": a.raw_estimate, "calibration": a.calibration,
                                "calibrated": a.calibrated, "seconds": a.seconds})
-            if layerbraid.audit_due(epoch * per_epoch + b, probe_every):
+            if tuner is not None:  # its probe is the batch's probe
+                t = tuner(lambda: objective()[1], epoch * per_epoch + b)
+                if t is not None:
+                    probes.append({"batch": b, "change": t.change, "iterations": t.ran,
+                                   "lower_change": t.lower_change, "tuned": t.iterations,
+                                   "seconds": t.seconds})
+            elif layerbraid.audit_due(epoch * per_epoch + b, probe_every):
                 p = layerbraid.probe_gradients(model, lambda: objective()[1])
                 probes.append({"batch": b, "change": p.change, "iterations": p.iterations,
                                "seconds": p.seconds})
@@ -236,7 +250,9 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                                     **{k: f"{v:.1f}" for k, v in solves.summary().items()
                                        if k.endswith("iters")})
         audit_seconds = sum(a["seconds"] for a in audits)
-        probe_seconds = sum(p["seconds"] for p in probes)
+        # a tuner's probes are part of training (they set its iterations); others are not
+        probe_seconds = sum(p["seconds"] for p in probes if "tuned" not in p)
+        tune_seconds = sum(p["seconds"] for p in probes if "tuned" in p)
         seconds = time.perf_counter() - t0 - audit_seconds - probe_seconds
         if bar is not None:
             bar.close()
@@ -249,7 +265,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                   "test_accuracy": acc, "seconds_per_batch": seconds / len(losses),
                   "batches": len(losses), "first_losses": losses[:5], "last_losses": losses[-5:],
                   **solves.summary(), "audits": audits, "audit_seconds": audit_seconds,
-                  "probes": probes, "probe_seconds": probe_seconds}
+                  "probes": probes, "probe_seconds": probe_seconds, "tune_seconds": tune_seconds}
         history.append(record)
         if rank == 0:
             s = record
@@ -267,7 +283,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                 print("  (it: MGRIT iterations per batch; est. error: the estimated relative "
                       "error of the forward's output and of the adjoint's input gradient, "
                       "layerbraid.SolveStats.error_estimate, calibrated by the audits, whose "
-                      "line gives the true gradient error; --lp-target-error adapts the "
+                      "line gives the true gradient error; --lp-target-error or --lp-tune-error adapt the "
                       "iterations to a target)", flush=True)
         if args.checkpoint:  # one file, atomic, loadable on any number of ranks
             layerbraid.save_checkpoint(model, args.checkpoint, optimizer,

@@ -9,7 +9,7 @@ __all__ = ["MGRIT", "MGRITResult", "MGRITOptions", "LayerParallelModule", "Solve
            "DivergenceError", "StallError", "set_timeout", "clip_grad_norm_", "check_launch",
            "abort_on_exception", "save_checkpoint", "load_checkpoint", "CheckpointError",
            "audit_gradients", "audit_due", "GradientAudit", "probe_gradients",
-           "GradientProbe"]
+           "GradientProbe", "IterationTuner", "Tuning"]
 __version__ = "0.1.0"
 
 # The names that need torch load on first use, so that the general solver works (and imports
@@ -18,7 +18,8 @@ _LAZY = {"LayerParallelModule": "module", "SolveStats": "stats", "ProcessGrid": 
          "SpatialCoarsening": "coarsening", "clip_grad_norm_": "clip",
          "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint",
          "CheckpointError": "checkpoint", "audit_gradients": "audit", "audit_due": "audit",
-         "GradientAudit": "audit", "probe_gradients": "audit", "GradientProbe": "audit"}
+         "GradientAudit": "audit", "probe_gradients": "audit", "GradientProbe": "audit",
+         "IterationTuner": "audit", "Tuning": "audit"}
 
 
 def __getattr__(name):

@@ -196,6 +196,9 @@ class _Chain:
         self.calibration = 1.0
         self._exact = None
         self._probes = {}  # (forward iterations, adjoint iterations) -> _Chain
+        self._tuned = None  # the variant tuned() returns, with its counts in _tuned_key
+        self._tuned_key = None
+        self._parent = None  # a tuned variant's chain: it takes the variant's stats and states
         self.spatial, self.target_error = spatial, target_error
         rank, size = comm.Get_rank(), comm.Get_size()
         self.fwd = self.bwd = None
@@ -250,6 +253,9 @@ class _Chain:
         for probe in self._probes.values():
             probe.free()
         self._probes.clear()
+        if self._tuned is not None:
+            self._tuned.free()
+            self._tuned = None
 
     def exact(self):
         """This chain solved exactly: one level, i.e. sequential stepping across the ranks, over
@@ -261,26 +267,48 @@ class _Chain:
                                  store_all=self.store_all)
         return self._exact
 
-    def probe(self, fwd_iters, bwd_iters):
+    def probe(self, fwd_iters, bwd_iters, cold=False):
         """This chain with its forward and adjoint solves running exactly ``fwd_iters`` and
         ``bwd_iters`` MGRIT iterations (no stopping rule, no target), on the same levels, from
         the guesses this chain's next solves would start from: with warm starts the last
-        solves' states, else the cold guess (Note [gradient probe], audit.py).  Built on first
-        use per pair of counts (collective); the last _PROBES_KEPT pairs' are kept, freed with
-        this chain."""
+        solves' states (unless ``cold``), else the cold guess (Note [gradient probe],
+        audit.py).  Built on first use per pair of counts (collective); the last _PROBES_KEPT
+        pairs' are kept, freed with this chain."""
         key = (fwd_iters, bwd_iters)
         probe = self._probes.pop(key, None)  # reinserted below: the most recently used last
         if probe is None:
             if len(self._probes) >= _PROBES_KEPT:  # adaptive iterations vary the counts
                 self._probes.pop(next(iter(self._probes))).free()  # the same on every rank
-            f, b = (replace(o, max_iters=k, tol=0.0, rtol=0.0) for o, k in
-                    ((self._options[id(self.fwd)], fwd_iters),
-                     (self._options[id(self.bwd)], bwd_iters)))
-            probe = _Chain(self.comm, self.num_steps, self.t_final, f, b, spatial=self.spatial,
-                           warm_start=self.warm_start, store_all=self.store_all)
+            probe = self._counted(fwd_iters, bwd_iters)
         self._probes[key] = probe
-        probe._warm_fwd, probe._warm_bwd = dict(self._warm_fwd), dict(self._warm_bwd)
+        probe._warm_fwd, probe._warm_bwd = (({}, {}) if cold else
+                                            (dict(self._warm_fwd), dict(self._warm_bwd)))
         return probe
+
+    def tuned(self, fwd_iters, bwd_iters):
+        """This chain with its solves running exactly ``fwd_iters`` and ``bwd_iters``
+        iterations, for training (Note [tuned iterations], audit.py): unlike a probe's, what
+        it solves is this chain's own: its solve statistics and warm-start states are this
+        chain's, as if this chain had solved.  Built when the counts change (collective), one
+        at a time, freed with this chain."""
+        key = (fwd_iters, bwd_iters)
+        if self._tuned_key != key:
+            if self._tuned is not None:
+                self._tuned.free()
+                self._tuned = None
+            self._tuned = self._counted(fwd_iters, bwd_iters)
+            self._tuned._parent, self._tuned_key = self, key
+        tuned = self._tuned
+        tuned._warm_fwd, tuned._warm_bwd = self._warm_fwd, self._warm_bwd
+        tuned.calibration = self.calibration
+        return tuned
+
+    def _counted(self, fwd_iters, bwd_iters):
+        f, b = (replace(o, max_iters=k, tol=0.0, rtol=0.0) for o, k in
+                ((self._options[id(self.fwd)], fwd_iters),
+                 (self._options[id(self.bwd)], bwd_iters)))
+        return _Chain(self.comm, self.num_steps, self.t_final, f, b, spatial=self.spatial,
+                      warm_start=self.warm_start, store_all=self.store_all)
 
     @property
     def freed(self):
@@ -309,6 +337,8 @@ class _Chain:
         self.forward_stats = run.forward_stats
         if self.warm_start:
             self._warm_fwd = {i: s for i, s in states.items() if i > 0}
+        if self._parent is not None:  # a tuned variant: what it solved is its chain's
+            self._parent.forward_stats, self._parent._warm_fwd = self.forward_stats, self._warm_fwd
         return run.steps.output(run, states)
 
     def backward(self, run, grad):
@@ -327,6 +357,9 @@ class _Chain:
             run.on_backward(run.backward_stats)
         if self.warm_start:
             self._warm_bwd = {i: s for i, s in states.items() if i > 0}
+        if self._parent is not None:
+            self._parent.backward_stats, self._parent._warm_bwd = (self.backward_stats,
+                                                                   self._warm_bwd)
         return run.steps.input_grads(run, states)
 
     def _solve(self, core, run, warm):

@@ -33,6 +33,20 @@ the error).  It cannot see an error that iterations do not reduce (q near 1: a s
 whose SolveStats.contraction is near 1).  Its cost is one layer-parallel forward and backward at
 k + 1 iterations: about (k + 1) / k times a training batch's solves, where an audit's exact
 solve steps the whole network in sequence.
+
+Note [tuned iterations]: adaptive iterations aimed with the probe, the estimate that holds
+where the residuals' does not (docs/accuracy.md).  At the probe's batches (``audit_due``'s
+schedule) ``IterationTuner`` probes the batch: the change with one iteration more in every
+solve estimates the error at the counts the batch ran.  Above the target, every solve's count
+goes up by one.  At or below it, the tuner solves the batch once more with one iteration fewer
+in every solve that runs more than one, from the cold guess, and compares with the batch's
+gradients: that change is the probe the lower counts would get (``g_k - g_{k-1}``), so if it
+meets the target the counts go down by one; with warm starts it is an upper bound where they
+help (a cold solve at k - 1 iterations, which the batch's own solution cannot measure).  So
+the counts settle at the fewest whose probed error meets the target, and follow the network as
+it trains, one iteration per probed batch.  Between probes every solve runs exactly its count
+(no stopping rule).  The cost per probed batch: the probe, about (k + 1) / k times the batch's
+solves, and at most one more solve at k - 1 iterations.
 """
 import math
 import time
@@ -44,7 +58,8 @@ import torch
 from ._parts import counted_parameters, layer_parallel_parts
 from ._comm import allreduce_floats
 
-__all__ = ["GradientAudit", "GradientProbe", "audit_gradients", "audit_due", "probe_gradients"]
+__all__ = ["GradientAudit", "GradientProbe", "IterationTuner", "Tuning", "audit_gradients",
+           "audit_due", "probe_gradients"]
 
 ROUNDOFF_EPSILONS = 10  # an audit's error at or below this many epsilons is round-off
 
@@ -202,6 +217,122 @@ def probe_gradients(model, closure) -> GradientProbe:
     change = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
     probed = [None if its is None else (its[0] + 1, its[1] + 1) for its in iterations]
     return GradientProbe(change, probed, time.perf_counter() - t0)
+
+
+@dataclass
+class Tuning:
+    """What ``IterationTuner`` measured and did at one probed batch (the same on every rank).
+
+    Attributes:
+        change: the probe at the counts the batch ran (``GradientProbe.change``): the estimate
+            of its gradients' relative error.
+        lower_change: the gradients' relative change with one iteration fewer in every solve
+            that runs more than one (from the cold guess): the error estimate at the lower
+            counts; None where the tuner did not try them (``change`` above the target, or no
+            solve above one iteration).
+        ran: per layer-parallel part, the (forward, adjoint) iterations of the batch; None for
+            a part that solves exactly.
+        iterations: per part, the counts from the next batch on.
+        seconds: the tuner's time at this batch (the probe and the lower solve).
+    """
+
+    change: float
+    lower_change: Optional[float]
+    ran: list
+    iterations: list
+    seconds: float
+
+
+class IterationTuner:
+    """Adaptive iterations aimed with the gradient probe (Note [tuned iterations]): every
+    layer-parallel solve of ``model`` runs a fixed number of iterations, which the tuner moves
+    by one at a time to the fewest whose probed gradient error is at most ``target``.
+
+    Call it at every batch, after ``loss.backward()`` and before ``optimizer.step()``, on every
+    rank of the layer group, with the batch's closure (as for ``probe_gradients``) and the
+    batch's index counted over the whole run: ``tuner(lambda: loss_fn(model(x), y), batch)``.
+    At the batches ``audit_due(batch, every)`` names it probes (collective) and returns a
+    :class:`Tuning`; at the others it returns None at no cost.  The gradients, buffers and solve
+    statistics it finds are the ones it leaves: the counts change from the next batch on.
+
+    Args:
+        model: a layer-parallel module or a model holding some; their solves must not use
+            ``target_error`` (the residuals' adaptive iterations), which this replaces.
+        target: the relative gradient error to aim at, in (0, 1), e.g. 1e-2.
+        every: probe every ``every``-th batch (and the batches 0, 1, 2, 4, ... below it).
+        max_iterations: the most iterations any solve is given.
+    """
+
+    def __init__(self, model, target: float, *, every: int = 20, max_iterations: int = 10):
+        from ._chain import _check_target
+
+        self.parts = _parts(model, "IterationTuner")
+        if target is None:
+            raise ValueError("IterationTuner's target must be a number in (0, 1), got None")
+        self.target = _check_target(target)
+        for name, v in (("every", every), ("max_iterations", max_iterations)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"IterationTuner's {name} must be an int >= 1, got {v!r}")
+        for part in self.parts:
+            if getattr(part, "target_error", None) is not None:
+                raise ValueError(f"IterationTuner replaces target_error, but a part of the model "
+                                 f"has target_error={part.target_error!r}: build it without")
+        self.model, self.every, self.max_iterations = model, every, max_iterations
+        self.history = []  # every Tuning so far
+
+    @property
+    def iterations(self):
+        """Per part, the (forward, adjoint) iterations the next batch runs; None for a part
+        whose solves are exact or that the tuner has not set yet (before its first probe)."""
+        return [p._solve_iterations for p in self.parts]
+
+    def __call__(self, closure, batch: int) -> Optional[Tuning]:
+        if not audit_due(batch, self.every):
+            return None
+        t0 = time.perf_counter()
+        ran = [_iterations(p) for p in self.parts]
+        probe = probe_gradients(self.model, closure)
+        change, lower_change, counts = probe.change, None, ran
+        if change > self.target:
+            counts = [None if its is None else tuple(min(k + 1, self.max_iterations) for k in its)
+                      for its in ran]
+        else:
+            lower = [None if its is None else tuple(max(k - 1, 1) for k in its) for its in ran]
+            if lower != ran:
+                lower_change = _gradient_change(self.model, self.parts, closure, lower)
+                if lower_change <= self.target:
+                    counts = lower
+        for part, its in zip(self.parts, counts):
+            part._solve_iterations = its
+        tuning = Tuning(change, lower_change, ran, list(counts), time.perf_counter() - t0)
+        self.history.append(tuning)
+        return tuning
+
+
+def _gradient_change(model, parts, closure, counts):
+    """The relative change ``|g' - g| / |g|`` of the gradients the last backward left (g) when
+    the batch is solved again with ``counts`` iterations per part from the cold guess (g');
+    the same on every rank."""
+    comm, counted = counted_parameters(model)
+
+    def lowering(on):
+        for part, its in zip(parts, counts):
+            part._solve_probe = (*its, True) if on and its is not None else None
+
+    other = _gradients_with(model, parts, closure, lowering)
+    num = den = 0.0
+    with torch.no_grad():
+        for p in counted:
+            g, o = p.grad, other[id(p)]
+            if g is None and o is None:
+                continue
+            g = torch.zeros_like(o) if g is None else g
+            o = torch.zeros_like(g) if o is None else o
+            num += float((g - o).double().pow(2).sum())
+            den += float(g.double().pow(2).sum())
+    if comm is not None and comm.Get_size() > 1:
+        num, den = allreduce_floats(comm, [num, den], "sum", "an iteration tuner")
+    return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
 
 
 def _parts(model, who):

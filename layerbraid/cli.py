@@ -100,6 +100,12 @@ def add_lp_arguments(parser, *, levels=_DEFAULT.max_levels, cfactor=_DEFAULT.cfa
                    help="adaptive iterations: each solve iterates until its estimated relative "
                         "error meets its share of E (e.g. 1e-2), at most --lp-fwd-iters / "
                         "--lp-bwd-iters times (raise those, e.g. to 10); default: off")
+    g.add_argument("--lp-tune-error", type=_fraction, default=None, metavar="E",
+                   help="adaptive iterations aimed with the gradient probe: at --lp-probe-every's "
+                        "batches (default 20 with this flag), probe the gradients and move every "
+                        "solve's iterations by one toward the fewest whose probed error is at "
+                        "most E (layerbraid.IterationTuner); starts at --lp-fwd-iters / "
+                        "--lp-bwd-iters, at most 10; default: off")
     g.add_argument("--lp-smoothness", type=_nonneg_float, default=0.0, metavar="GAMMA",
                    help="add GAMMA times the depth-smoothness penalty (the squared change of "
                         "the weights from layer to layer, LayerParallelModule.depth_smoothness) "
@@ -191,6 +197,12 @@ def parse_args(parser, argv=None):
             parser.error(f"--lp-relax takes one value or one per coarsened level "
                          f"({coarsened} for --lp-levels {args.lp_levels}), got "
                          f"{' '.join(args.lp_relax)}")
+    if getattr(args, "lp_tune_error", None) is not None:
+        if args.lp_target_error is not None:
+            parser.error("--lp-tune-error and --lp-target-error are two kinds of adaptive "
+                         "iterations: give one")
+        if getattr(args, "lp_probe_every", 0) == 0:
+            args.lp_probe_every = 20
     if getattr(args, "dp_size", 1) > 1:
         size = world().Get_size()
         if size % args.dp_size:

@@ -161,7 +161,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         object.__setattr__(self, "_grid", grid)
         self._built = False
         self._solve_exactly = False  # set by audit_gradients
-        self._solve_probe = None  # (forward, adjoint iterations), set by probe_gradients
+        self._solve_probe = None  # (forward, adjoint iterations[, cold]), set by probe_gradients
+        self._solve_iterations = None  # (forward, adjoint iterations), set by IterationTuner
         self._audit_ratios = []
 
     # ------------------------------------------------------------------ what subclasses define
@@ -432,6 +433,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             return self._chain.exact()
         if self._solve_probe is not None:
             return self._chain.probe(*self._solve_probe)
+        if self._solve_iterations is not None:
+            return self._chain.tuned(*self._solve_iterations)
         return self._chain
 
     # Note [serial path]: with one rank and both solves exact (one level, or an audit's exact
@@ -526,7 +529,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                 "check_finite": (self.check_finite, self._steps.check_finite),
                 "check_inputs": self.check_inputs,
                 "an exact solve (audit_gradients)": self._solve_exactly,
-                "a probe's iterations (probe_gradients)": self._solve_probe}
+                "a probe's iterations (probe_gradients)": self._solve_probe,
+                "tuned iterations (IterationTuner)": self._solve_iterations}
 
     # ------------------------------------------------------------------ serial view, state
     def _gather_state(self, root=None):

@@ -180,6 +180,117 @@ def _relative_change(model, other):
 
 @pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
+def test_tuner_lowers_by_the_change_of_one_iteration_fewer():
+    """At a loose target the tuner tries one iteration fewer in every solve, from the cold
+    guess: its lower_change is the change of a copy run at those counts, to round-off; the
+    counts go down, and the next batch runs them, with its gradients those of the copy."""
+    assert WORLD.Get_size() in (1, 2)
+    model = net(WORLD, steps=16, forward_options=opts(3), backward_options=opts(2))
+    fewer = net(WORLD, steps=16)  # 2/1
+    x, y = batch(n=8, seed=2)
+    F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(fewer(x), y).backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    tuner = layerbraid.IterationTuner(model, 0.9, every=4)
+    assert tuner.iterations == [None]
+    t = tuner(lambda: F.cross_entropy(model(x), y), 0)
+    assert all(p.grad is g is None or torch.equal(p.grad, g)
+               for p, g in zip(model.parameters(), grads))
+    assert t.ran == [(3, 2)] and t.iterations == [(2, 1)] == tuner.iterations
+    assert t.change <= 0.9 and t.lower_change > 1e-4
+    ref = _relative_change(fewer, model)  # |g_2/1 - g_3/2| / |g_3/2|
+    assert t.lower_change == pytest.approx(ref, rel=1e-9)
+    assert WORLD.allgather(t.lower_change) == [t.lower_change] * WORLD.Get_size()
+    assert tuner(lambda: F.cross_entropy(model(x), y), 3) is None  # not due: nothing runs
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()  # at the tuned counts
+    assert (model.forward_stats.iterations, model.backward_stats.iterations) == (2, 1)
+    assert _relative_change(model, fewer) < ROUNDOFF
+    # at a tight target the probe's change is above it: every count goes up by one, capped
+    t = layerbraid.IterationTuner(model, 1e-9, every=4, max_iterations=2)(
+        lambda: F.cross_entropy(model(x), y), 0)
+    assert t.ran == [(2, 1)] and t.iterations == [(2, 2)] and t.lower_change is None
+    for m in (model, fewer):
+        m.free()
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([1, 3])
+def test_tuned_iterations_meet_the_target_on_a_trained_amplifying_network():
+    """24 ReLU conv steps trained with SGD with momentum, tuned to 1e-2 from 1/1 iterations:
+    the counts move one at a time, every later batch runs them, and the true error at the
+    tuned counts (audited on the batches between the probes) is within the probe's factor of
+    the target at every audit after the first probes, on any rank count."""
+    assert WORLD.Get_size() in (1, 3)
+    model = net(WORLD, forward_options=opts(1), backward_options=opts(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    tuner = layerbraid.IterationTuner(model, 1e-2, every=6)
+    errors, tunings = [], []
+    for b in range(37):
+        x, y = batch(n=16, seed=b)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if tuner.iterations[0] is not None:  # every batch runs the tuned counts
+            assert [(model.forward_stats.iterations, model.backward_stats.iterations)] == \
+                tuner.iterations
+        t = tuner(lambda: F.cross_entropy(model(x), y), b)
+        if t is not None:
+            tunings.append(t)
+            assert all(abs(a - c) <= 1 for r, i in zip(t.ran, t.iterations)
+                       for a, c in zip(r, i))
+            if t.iterations != t.ran and t.lower_change is not None:
+                assert t.lower_change <= 1e-2  # lowered only where the lower counts meet it
+        elif b > 12 and b % 3 == 0:
+            errors.append((b, serial_error(model, x, y), tuner.iterations))
+        opt.step()
+    assert tunings[0].ran == [(1, 1)] and tunings[0].change > 1e-2  # 1/1 is not enough
+    assert max(t.iterations[0][0] for t in tunings) >= 2
+    for b, err, its in errors:
+        assert err <= 1e-2 * CALIBRATED_FACTOR, (b, err, its, errors)
+    model.free()
+
+
+def test_tuner_arguments_are_checked():
+    model = net(MPI.COMM_SELF, steps=8)
+    for bad, match in [(dict(target=None), "target"), (dict(target=0.0), "target_error"),
+                       (dict(target=1.5), "target_error"), (dict(target=1e-2, every=0), "every"),
+                       (dict(target=1e-2, max_iterations=True), "max_iterations")]:
+        with pytest.raises(ValueError, match=match):
+            layerbraid.IterationTuner(model, **bad)
+    adaptive = net(MPI.COMM_SELF, steps=8, target_error=1e-2)
+    with pytest.raises(ValueError, match="target_error=0.01"):
+        layerbraid.IterationTuner(adaptive, 1e-2)
+    with pytest.raises(ValueError, match="layer-parallel"):
+        layerbraid.IterationTuner(nn.Linear(2, 2), 1e-2)
+    for m in (model, adaptive):
+        m.free()
+
+
+def test_a_tuned_solve_is_the_chains_own():
+    """What a tuned solve leaves (statistics, warm-start states) is its chain's, so that warm
+    starts continue across the tuned batches; a change of the counts builds one new solver."""
+    model = net(MPI.COMM_SELF, steps=16, warm_start=True)
+    x, y = batch(n=8, seed=2)
+    F.cross_entropy(model(x), y).backward()
+    tuner = layerbraid.IterationTuner(model, 1e-9, every=2)
+    tuner(lambda: F.cross_entropy(model(x), y), 0)  # up to 3/2
+    chain = model._chain
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    assert chain._tuned_key == (3, 2) and chain.forward_stats.iterations == 3
+    assert chain._warm_fwd is chain._tuned._warm_fwd and chain._warm_fwd
+    assert chain._warm_bwd is chain._tuned._warm_bwd and chain._warm_bwd
+    old = chain._tuned
+    tuner(lambda: F.cross_entropy(model(x), y), 2)  # up to 4/3: a new solver, the old freed
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    assert chain._tuned is not old and old.freed and chain._tuned_key == (4, 3)
+    model.free()
+    assert chain._tuned is None
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([1, 2])
 def test_probe_is_the_change_of_one_more_iteration():
     """Without warm starts the probe re-solves from the same cold guess with one iteration
     more in each solve: its change is that of a copy run at 3/2 iterations, to round-off."""
@@ -363,3 +474,30 @@ def test_a_rank_that_stops_before_the_reduction_is_reported(monkeypatch, short_t
     else:
         with pytest.raises(RuntimeError, match="rank 1 stops before the reduction"):
             measure(model, lambda: F.cross_entropy(model(x), y))
+
+
+@pytest.mark.parallel([2])
+def test_a_rank_that_stops_before_the_tuners_reduction_is_reported(monkeypatch, short_timeout):
+    """Rank 1 probes with rank 0 but never reaches the reduction of the tuner's lower re-solve:
+    rank 0 raises StallError naming it after the timeout; rank 1 ends with its own error."""
+    import layerbraid.audit as audit_module
+
+    assert WORLD.Get_size() == 2
+    model = net(WORLD, steps=8)
+    x, y = batch(n=4, seed=0)
+    F.cross_entropy(model(x), y).backward()
+    tuner = layerbraid.IterationTuner(model, 0.9)  # loose: it tries one iteration fewer
+    if WORLD.rank == 1:
+        real = audit_module.allreduce_floats
+
+        def stop(comm, values, op, what):
+            if what == "an iteration tuner":
+                raise RuntimeError("rank 1 stops before the tuner's reduction")
+            return real(comm, values, op, what)
+        monkeypatch.setattr(audit_module, "allreduce_floats", stop)
+    if WORLD.rank == 0:
+        with pytest.raises(layerbraid.StallError, match="every rank's part of an iteration tuner"):
+            tuner(lambda: F.cross_entropy(model(x), y), 0)
+    else:
+        with pytest.raises(RuntimeError, match="rank 1 stops before the tuner's reduction"):
+            tuner(lambda: F.cross_entropy(model(x), y), 0)

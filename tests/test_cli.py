@@ -33,6 +33,13 @@ def test_per_level_values_and_switches():
     assert args.lp_target_error == 1e-2
 
 
+def test_tuned_iterations_probe_every_twenty_batches_unless_told():
+    assert cli.parse_args(parser(), ["--lp-tune-error", "1e-2"]).lp_probe_every == 20
+    args = cli.parse_args(parser(), ["--lp-tune-error", "1e-2", "--lp-probe-every", "4"])
+    assert args.lp_tune_error == 1e-2 and args.lp_probe_every == 4
+    assert cli.parse_args(parser(), []).lp_tune_error is None
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--lp-levels", "0"], ["--lp-levels", "'0'"]),
     (["--lp-cfactor", "1"], ["--lp-cfactor", "at least 2", "'1'"]),
@@ -43,6 +50,9 @@ def test_per_level_values_and_switches():
     (["--lp-cycle", "W"], ["--lp-cycle", "'W'"]),
     (["--lp-target-error", "0"], ["--lp-target-error", "'0'"]),
     (["--lp-target-error", "2"], ["--lp-target-error", "'2'"]),
+    (["--lp-tune-error", "1"], ["--lp-tune-error", "'1'"]),
+    (["--lp-tune-error", "1e-2", "--lp-target-error", "1e-2"], ["--lp-tune-error",
+                                                               "--lp-target-error"]),
     (["--steps", "0"], ["--steps", "'0'"]),
     (["--lr", "nan"], ["--lr", "'nan'"]),
     (["--batch-size", "ten"], ["--batch-size", "'ten'"]),
@@ -66,6 +76,7 @@ def test_help_explains_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--lp-levels", "--lp-cfactor", "--lp-fwd-iters", "--lp-bwd-iters", "--lp-tol",
                  "--lp-relax", "--lp-skip-downcycle", "--lp-cycle", "--lp-target-error",
+                 "--lp-tune-error", "--lp-probe-every",
                  "--steps", "--channels",
                  "--t-final", "--batch-size", "--epochs", "--lr", "--optimizer", "--seed",
                  "--device", "--serial", "--max-batches", "--data-dir", "--checkpoint",

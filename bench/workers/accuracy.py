@@ -12,7 +12,10 @@ adjoint iteration, the first down-cycle skipped), relaxed1 (1 forward / 1 adjoin
 first down-cycle relaxed), warm (fixed, with warm starts), warm1 (warm starts at 1 forward / 1
 adjoint iteration), adaptive (target_error=TARGET, at most 10 iterations per solve),
 adaptive_warm (adaptive, with warm starts), smooth (fixed, the loss plus GAMMA times the
-depth-smoothness penalty).
+depth-smoothness penalty), tuned (iterations tuned to TARGET by ``layerbraid.IterationTuner``,
+probing every TUNE_EVERY batches, from 2 forward / 1 adjoint iteration, the first down-cycle
+skipped; the tuner's time is part of the batch's, as it is part of training), tuned_warm (tuned,
+with warm starts).
 
 Every mode trains its own model from the same initial weights on the same batches, the modes
 taking turns batch by batch (the order rotating by one each batch, every timed part starting
@@ -31,6 +34,8 @@ mode; an epoch's row carries each batch's time.
 """
 import sys
 from bench import harness
+
+TUNE_EVERY = 20  # the tuned modes probe every this many batches (the examples' default)
 
 
 def setup(example):
@@ -113,8 +118,8 @@ def setup(example):
         elif mode == "warm1":
             model = make(lp_comm, serial, fwd.__class__(**{**fwd.__dict__, "max_iters": 1}), bwd,
                          True)
-        else:
-            model = make(lp_comm, serial, fwd, bwd, mode == "warm")
+        else:  # fixed, warm, tuned, tuned_warm: from 2/1 iterations
+            model = make(lp_comm, serial, fwd, bwd, mode in ("warm", "tuned_warm"))
         if serial and hasattr(model, "to_serial"):
             model = model.to_serial()
         return model
@@ -178,6 +183,8 @@ def main():
     opts = {m: torch.optim.Adam(models[m].parameters(), lr=lr) if opt_name == "adam" else
             torch.optim.SGD(models[m].parameters(), lr=lr, momentum=0.9) for m in modes}
     gamma = {m: penalty if m.startswith("smooth") else 0.0 for m in modes}
+    tuners = {m: layerbraid.IterationTuner(models[m], target, every=TUNE_EVERY)
+              for m in modes if m.startswith("tuned")}
 
     def emit(row):
         if rank == 0:
@@ -207,7 +214,14 @@ def main():
                 opt.zero_grad()
                 loss, total = objective()
                 total.backward()
+                tuning = (tuners[m](lambda: objective()[1], epoch * per_epoch + b)
+                          if m in tuners else None)
                 seconds = time.perf_counter() - t0
+                if tuning is not None:
+                    emit(dict(kind="tuning", mode=m, epoch=epoch + 1, batch=b,
+                              change=tuning.change, lower_change=tuning.lower_change,
+                              ran=tuning.ran, iterations=tuning.iterations,
+                              seconds=tuning.seconds))
                 if m != "serial" and layerbraid.audit_due(epoch * per_epoch + b, audit_every):
                     solves = _raw_solves(model)
                     a = layerbraid.audit_gradients(model, lambda: objective()[1])

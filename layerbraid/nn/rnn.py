@@ -91,7 +91,8 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         self.forward_stats = []
         self.backward_stats = []
         self._solve_exactly = False  # set by audit_gradients
-        self._solve_probe = None  # (forward, adjoint iterations), set by probe_gradients
+        self._solve_probe = None  # (forward, adjoint iterations[, cold]), set by probe_gradients
+        self._solve_iterations = None  # (forward, adjoint iterations), set by IterationTuner
         self._audit_ratios = []
         self._calibration = 1.0
 
@@ -126,7 +127,11 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         chain = self._chains[seq]
         if self._solve_exactly:
             return chain.exact()
-        return chain.probe(*self._solve_probe) if self._solve_probe is not None else chain
+        if self._solve_probe is not None:
+            return chain.probe(*self._solve_probe)
+        if self._solve_iterations is not None:
+            return chain.tuned(*self._solve_iterations)
+        return chain
 
     def gradient_error_estimate(self):
         """An estimate of the last backward's relative parameter-gradient error: the sum over
@@ -162,7 +167,8 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
                 "target_error": self.target_error,
                 "the calibration of the error estimate": self._calibration,
                 "an exact solve (audit_gradients)": self._solve_exactly,
-                "a probe's iterations (probe_gradients)": self._solve_probe}
+                "a probe's iterations (probe_gradients)": self._solve_probe,
+                "tuned iterations (IterationTuner)": self._solve_iterations}
 
     def forward(self, x, hx=None):
         """x: (batch, seq, input_size), the whole sequence, on every rank of the communicator.
