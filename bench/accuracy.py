@@ -19,7 +19,8 @@ forward / 1 adjoint iteration), smooth (fixed, the loss plus 0.1 times the depth
 penalty, ``LayerParallelModule.depth_smoothness``), adaptive (target_error 1e-2, at most 10
 iterations per solve), adaptive_warm (adaptive with warm starts), tuned (``IterationTuner`` at
 1e-2: from fixed's counts, every 20 batches the probe moves every solve's iterations by one
-toward the fewest whose probed error meets the target; the tuner's time counts as training's)
+toward the fewest whose probed error meets the target, and above the target it probes every
+batch until a probe meets it; the tuner's time counts as training's)
 and tuned_warm (tuned with warm starts); the GRU has no warm starts or penalty (its steps share
 their weights), and volumes3d no relaxed1.  The example's default
 mode is marked.  The modes take turns batch by batch (bench/workers/accuracy.py), so each
@@ -300,7 +301,8 @@ FINDINGS = f"""- The raw estimate is a solve's own error from its residuals (Not
   every logged batch above the floor, the first ones included.
 - The tuned modes aim their iterations with the probe (Note [tuned iterations] in
   layerbraid/audit.py): at each of their probes, above the target every solve gets one iteration
-  more; at or below it the batch is solved once more with one fewer, from the cold guess, and
+  more and the next batch is probed as well, until a probe meets the target; at a scheduled
+  probe at or below it the batch is solved once more with one fewer, from the cold guess, and
   the counts go down if that change meets the target.  Their time per batch includes the
   tuner's.
 - An audit costs one exact forward and backward of the batch: about plain PyTorch's time for it,
@@ -361,7 +363,12 @@ def _tuned_sentence(m, tunings, seconds, target):
     moves = sum(t["ran"][0] is not None and tuple(t["ran"][0]) != tuple(t["iterations"][0])
                 for t in tunings)
     share = sum(t["seconds"] for t in tunings) / max(seconds, 1e-9)
-    text = (f"- {m}: the tuner probed {len(tunings)} batches and moved the iterations {moves} "
+    # a probe right after one that raised the counts is a climb's (off the schedule or on it)
+    climbs = sum(a["change"] > target and a["ran"][0] is not None
+                 and tuple(a["ran"][0]) != tuple(a["iterations"][0])
+                 for a in tunings[:-1])
+    text = (f"- {m}: the tuner probed {len(tunings)} batches ({climbs} of them the batch after "
+            f"a probe that raised the counts) and moved the iterations {moves} "
             f"times, through " + ", ".join(f"{f}/{b}" for f, b in sorted(set(start + counts))))
     if counts:
         text += f", ending at {counts[-1][0]}/{counts[-1][1]}"

@@ -38,15 +38,20 @@ Note [tuned iterations]: adaptive iterations aimed with the probe, the estimate 
 where the residuals' does not (docs/accuracy.md).  At the probe's batches (``audit_due``'s
 schedule) ``IterationTuner`` probes the batch: the change with one iteration more in every
 solve estimates the error at the counts the batch ran.  Above the target, every solve's count
-goes up by one.  At or below it, the tuner solves the batch once more with one iteration fewer
-in every solve that runs more than one, from the cold guess, and compares with the batch's
-gradients: that change is the probe the lower counts would get (``g_k - g_{k-1}``), so if it
-meets the target the counts go down by one; with warm starts it is an upper bound where they
-help (a cold solve at k - 1 iterations, which the batch's own solution cannot measure).  So
-the counts settle at the fewest whose probed error meets the target, and follow the network as
-it trains, one iteration per probed batch.  Between probes every solve runs exactly its count
-(no stopping rule).  The cost per probed batch: the probe, about (k + 1) / k times the batch's
-solves, and at most one more solve at k - 1 iterations.
+goes up by one, and the tuner climbs: it probes the next batch as well, whatever the schedule,
+and the one after, until a probe meets the target or every count is at ``max_iterations``; then
+it is back on the schedule.  So a network that starts to amplify pays for one batch per missing
+iteration above the target, not one probe interval.  At a scheduled probe that meets the target,
+the tuner solves the batch once more with one iteration fewer in every solve that runs more
+than one, from the cold guess, and compares with the batch's gradients: that change is the
+probe the lower counts would get (``g_k - g_{k-1}``), so if it meets the target the counts go
+down by one; with warm starts it is an upper bound where they help (a cold solve at k - 1
+iterations, which the batch's own solution cannot measure).  The probe that ends a climb does
+not try one fewer (that count has just failed); the next scheduled probe does.  So the counts
+settle at the fewest whose probed error meets the target and follow the network as it trains.
+Between probes every solve runs exactly its count (no stopping rule).  The cost per probed
+batch: the probe, about (k + 1) / k times the batch's solves, and at most one more solve at
+k - 1 iterations.
 """
 import math
 import time
@@ -228,8 +233,8 @@ class Tuning:
             of its gradients' relative error.
         lower_change: the gradients' relative change with one iteration fewer in every solve
             that runs more than one (from the cold guess): the error estimate at the lower
-            counts; None where the tuner did not try them (``change`` above the target, or no
-            solve above one iteration).
+            counts; None where the tuner did not try them (``change`` above the target, a probe
+            that ends a climb, or no solve above one iteration).
         ran: per layer-parallel part, the (forward, adjoint) iterations of the batch; None for
             a part that solves exactly.
         iterations: per part, the counts from the next batch on.
@@ -251,7 +256,8 @@ class IterationTuner:
     Call it at every batch, after ``loss.backward()`` and before ``optimizer.step()``, on every
     rank of the layer group, with the batch's closure (as for ``probe_gradients``) and the
     batch's index counted over the whole run: ``tuner(lambda: loss_fn(model(x), y), batch)``.
-    At the batches ``audit_due(batch, every)`` names it probes (collective) and returns a
+    It probes (collective) at the batches ``audit_due(batch, every)`` names and, while it climbs
+    (``climbing``: the last probe was above the target), at every batch, and returns a
     :class:`Tuning`; at the others it returns None at no cost.  The gradients, buffers and solve
     statistics it finds are the ones it leaves: the counts change from the next batch on.
 
@@ -279,6 +285,7 @@ class IterationTuner:
                                  f"has target_error={part.target_error!r}: build it without")
         self.model, self.every, self.max_iterations = model, every, max_iterations
         self.history = []  # every Tuning so far
+        self.climbing = False  # whether the next batch is probed whatever the schedule
 
     @property
     def iterations(self):
@@ -287,16 +294,20 @@ class IterationTuner:
         return [p._solve_iterations for p in self.parts]
 
     def __call__(self, closure, batch: int) -> Optional[Tuning]:
-        if not audit_due(batch, self.every):
+        scheduled = audit_due(batch, self.every)
+        if not (scheduled or self.climbing):
             return None
         t0 = time.perf_counter()
         ran = [_iterations(p) for p in self.parts]
         probe = probe_gradients(self.model, closure)
         change, lower_change, counts = probe.change, None, ran
+        ended_climb, self.climbing = self.climbing, False
         if change > self.target:
             counts = [None if its is None else tuple(min(k + 1, self.max_iterations) for k in its)
                       for its in ran]
-        else:
+            self.climbing = any(k < self.max_iterations for its in counts if its is not None
+                                for k in its)
+        elif not ended_climb:
             lower = [None if its is None else tuple(max(k - 1, 1) for k in its) for its in ran]
             if lower != ran:
                 lower_change = _gradient_change(self.model, self.parts, closure, lower)

@@ -104,7 +104,8 @@ def add_lp_arguments(parser, *, levels=_DEFAULT.max_levels, cfactor=_DEFAULT.cfa
                    help="adaptive iterations aimed with the gradient probe: at --lp-probe-every's "
                         "batches (default 20 with this flag), probe the gradients and move every "
                         "solve's iterations by one toward the fewest whose probed error is at "
-                        "most E (layerbraid.IterationTuner); starts at --lp-fwd-iters / "
+                        "most E, probing every batch while a probe is above E "
+                        "(layerbraid.IterationTuner); starts at --lp-fwd-iters / "
                         "--lp-bwd-iters, at most 10; default: off")
     g.add_argument("--lp-smoothness", type=_nonneg_float, default=0.0, metavar="GAMMA",
                    help="add GAMMA times the depth-smoothness penalty (the squared change of "

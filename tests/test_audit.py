@@ -214,11 +214,51 @@ def test_tuner_lowers_by_the_change_of_one_iteration_fewer():
         m.free()
 
 
+def test_tuner_climbs_batch_by_batch_until_a_probe_meets_the_target():
+    """Above the target the tuner probes every batch, off its schedule, raising the counts by
+    one each time, until a probe meets the target (which ends the climb without trying one
+    fewer: that count has just failed) or every count is at max_iterations; the next scheduled
+    probe tries one fewer again.  The target is moved between batches to steer the states."""
+    model = net(MPI.COMM_SELF, steps=16, forward_options=opts(1), backward_options=opts(1))
+    x, y = batch(n=8, seed=2)
+    tuner = layerbraid.IterationTuner(model, 1e-12, every=50, max_iterations=4)
+    assert not tuner.climbing
+
+    def step(b):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        return tuner(lambda: F.cross_entropy(model(x), y), b)
+
+    t = step(100)  # scheduled, above the target: up by one, and climbing
+    assert t.ran == [(1, 1)] and t.iterations == [(2, 2)] and t.lower_change is None
+    assert t.change > 1e-12 and tuner.climbing
+    t = step(101)  # off the schedule: probed all the same, at the raised counts
+    assert t is not None and t.ran == [(2, 2)] and t.iterations == [(3, 3)] and tuner.climbing
+    tuner.target = 0.9
+    t = step(102)  # meets the target: the climb ends, one fewer is not tried
+    assert t.ran == [(3, 3)] and t.change <= 0.9
+    assert t.iterations == [(3, 3)] and t.lower_change is None and not tuner.climbing
+    assert step(103) is None  # back on the schedule: nothing runs
+    assert (model.forward_stats.iterations, model.backward_stats.iterations) == (3, 3)
+    t = step(150)  # scheduled and met: one fewer is tried, and kept
+    assert t.ran == [(3, 3)] and t.lower_change is not None and t.lower_change <= 0.9
+    assert t.iterations == [(2, 2)] and not tuner.climbing
+    tuner.target = 1e-12
+    t = step(200)  # a climb to the cap: the probe that reaches it ends the climb
+    assert t.iterations == [(3, 3)] and tuner.climbing
+    t = step(201)
+    assert t.iterations == [(4, 4)] and not tuner.climbing  # nothing left to raise
+    assert step(202) is None
+    assert len(tuner.history) == 6
+    model.free()
+
+
 @pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_tuned_iterations_meet_the_target_on_a_trained_amplifying_network():
     """24 ReLU conv steps trained with SGD with momentum, tuned to 1e-2 from 1/1 iterations:
-    the counts move one at a time, every later batch runs them, and the true error at the
+    the counts move one at a time, the batches probed are the schedule's and those of climbs,
+    every later batch runs the counts, and the true error at the
     tuned counts (audited on the batches between the probes) is within the probe's factor of
     the target at every audit after the first probes, on any rank count."""
     assert WORLD.Get_size() in (1, 3)
@@ -233,7 +273,10 @@ def test_tuned_iterations_meet_the_target_on_a_trained_amplifying_network():
         if tuner.iterations[0] is not None:  # every batch runs the tuned counts
             assert [(model.forward_stats.iterations, model.backward_stats.iterations)] == \
                 tuner.iterations
+        climbing = tuner.climbing
         t = tuner(lambda: F.cross_entropy(model(x), y), b)
+        # probed exactly where the schedule or a climb says so
+        assert (t is not None) == (layerbraid.audit_due(b, 6) or climbing), (b, climbing)
         if t is not None:
             tunings.append(t)
             assert all(abs(a - c) <= 1 for r, i in zip(t.ran, t.iterations)

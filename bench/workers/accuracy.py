@@ -13,8 +13,8 @@ first down-cycle relaxed), warm (fixed, with warm starts), warm1 (warm starts at
 adjoint iteration), adaptive (target_error=TARGET, at most 10 iterations per solve),
 adaptive_warm (adaptive, with warm starts), smooth (fixed, the loss plus GAMMA times the
 depth-smoothness penalty), tuned (iterations tuned to TARGET by ``layerbraid.IterationTuner``,
-probing every TUNE_EVERY batches, from 2 forward / 1 adjoint iteration, the first down-cycle
-skipped; the tuner's time is part of the batch's, as it is part of training), tuned_warm (tuned,
+probing every TUNE_EVERY batches and every batch while a probe is above the target, from 2
+forward / 1 adjoint iteration, the first down-cycle skipped; the tuner's time is part of the batch's, as it is part of training), tuned_warm (tuned,
 with warm starts).
 
 Every mode trains its own model from the same initial weights on the same batches, the modes
