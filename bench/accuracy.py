@@ -353,10 +353,10 @@ def _iterations(rows):
             statistics.mean(r["it_bwd"] for r in logged))
 
 
-def _tuned_sentence(m, tunings, seconds, target):
+def _tuned_sentence(m, tunings, seconds, target, measured):
     """What a tuned run's tuner did (its "tuning" rows): where its counts went, how often its
-    probe met the target, and its share of the training time (``seconds``, the tuner's
-    included)."""
+    probe met the target, its share of the training time (``seconds``, the tuner's
+    included), and where the measured batches (``measured``) above the target were."""
     counts = [tuple(t["iterations"][0]) for t in tunings if t["iterations"][0] is not None]
     start = [tuple(tunings[0]["ran"][0])] if tunings[0]["ran"][0] is not None else []
     met = sum(t["change"] <= target for t in tunings)
@@ -372,9 +372,23 @@ def _tuned_sentence(m, tunings, seconds, target):
             f"times, through " + ", ".join(f"{f}/{b}" for f, b in sorted(set(start + counts))))
     if counts:
         text += f", ending at {counts[-1][0]}/{counts[-1][1]}"
-    return text + (f" (forward/adjoint); at {met} of them ({100 * met / len(tunings):.0f}%) the "
-                   f"probe met the target {target:g} at the counts the batch ran; the tuner "
-                   f"took {100 * share:.0f}% of the training time.")
+    text += (f" (forward/adjoint); at {met} of them ({100 * met / len(tunings):.0f}%) the "
+             f"probe met the target {target:g} at the counts the batch ran; the tuner "
+             f"took {100 * share:.0f}% of the training time.")
+    probed = {(t["epoch"], t["batch"]) for t in tunings}
+    misses = [r for r in measured if r["grad_error"] > target]
+    between = [r["grad_error"] / target for r in misses if (r["epoch"], r["batch"]) not in probed]
+    if misses:
+        at_probe = len(misses) - len(between)
+        text += (f" Of the {len(misses)} measured batch(es) above the target, {at_probe} "
+                 f"{'was a probed batch' if at_probe == 1 else 'were probed batches'} (a probed "
+                 f"batch trains on "
+                 f"the gradients it probed: the counts change from the next batch)")
+        spread = (f"{min(between):.1f}-{max(between):.1f}x" if len(between) > 1 else
+                  f"{between[0]:.1f}x" if between else "")
+        text += (f" and {len(between)} lay between probes, at {spread} the target."
+                 if between else ".")
+    return text
 
 
 def _findings(example, ep, rows, plain, goal, target, tunings=None):
@@ -391,7 +405,8 @@ def _findings(example, ep, rows, plain, goal, target, tunings=None):
                        f"error is at most {target:g} at {100 * share:.0f}% of the {len(errs)} "
                        f"measured batches ({'at least' if share >= 0.9 else 'below'} 90%).")
     for m in (m for m in MODES if (tunings or {}).get(m)):
-        out.append(_tuned_sentence(m, tunings[m], sum(r["seconds"] for r in ep[m]), target))
+        out.append(_tuned_sentence(m, tunings[m], sum(r["seconds"] for r in ep[m]), target,
+                                   rows.get(m, [])))
     for warm, cold in (("warm", "fixed"), ("warm1", "fixed"), ("warm1", "relaxed1"),
                        ("adaptive_warm", "adaptive"), ("tuned_warm", "tuned"),
                        ("tuned", "adaptive")):
