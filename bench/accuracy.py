@@ -301,7 +301,8 @@ FINDINGS = f"""- The raw estimate is a solve's own error from its residuals (Not
   every logged batch above the floor, the first ones included.
 - The tuned modes aim their iterations with the probe (Note [tuned iterations] in
   layerbraid/audit.py): at each of their probes, above the target every solve gets one iteration
-  more and the next batch is probed as well, until a probe meets the target; at a scheduled
+  more, the batch trains on the probe's gradients (one iteration further) and the next batch
+  is probed as well, until a probe meets the target; at a scheduled
   probe at or below it the batch is solved once more with one fewer, from the cold guess, and
   the counts go down if that change meets the target.  Their time per batch includes the
   tuner's.
@@ -381,9 +382,9 @@ def _tuned_sentence(m, tunings, seconds, target, measured):
     if misses:
         at_probe = len(misses) - len(between)
         text += (f" Of the {len(misses)} measured batch(es) above the target, {at_probe} "
-                 f"{'was a probed batch' if at_probe == 1 else 'were probed batches'} (a probed "
-                 f"batch trains on "
-                 f"the gradients it probed: the counts change from the next batch)")
+                 f"{'was a probed batch' if at_probe == 1 else 'were probed batches'} (above "
+                 f"the target a probed batch trains on the probe's gradients, one iteration "
+                 f"further; the counts change from the next batch)")
         spread = (f"{min(between):.1f}-{max(between):.1f}x" if len(between) > 1 else
                   f"{between[0]:.1f}x" if between else "")
         text += (f" and {len(between)} lay between probes, at {spread} the target."

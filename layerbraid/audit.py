@@ -37,8 +37,10 @@ solve steps the whole network in sequence.
 Note [tuned iterations]: adaptive iterations aimed with the probe, the estimate that holds
 where the residuals' does not (docs/accuracy.md).  At the probe's batches (``audit_due``'s
 schedule) ``IterationTuner`` probes the batch: the change with one iteration more in every
-solve estimates the error at the counts the batch ran.  Above the target, every solve's count
-goes up by one, and the tuner climbs: it probes the next batch as well, whatever the schedule,
+solve estimates the error at the counts the batch ran.  Above the target, the batch trains on
+the probe's gradients instead of its own (they are one iteration further, so closer to the
+truth by the solves' contraction, and already paid for), every solve's count goes up by one,
+and the tuner climbs: it probes the next batch as well, whatever the schedule,
 and the one after, until a probe meets the target or every count is at ``max_iterations``; then
 it is back on the schedule.  So a network that starts to amplify pays for one batch per missing
 iteration above the target, not one probe interval.  At a scheduled probe that meets the target,
@@ -206,6 +208,11 @@ def probe_gradients(model, closure) -> GradientProbe:
     Returns:
         A :class:`GradientProbe`, the same on every rank.
     """
+    return _probe(model, closure)[0]
+
+
+def _probe(model, closure):
+    """``probe_gradients``, and the probe's gradients ({id(p): gradient})."""
     parts = _parts(model, "probe_gradients")
     iterations = [_iterations(p) for p in parts]
     comm, counted = counted_parameters(model)
@@ -221,7 +228,7 @@ def probe_gradients(model, closure) -> GradientProbe:
         num, den = allreduce_floats(comm, [num, den], "sum", "a gradient probe")
     change = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
     probed = [None if its is None else (its[0] + 1, its[1] + 1) for its in iterations]
-    return GradientProbe(change, probed, time.perf_counter() - t0)
+    return GradientProbe(change, probed, time.perf_counter() - t0), more
 
 
 @dataclass
@@ -230,7 +237,8 @@ class Tuning:
 
     Attributes:
         change: the probe at the counts the batch ran (``GradientProbe.change``): the estimate
-            of its gradients' relative error.
+            of its gradients' relative error.  Above the target the tuner left the probe's
+            gradients (one iteration more) in place of the batch's.
         lower_change: the gradients' relative change with one iteration fewer in every solve
             that runs more than one (from the cold guess): the error estimate at the lower
             counts; None where the tuner did not try them (``change`` above the target, a probe
@@ -258,8 +266,10 @@ class IterationTuner:
     batch's index counted over the whole run: ``tuner(lambda: loss_fn(model(x), y), batch)``.
     It probes (collective) at the batches ``audit_due(batch, every)`` names and, while it climbs
     (``climbing``: the last probe was above the target), at every batch, and returns a
-    :class:`Tuning`; at the others it returns None at no cost.  The gradients, buffers and solve
-    statistics it finds are the ones it leaves: the counts change from the next batch on.
+    :class:`Tuning`; at the others it returns None at no cost.  The buffers and solve
+    statistics it finds are the ones it leaves, and so are the gradients where the probe meets
+    the target; above it, the batch's gradients are replaced by the probe's (one iteration more
+    in every solve, closer to the truth).  The counts change from the next batch on.
 
     Args:
         model: a layer-parallel module or a model holding some; their solves must not use
@@ -299,7 +309,7 @@ class IterationTuner:
             return None
         t0 = time.perf_counter()
         ran = [_iterations(p) for p in self.parts]
-        probe = probe_gradients(self.model, closure)
+        probe, more = _probe(self.model, closure)
         change, lower_change, counts = probe.change, None, ran
         ended_climb, self.climbing = self.climbing, False
         if change > self.target:
@@ -307,6 +317,8 @@ class IterationTuner:
                       for its in ran]
             self.climbing = any(k < self.max_iterations for its in counts if its is not None
                                 for k in its)
+            for p in self.model.parameters():  # the batch trains on the probe's gradients
+                p.grad = more[id(p)]
         elif not ended_climb:
             lower = [None if its is None else tuple(max(k - 1, 1) for k in its) for its in ran]
             if lower != ran:

@@ -215,7 +215,8 @@ def test_tuner_lowers_by_the_change_of_one_iteration_fewer():
 
 
 def test_tuner_climbs_batch_by_batch_until_a_probe_meets_the_target():
-    """Above the target the tuner probes every batch, off its schedule, raising the counts by
+    """Above the target the tuner leaves the probe's gradients (one iteration more) for the
+    batch to train on, and probes every batch, off its schedule, raising the counts by
     one each time, until a probe meets the target (which ends the climb without trying one
     fewer: that count has just failed) or every count is at max_iterations; the next scheduled
     probe tries one fewer again.  The target is moved between batches to steer the states."""
@@ -232,6 +233,11 @@ def test_tuner_climbs_batch_by_batch_until_a_probe_meets_the_target():
     t = step(100)  # scheduled, above the target: up by one, and climbing
     assert t.ran == [(1, 1)] and t.iterations == [(2, 2)] and t.lower_change is None
     assert t.change > 1e-12 and tuner.climbing
+    # the batch trains on the probe's gradients: those of a copy solved at 2/2 iterations
+    more = net(MPI.COMM_SELF, steps=16, forward_options=opts(2), backward_options=opts(2))
+    F.cross_entropy(more(x), y).backward()
+    assert _relative_change(model, more) < ROUNDOFF
+    more.free()
     t = step(101)  # off the schedule: probed all the same, at the raised counts
     assert t is not None and t.ran == [(2, 2)] and t.iterations == [(3, 3)] and tuner.climbing
     tuner.target = 0.9
