@@ -164,8 +164,9 @@ def _probe_line(probes, seconds):
         return text + (f"; the probes took {100 * share:.0f}% on top of the epoch's training "
                        "time")
     counts = ", ".join("exact" if its is None else f"{its[0]}/{its[1]}" for its in tuned)
-    return text + (f"; --lp-tune-error set the iterations to {counts} (forward/adjoint), its "
-                   f"probes {100 * share:.0f}% of the epoch's training time")
+    return text + (f"; --lp-tune-error set the iterations to {counts} (forward/adjoint), "
+                   f"aiming the probe at {probes[-1]['aim']:.1e}, its probes "
+                   f"{100 * share:.0f}% of the epoch's training time")
 
 
 def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False, grid=None):
@@ -177,7 +178,9 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     audit_every = 0 if args.serial else getattr(args, "lp_audit_every", 0)
     probe_every = 0 if args.serial else getattr(args, "lp_probe_every", 0)
     tune = None if args.serial else getattr(args, "lp_tune_error", None)
-    tuner = layerbraid.IterationTuner(model, tune, every=probe_every) if tune else None
+    tuner = (layerbraid.IterationTuner(model, tune, every=probe_every,
+                                       margin=getattr(args, "lp_tune_margin", 2.0))
+             if tune else None)
     smoothness = getattr(args, "lp_smoothness", 0.0)
     device = torch.device(args.device)
     optimizer = make_optimizer(args, model.parameters())
@@ -232,7 +235,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                 if t is not None:
                     probes.append({"batch": b, "change": t.change, "iterations": t.ran,
                                    "lower_change": t.lower_change, "tuned": t.iterations,
-                                   "seconds": t.seconds})
+                                   "aim": t.aim, "seconds": t.seconds})
             elif layerbraid.audit_due(epoch * per_epoch + b, probe_every):
                 p = layerbraid.probe_gradients(model, lambda: objective()[1])
                 probes.append({"batch": b, "change": p.change, "iterations": p.iterations,

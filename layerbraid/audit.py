@@ -37,23 +37,28 @@ solve steps the whole network in sequence.
 Note [tuned iterations]: adaptive iterations aimed with the probe, the estimate that holds
 where the residuals' does not (docs/accuracy.md).  At the probe's batches (``audit_due``'s
 schedule) ``IterationTuner`` probes the batch: the change with one iteration more in every
-solve estimates the error at the counts the batch ran.  Above the target, the batch trains on
-the probe's gradients instead of its own (they are one iteration further, so closer to the
-truth by the solves' contraction, and already paid for), every solve's count goes up by one,
-and the tuner climbs: it probes the next batch as well, whatever the schedule,
-and the one after, until a probe meets the target or every count is at ``max_iterations``; then
-it is back on the schedule.  So a network that starts to amplify pays for one batch per missing
-iteration above the target, not one probe interval.  At a scheduled probe that meets the target,
-the tuner solves the batch once more with one iteration fewer in every solve that runs more
-than one, from the cold guess, and compares with the batch's gradients: that change is the
-probe the lower counts would get (``g_k - g_{k-1}``), so if it meets the target the counts go
-down by one; with warm starts it is an upper bound where they help (a cold solve at k - 1
-iterations, which the batch's own solution cannot measure).  The probe that ends a climb does
-not try one fewer (that count has just failed); the next scheduled probe does.  So the counts
-settle at the fewest whose probed error meets the target and follow the network as it trains.
-Between probes every solve runs exactly its count (no stopping rule).  The cost per probed
-batch: the probe, about (k + 1) / k times the batch's solves, and at most one more solve at
-k - 1 iterations.
+solve estimates the error at the counts the batch ran.  The tuner aims below the target, at
+``target / margin`` (the aim; margin 2 by default): the counts it settles at met the aim at a
+probe, but the network keeps training between probes and its error drifts, so the margin is
+the room for that drift (and for the probe's own factor against the truth) before the error
+crosses the target, paid for with an iteration more where the probe lies between the aim and
+the target.  Below, a probe "meets" the aim when it is at most the aim.  Above the aim, the
+batch trains on the probe's gradients instead of its own (they are one iteration further, so
+closer to the truth by the solves' contraction, and already paid for), every solve's count
+goes up by one, and the tuner climbs: it probes the next batch as well, whatever the
+schedule, and the one after, until a probe meets the aim or every count is at
+``max_iterations``; then it is back on the schedule.  So a network that starts to amplify
+pays for one batch per missing iteration above the aim, not one probe interval.  At a
+scheduled probe that meets the aim, the tuner solves the batch once more with one iteration
+fewer in every solve that runs more than one, from the cold guess, and compares with the
+batch's gradients: that change is the probe the lower counts would get (``g_k - g_{k-1}``),
+so if it meets the aim the counts go down by one; with warm starts it is an upper bound where
+they help (a cold solve at k - 1 iterations, which the batch's own solution cannot measure).
+The probe that ends a climb does not try one fewer (that count has just failed); the next
+scheduled probe does.  So the counts settle at the fewest whose probed error meets the aim
+and follow the network as it trains.  Between probes every solve runs exactly its count (no
+stopping rule).  The cost per probed batch: the probe, about (k + 1) / k times the batch's
+solves, and at most one more solve at k - 1 iterations.
 """
 import math
 import time
@@ -237,16 +242,17 @@ class Tuning:
 
     Attributes:
         change: the probe at the counts the batch ran (``GradientProbe.change``): the estimate
-            of its gradients' relative error.  Above the target the tuner left the probe's
+            of its gradients' relative error.  Above ``aim`` the tuner left the probe's
             gradients (one iteration more) in place of the batch's.
         lower_change: the gradients' relative change with one iteration fewer in every solve
             that runs more than one (from the cold guess): the error estimate at the lower
-            counts; None where the tuner did not try them (``change`` above the target, a probe
+            counts; None where the tuner did not try them (``change`` above the aim, a probe
             that ends a climb, or no solve above one iteration).
         ran: per layer-parallel part, the (forward, adjoint) iterations of the batch; None for
             a part that solves exactly.
         iterations: per part, the counts from the next batch on.
         seconds: the tuner's time at this batch (the probe and the lower solve).
+        aim: the probed error the tuner held the counts to (``target / margin``).
     """
 
     change: float
@@ -254,32 +260,36 @@ class Tuning:
     ran: list
     iterations: list
     seconds: float
+    aim: float
 
 
 class IterationTuner:
     """Adaptive iterations aimed with the gradient probe (Note [tuned iterations]): every
     layer-parallel solve of ``model`` runs a fixed number of iterations, which the tuner moves
-    by one at a time to the fewest whose probed gradient error is at most ``target``.
+    by one at a time to the fewest whose probed gradient error is at most the aim,
+    ``target / margin``, so that the true error stays below ``target`` between probes.
 
     Call it at every batch, after ``loss.backward()`` and before ``optimizer.step()``, on every
     rank of the layer group, with the batch's closure (as for ``probe_gradients``) and the
     batch's index counted over the whole run: ``tuner(lambda: loss_fn(model(x), y), batch)``.
     It probes (collective) at the batches ``audit_due(batch, every)`` names and, while it climbs
-    (``climbing``: the last probe was above the target), at every batch, and returns a
+    (``climbing``: the last probe was above the aim), at every batch, and returns a
     :class:`Tuning`; at the others it returns None at no cost.  The buffers and solve
     statistics it finds are the ones it leaves, and so are the gradients where the probe meets
-    the target; above it, the batch's gradients are replaced by the probe's (one iteration more
+    the aim; above it, the batch's gradients are replaced by the probe's (one iteration more
     in every solve, closer to the truth).  The counts change from the next batch on.
 
     Args:
         model: a layer-parallel module or a model holding some; their solves must not use
             ``target_error`` (the residuals' adaptive iterations), which this replaces.
-        target: the relative gradient error to aim at, in (0, 1), e.g. 1e-2.
+        target: the relative gradient error to stay below, in (0, 1), e.g. 1e-2.
         every: probe every ``every``-th batch (and the batches 0, 1, 2, 4, ... below it).
         max_iterations: the most iterations any solve is given.
+        margin: the tuner aims at ``target / margin`` (>= 1; 1 aims at the target itself).
     """
 
-    def __init__(self, model, target: float, *, every: int = 20, max_iterations: int = 10):
+    def __init__(self, model, target: float, *, every: int = 20, max_iterations: int = 10,
+                 margin: float = 2.0):
         from ._chain import _check_target
 
         self.parts = _parts(model, "IterationTuner")
@@ -293,9 +303,18 @@ class IterationTuner:
             if getattr(part, "target_error", None) is not None:
                 raise ValueError(f"IterationTuner replaces target_error, but a part of the model "
                                  f"has target_error={part.target_error!r}: build it without")
+        if (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                or not math.isfinite(margin) or margin < 1):
+            raise ValueError(f"IterationTuner's margin must be a number >= 1, got {margin!r}")
         self.model, self.every, self.max_iterations = model, every, max_iterations
+        self.margin = float(margin)
         self.history = []  # every Tuning so far
         self.climbing = False  # whether the next batch is probed whatever the schedule
+
+    @property
+    def aim(self):
+        """The probed error the tuner holds the counts to: ``target / margin``."""
+        return self.target / self.margin
 
     @property
     def iterations(self):
@@ -312,7 +331,7 @@ class IterationTuner:
         probe, more = _probe(self.model, closure)
         change, lower_change, counts = probe.change, None, ran
         ended_climb, self.climbing = self.climbing, False
-        if change > self.target:
+        if change > self.aim:
             counts = [None if its is None else tuple(min(k + 1, self.max_iterations) for k in its)
                       for its in ran]
             self.climbing = any(k < self.max_iterations for its in counts if its is not None
@@ -323,11 +342,12 @@ class IterationTuner:
             lower = [None if its is None else tuple(max(k - 1, 1) for k in its) for its in ran]
             if lower != ran:
                 lower_change = _gradient_change(self.model, self.parts, closure, lower)
-                if lower_change <= self.target:
+                if lower_change <= self.aim:
                     counts = lower
         for part, its in zip(self.parts, counts):
             part._solve_iterations = its
-        tuning = Tuning(change, lower_change, ran, list(counts), time.perf_counter() - t0)
+        tuning = Tuning(change, lower_change, ran, list(counts), time.perf_counter() - t0,
+                        self.aim)
         self.history.append(tuning)
         return tuning
 

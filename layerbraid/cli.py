@@ -101,12 +101,18 @@ def add_lp_arguments(parser, *, levels=_DEFAULT.max_levels, cfactor=_DEFAULT.cfa
                         "error meets its share of E (e.g. 1e-2), at most --lp-fwd-iters / "
                         "--lp-bwd-iters times (raise those, e.g. to 10); default: off")
     g.add_argument("--lp-tune-error", type=_fraction, default=None, metavar="E",
-                   help="adaptive iterations aimed with the gradient probe: at --lp-probe-every's "
-                        "batches (default 20 with this flag), probe the gradients and move every "
-                        "solve's iterations by one toward the fewest whose probed error is at "
-                        "most E, probing every batch while a probe is above E "
+                   help="adaptive iterations aimed with the gradient probe, to keep the true "
+                        "gradient error below E: at --lp-probe-every's batches (default 20 with "
+                        "this flag), probe the gradients and move every solve's iterations by "
+                        "one toward the fewest whose probed error is at most E / "
+                        "--lp-tune-margin, probing every batch while a probe is above that "
                         "(layerbraid.IterationTuner); starts at --lp-fwd-iters / "
                         "--lp-bwd-iters, at most 10; default: off")
+    g.add_argument("--lp-tune-margin", type=_number(float, lambda v: 1 <= v < _finite,
+                                                    "a number >= 1"),
+                   default=2.0, metavar="M",
+                   help="with --lp-tune-error E, aim the probed error at E / M, room for the "
+                        "error to drift between probes (default 2; 1 aims at E itself)")
     g.add_argument("--lp-smoothness", type=_nonneg_float, default=0.0, metavar="GAMMA",
                    help="add GAMMA times the depth-smoothness penalty (the squared change of "
                         "the weights from layer to layer, LayerParallelModule.depth_smoothness) "

@@ -197,7 +197,8 @@ def test_tuner_lowers_by_the_change_of_one_iteration_fewer():
     assert all(p.grad is g is None or torch.equal(p.grad, g)
                for p, g in zip(model.parameters(), grads))
     assert t.ran == [(3, 2)] and t.iterations == [(2, 1)] == tuner.iterations
-    assert t.change <= 0.9 and t.lower_change > 1e-4
+    assert tuner.aim == 0.45 and t.aim == 0.45  # the target over the default margin 2
+    assert t.change <= 0.45 and 1e-4 < t.lower_change <= 0.45
     ref = _relative_change(fewer, model)  # |g_2/1 - g_3/2| / |g_3/2|
     assert t.lower_change == pytest.approx(ref, rel=1e-9)
     assert WORLD.allgather(t.lower_change) == [t.lower_change] * WORLD.Get_size()
@@ -241,13 +242,13 @@ def test_tuner_climbs_batch_by_batch_until_a_probe_meets_the_target():
     t = step(101)  # off the schedule: probed all the same, at the raised counts
     assert t is not None and t.ran == [(2, 2)] and t.iterations == [(3, 3)] and tuner.climbing
     tuner.target = 0.9
-    t = step(102)  # meets the target: the climb ends, one fewer is not tried
-    assert t.ran == [(3, 3)] and t.change <= 0.9
+    t = step(102)  # meets the aim: the climb ends, one fewer is not tried
+    assert t.ran == [(3, 3)] and t.change <= 0.45
     assert t.iterations == [(3, 3)] and t.lower_change is None and not tuner.climbing
     assert step(103) is None  # back on the schedule: nothing runs
     assert (model.forward_stats.iterations, model.backward_stats.iterations) == (3, 3)
     t = step(150)  # scheduled and met: one fewer is tried, and kept
-    assert t.ran == [(3, 3)] and t.lower_change is not None and t.lower_change <= 0.9
+    assert t.ran == [(3, 3)] and t.lower_change is not None and t.lower_change <= 0.45
     assert t.iterations == [(2, 2)] and not tuner.climbing
     tuner.target = 1e-12
     t = step(200)  # a climb to the cap: the probe that reaches it ends the climb
@@ -259,14 +260,38 @@ def test_tuner_climbs_batch_by_batch_until_a_probe_meets_the_target():
     model.free()
 
 
+def test_the_tuner_holds_the_probe_to_the_target_over_its_margin():
+    """A probe below the target but above target / margin (the aim) raises the counts and
+    starts a climb, with the probe's gradients kept; with margin 1 the same probe meets the
+    target and nothing is raised.  The probe is the same deterministic solve both times."""
+    x, y = batch(n=8, seed=2)
+    changes = {}
+    for margin in (2.0, 1.0):
+        model = net(MPI.COMM_SELF, steps=16, forward_options=opts(1), backward_options=opts(1))
+        F.cross_entropy(model(x), y).backward()
+        p = layerbraid.probe_gradients(model, lambda: F.cross_entropy(model(x), y)).change
+        assert 1e-3 < p < 0.6, p
+        tuner = layerbraid.IterationTuner(model, 1.5 * p, every=4, margin=margin)
+        t = tuner(lambda: F.cross_entropy(model(x), y), 0)
+        changes[margin] = t.change
+        assert t.change == pytest.approx(p, rel=1e-9) and t.change <= tuner.target
+        assert t.aim == pytest.approx(1.5 * p / margin)
+        if margin == 2.0:  # above the aim: up by one, climbing
+            assert t.iterations == [(2, 2)] and tuner.climbing and t.lower_change is None
+        else:  # meets the aim; at 1/1 there is nothing lower to try
+            assert t.iterations == [(1, 1)] and not tuner.climbing and t.lower_change is None
+        model.free()
+    assert changes[2.0] == pytest.approx(changes[1.0], rel=1e-9)
+
+
 @pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
 def test_tuned_iterations_meet_the_target_on_a_trained_amplifying_network():
     """24 ReLU conv steps trained with SGD with momentum, tuned to 1e-2 from 1/1 iterations:
     the counts move one at a time, the batches probed are the schedule's and those of climbs,
-    every later batch runs the counts, and the true error at the
-    tuned counts (audited on the batches between the probes) is within the probe's factor of
-    the target at every audit after the first probes, on any rank count."""
+    every later batch runs the counts, and the true error at the tuned counts (audited on the
+    batches between the probes) is below the target at every audit after the first probes
+    (the tuner aims at half of it), on any rank count."""
     assert WORLD.Get_size() in (1, 3)
     model = net(WORLD, forward_options=opts(1), backward_options=opts(1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -288,14 +313,14 @@ def test_tuned_iterations_meet_the_target_on_a_trained_amplifying_network():
             assert all(abs(a - c) <= 1 for r, i in zip(t.ran, t.iterations)
                        for a, c in zip(r, i))
             if t.iterations != t.ran and t.lower_change is not None:
-                assert t.lower_change <= 1e-2  # lowered only where the lower counts meet it
+                assert t.lower_change <= tuner.aim  # lowered only where the lower counts meet it
         elif b > 12 and b % 3 == 0:
             errors.append((b, serial_error(model, x, y), tuner.iterations))
         opt.step()
     assert tunings[0].ran == [(1, 1)] and tunings[0].change > 1e-2  # 1/1 is not enough
     assert max(t.iterations[0][0] for t in tunings) >= 2
-    for b, err, its in errors:
-        assert err <= 1e-2 * CALIBRATED_FACTOR, (b, err, its, errors)
+    for b, err, its in errors:  # the margin is room for the probe's factor and the drift
+        assert err <= 1e-2, (b, err, its, errors)
     model.free()
 
 
@@ -303,7 +328,10 @@ def test_tuner_arguments_are_checked():
     model = net(MPI.COMM_SELF, steps=8)
     for bad, match in [(dict(target=None), "target"), (dict(target=0.0), "target_error"),
                        (dict(target=1.5), "target_error"), (dict(target=1e-2, every=0), "every"),
-                       (dict(target=1e-2, max_iterations=True), "max_iterations")]:
+                       (dict(target=1e-2, max_iterations=True), "max_iterations"),
+                       (dict(target=1e-2, margin=0.5), "margin"),
+                       (dict(target=1e-2, margin=float("nan")), "margin"),
+                       (dict(target=1e-2, margin="2"), "margin")]:
         with pytest.raises(ValueError, match=match):
             layerbraid.IterationTuner(model, **bad)
     adaptive = net(MPI.COMM_SELF, steps=8, target_error=1e-2)

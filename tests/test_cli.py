@@ -38,6 +38,8 @@ def test_tuned_iterations_probe_every_twenty_batches_unless_told():
     args = cli.parse_args(parser(), ["--lp-tune-error", "1e-2", "--lp-probe-every", "4"])
     assert args.lp_tune_error == 1e-2 and args.lp_probe_every == 4
     assert cli.parse_args(parser(), []).lp_tune_error is None
+    assert args.lp_tune_margin == 2.0
+    assert cli.parse_args(parser(), ["--lp-tune-margin", "1"]).lp_tune_margin == 1.0
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -51,6 +53,7 @@ def test_tuned_iterations_probe_every_twenty_batches_unless_told():
     (["--lp-target-error", "0"], ["--lp-target-error", "'0'"]),
     (["--lp-target-error", "2"], ["--lp-target-error", "'2'"]),
     (["--lp-tune-error", "1"], ["--lp-tune-error", "'1'"]),
+    (["--lp-tune-margin", "0.5"], ["--lp-tune-margin", "'0.5'"]),
     (["--lp-tune-error", "1e-2", "--lp-target-error", "1e-2"], ["--lp-tune-error",
                                                                "--lp-target-error"]),
     (["--steps", "0"], ["--steps", "'0'"]),
@@ -76,7 +79,7 @@ def test_help_explains_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--lp-levels", "--lp-cfactor", "--lp-fwd-iters", "--lp-bwd-iters", "--lp-tol",
                  "--lp-relax", "--lp-skip-downcycle", "--lp-cycle", "--lp-target-error",
-                 "--lp-tune-error", "--lp-probe-every",
+                 "--lp-tune-error", "--lp-tune-margin", "--lp-probe-every",
                  "--steps", "--channels",
                  "--t-final", "--batch-size", "--epochs", "--lr", "--optimizer", "--seed",
                  "--device", "--serial", "--max-batches", "--data-dir", "--checkpoint",

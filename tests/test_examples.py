@@ -101,22 +101,26 @@ def test_a_target_error_the_caps_cannot_reach_is_said_once_per_epoch(tmp_path):
 def test_tuned_iterations_follow_the_probe_and_are_recorded(tmp_path):
     """--lp-tune-error: from 1/1 iterations that skip the first down-cycle (a real error) over
     32 steps (8 C-points: 5 iterations are not yet exact), a target below float32 round-off
-    raises every solve's iterations by one at each probed batch, and the tuner climbs: it
+    (aimed at a quarter of it by --lp-tune-margin 4) raises every solve's iterations by one at
+    each probed batch, and the tuner climbs: it
     probes every batch (3 as well, off the schedule of 0, 1, 2, 4); the tunings are recorded as
     the batch's probes, and the next batches run the tuned counts."""
     proc = run(2, "mnist.py", "--lp-tune-error", "1e-9", "--lp-fwd-iters", 1, "--lp-bwd-iters",
                1, "--lp-skip-downcycle", "--steps", 32, "--epochs", 1, "--max-batches", 5,
                "--test-limit", 100,
-               "--out-dir", tmp_path, "--lp-audit-every", 0, "--lp-probe-every", 4)
+               "--out-dir", tmp_path, "--lp-audit-every", 0, "--lp-probe-every", 4,
+               "--lp-tune-margin", 4)
     hist = metrics(tmp_path)["history"]
     probes = hist[0]["probes"]
+    assert all(p["aim"] == pytest.approx(1e-9 / 4) for p in probes)
     assert [p["batch"] for p in probes] == [0, 1, 2, 3, 4]
     assert [p["iterations"] for p in probes] == [[[k, k]] for k in range(1, 6)]
     assert [p["tuned"] for p in probes] == [[[k, k]] for k in range(2, 7)]
     assert all(p["change"] > 1e-9 and p["lower_change"] is None for p in probes)
     assert hist[0]["tune_seconds"] == pytest.approx(sum(p["seconds"] for p in probes))
     assert hist[0]["probe_seconds"] == 0
-    assert proc.stdout.count("--lp-tune-error set the iterations to 6/6 (forward/adjoint)") == 1
+    assert proc.stdout.count("--lp-tune-error set the iterations to 6/6 (forward/adjoint), "
+                             "aiming the probe at 2.5e-10") == 1
 
 
 @pytest.mark.parametrize("flag, value, words", [

@@ -173,3 +173,33 @@ def test_the_accuracy_reports_default_modes_are_the_examples_defaults():
             "skip": re.search(r"first down-cycle \(default: (on|off)\)", text).group(1)}
         want = MODE_FLAGS[mode]
         assert {k: stated[k] for k in want} == want, (example, mode, stated)
+
+
+def test_the_accuracy_reports_tuned_sentence_counts_from_the_rows():
+    """A tuned run's sentence is computed from its tuning rows and measured batches: probes
+    judged against the aim the rows carry, misses split into probed batches and batches
+    between probes, with their error over the target."""
+    if not (ROOT / "bench" / "accuracy.py").exists():
+        pytest.skip("bench/ is not part of an installed wheel")
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.accuracy import _tuned_sentence
+    finally:
+        sys.path.remove(str(ROOT))
+
+    def tuning(batch, change, ran, its):
+        return dict(epoch=1, batch=batch, change=change, ran=[list(ran)],
+                    iterations=[list(its)], aim=5e-3, seconds=0.5)
+
+    tunings = [tuning(0, 2e-2, (2, 1), (3, 2)), tuning(1, 7e-3, (3, 2), (4, 3)),
+               tuning(2, 3e-3, (4, 3), (4, 3)), tuning(20, 4e-3, (4, 3), (4, 3))]
+    measured = [dict(epoch=1, batch=b, grad_error=e)
+                for b, e in [(1, 1.5e-2), (5, 2e-3), (10, 1.2e-2), (15, 2.5e-2), (20, 1e-3)]]
+    text = _tuned_sentence("tuned", tunings, 20.0, 1e-2, measured)
+    assert "probed 4 batches (2 of them the batch after a probe that raised the counts)" in text
+    assert "moved the iterations 2 times, through 2/1, 3/2, 4/3, ending at 4/3" in text
+    assert "at 2 of them (50%) the probe met the aim 0.005 (the target 0.01 over the margin 2)" \
+        in text
+    assert "the tuner took 10% of the training time" in text
+    assert "Of the 3 measured batch(es) above the target, 1 was a probed batch" in text
+    assert "and 2 lay between probes, at 1.2-2.5x the target." in text

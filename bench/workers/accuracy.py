@@ -13,7 +13,8 @@ first down-cycle relaxed), warm (fixed, with warm starts), warm1 (warm starts at
 adjoint iteration), adaptive (target_error=TARGET, at most 10 iterations per solve),
 adaptive_warm (adaptive, with warm starts), smooth (fixed, the loss plus GAMMA times the
 depth-smoothness penalty), tuned (iterations tuned to TARGET by ``layerbraid.IterationTuner``,
-probing every TUNE_EVERY batches and every batch while a probe is above the target, from 2
+aiming the probe at TARGET / 2 (its default margin), probing every TUNE_EVERY batches and
+every batch while a probe is above that aim, from 2
 forward / 1 adjoint iteration, the first down-cycle skipped; the tuner's time is part of the batch's, as it is part of training), tuned_warm (tuned,
 with warm starts).
 
@@ -221,7 +222,7 @@ def main():
                     emit(dict(kind="tuning", mode=m, epoch=epoch + 1, batch=b,
                               change=tuning.change, lower_change=tuning.lower_change,
                               ran=tuning.ran, iterations=tuning.iterations,
-                              seconds=tuning.seconds))
+                              aim=tuning.aim, seconds=tuning.seconds))
                 if m != "serial" and layerbraid.audit_due(epoch * per_epoch + b, audit_every):
                     solves = _raw_solves(model)
                     a = layerbraid.audit_gradients(model, lambda: objective()[1])
