@@ -77,7 +77,9 @@ OUT = DOCS / "accuracy"
 
 def measure(only=None):
     """Runs every example, all its modes in one job (``only``: those EXAMPLE or EXAMPLE/MODE
-    runs, each job with serial, the pairing reference, kept beside the stored runs)."""
+    runs, each job with serial, the pairing reference, kept beside the stored runs).  A stored
+    run that is not rerun keeps the serial run of its own job as its pairing reference
+    (``references``): its batches were timed beside that one, not beside the new serial's."""
     path = OUT.with_suffix(".json")
     data = json.loads(path.read_text()) if only and path.exists() else {"target": TARGET, "runs": {}}
     for example, cfg in RUNS.items():
@@ -92,6 +94,7 @@ def measure(only=None):
                       TARGET, cfg["max_batches"], cfg["audit_every"], GAMMA, echo=False,
                       timeout=4 * 3600)
         when = provenance()
+        keep_references(data, example, modes)
         for m in modes:
             data["runs"][f"{example}/{m}"] = [r for r in rows if r.get("mode") == m]
             data.setdefault("measured", {})[f"{example}/{m}"] = when
@@ -100,6 +103,33 @@ def measure(only=None):
                   flush=True)
         OUT.with_suffix(".json").write_text(json.dumps(data, indent=1))
     return data
+
+
+def keep_references(data, example, rerun):
+    """Before ``rerun`` (modes of ``example``, serial among them) replace their stored runs:
+    every stored run of the example that stays keeps the serial run measured in its own job
+    (the same provenance) as its pairing reference, unless it has one already; a rerun run
+    pairs with the new serial and drops its old reference."""
+    refs = data.setdefault("references", {})
+    measured = data.get("measured", {})
+    old_serial = data["runs"].get(f"{example}/serial")
+    for m in MODES:
+        key = f"{example}/{m}"
+        if m == "serial" or key not in data["runs"]:
+            continue
+        if m in rerun:
+            refs.pop(key, None)
+        elif key not in refs and old_serial and \
+                measured.get(key) == measured.get(f"{example}/serial"):
+            refs[key] = old_serial
+
+
+def references(data, example, ep):
+    """Per mode of ``example`` (its epochs ``ep``), the epochs of the serial run its batches
+    were timed beside: its own job's (``references``), else the stored serial run."""
+    refs = data.get("references", {})
+    return {m: [r for r in refs[f"{example}/{m}"] if r["kind"] == "epoch"]
+            if f"{example}/{m}" in refs else ep["serial"] for m in ep}
 
 
 def paired(epochs_a, epochs_b):
@@ -160,7 +190,7 @@ def report(data):
             continue
         ep = {m: [r for r in rows if r["kind"] == "epoch"] for m, rows in runs.items() if rows}
         rows = {m: [r for r in runs[m] if r["kind"] in ("batch", "audit")] for m in ep}
-        plain = statistics.mean(r["seconds"] for r in ep["serial"])
+        refs = references(data, example, ep)
         goal = ep["serial"][-1]["test_accuracy"] - 0.01
         lines += [f"## {example} ({len(ep['serial'])} epoch(s), {ep['serial'][0]['batches']} "
                   "batches each)", "",
@@ -179,11 +209,12 @@ def report(data):
             sec = statistics.mean(secs)
             reach = time_to(ep[m], goal)
             per_batch = [t for r in ep[m] for t in r.get("batch_seconds", [])]
-            pairs = paired(ep["serial"], ep[m]) if m != "serial" else None
+            pairs = paired(refs[m], ep[m]) if m != "serial" else None
+            ref_sec = statistics.mean(r["seconds"] for r in refs[m])
             row = [f"{m} (the default)" if DEFAULTS.get(example) == m else m,
                    f"{sec:.1f} ({min(secs):.1f}-{max(secs):.1f})",
                    quartiles(per_batch, ".3f") if per_batch else "-",
-                   f"{plain / sec:.2f}; " + (quartiles(pairs) + _same(pairs) if pairs else
+                   f"{ref_sec / sec:.2f}; " + (quartiles(pairs) + _same(pairs) if pairs else
                                              "1 (the reference)" if m == "serial" else "-"),
                    f"{100 * ep[m][-1]['test_accuracy']:.2f}%",
                    f"{reach:.0f} s" if reach is not None else "not reached"]
@@ -209,7 +240,7 @@ def report(data):
         lines += ["", _measured(data.get("measured", {}), example, list(ep)),
                   "", f"![true error and estimate per logged batch]({OUT.name}_{example}.png)", ""]
         tunings = {m: [r for r in runs[m] if r["kind"] == "tuning"] for m in ep}
-        lines += _findings(example, ep, rows, plain, goal, target, tunings) + [""]
+        lines += _findings(example, ep, rows, refs, goal, target, tunings) + [""]
         _plot(example, rows, target)
     lines += _replayed(data) + ["## Reading it", "", FINDINGS]
     return lines
@@ -343,6 +374,8 @@ def _measured(measured, example, modes):
                  if diff.returncode == 0 else
                  ".  The library or the examples differ between these commits"
                  if diff.returncode == 1 else ".  (git could not compare the commits)")
+        text += (".  Each run's speedups are paired with the plain PyTorch (serial) run of its "
+                 "own job, measured beside it")
     return f"Runs measured: {text}."
 
 
@@ -396,8 +429,9 @@ def _tuned_sentence(m, tunings, seconds, target, measured):
     return text
 
 
-def _findings(example, ep, rows, plain, goal, target, tunings=None):
-    """Sentences computed from this example's runs."""
+def _findings(example, ep, rows, refs, goal, target, tunings=None):
+    """Sentences computed from this example's runs (``refs``: each mode's serial run, its
+    pairing reference)."""
     out = []
     sec = {m: statistics.mean(r["seconds"] for r in ep[m]) for m in ep}
     acc = {m: ep[m][-1]["test_accuracy"] for m in ep}
@@ -416,10 +450,18 @@ def _findings(example, ep, rows, plain, goal, target, tunings=None):
                        ("adaptive_warm", "adaptive"), ("tuned_warm", "tuned"),
                        ("tuned", "adaptive")):
         if warm in sec and cold in sec and its.get(warm) and its.get(cold):
-            ratio = paired(ep[warm], ep[cold])  # warm's time over cold's, batch by batch
-            per_batch = (f", {quartiles(ratio)}x per batch (median [quartiles], paired)"
+            if refs[warm] is refs[cold]:  # one job: warm's time over cold's, batch by batch
+                ratio, how = paired(ep[warm], ep[cold]), "paired"
+                epochs = sec[warm] / sec[cold]
+            else:  # two jobs: each against its own job's plain PyTorch, batch by batch
+                sw, sc = paired(refs[warm], ep[warm]), paired(refs[cold], ep[cold])
+                ratio = [c / w for w, c in zip(sw, sc)] if sw and sc else None
+                how = "each paired with its own job's plain PyTorch: measured in two jobs"
+                epochs = (sec[warm] / _mean_seconds(refs[warm])) / \
+                    (sec[cold] / _mean_seconds(refs[cold]))
+            per_batch = (f", {quartiles(ratio)}x per batch (median [quartiles], {how})"
                          if ratio else "")
-            out.append(f"- {warm} costs {sec[warm] / sec[cold]:.2f}x {cold}'s time per epoch"
+            out.append(f"- {warm} costs {epochs:.2f}x {cold}'s time per epoch"
                        f"{per_batch} "
                        f"({its[warm][0]:.1f} / {its[warm][1]:.1f} against {its[cold][0]:.1f} / "
                        f"{its[cold][1]:.1f} iterations); its median true gradient error is "
@@ -441,21 +483,24 @@ def _findings(example, ep, rows, plain, goal, target, tunings=None):
                        f"({100 * pok / pn:.0f}%, no calibration), so it {verdict} the 90%; a "
                        f"probe took {p_sec:.2f} s, an exact measurement of the same batch "
                        f"{a_sec:.2f} s.")
-    out += _advice(example, ep, rows, acc, goal, target)
+    out += _advice(example, ep, rows, refs, acc, goal, target)
     return [f"### {example}: what the run shows", ""] + out
 
 
-def _speed(ep, m):
-    """A mode's speedup: the median of its paired per-batch speedups, else plain PyTorch's time
-    per epoch over its."""
-    pairs = paired(ep["serial"], ep[m])
+def _mean_seconds(epochs):
+    return statistics.mean(r["seconds"] for r in epochs)
+
+
+def _speed(ep, m, refs):
+    """A mode's speedup: the median of its per-batch speedups paired with its own job's plain
+    PyTorch (``refs[m]``), else that run's time per epoch over its."""
+    pairs = paired(refs[m], ep[m])
     if pairs:
         return statistics.median(pairs)
-    return statistics.mean(r["seconds"] for r in ep["serial"]) / \
-        statistics.mean(r["seconds"] for r in ep[m])
+    return _mean_seconds(refs[m]) / _mean_seconds(ep[m])
 
 
-def _advice(example, ep, rows, acc, goal, target):
+def _advice(example, ep, rows, refs, acc, goal, target):
     """Which mode to use, from the data: the fastest that trains like serial (final test
     accuracy within 1 point of serial's or above, and the true gradient error at most
     ``target`` at 90% or more of the measured batches); the fastest MGRIT mode among them
@@ -468,25 +513,25 @@ def _advice(example, ep, rows, acc, goal, target):
         return bool(errs) and sum(e <= target for e in errs) >= 0.9 * len(errs)
 
     def said(m):
-        return (f"{m} (speedup per batch {_speed(ep, m):.2f} on 2 ranks, final test accuracy "
-                f"{100 * acc[m]:.2f}%)")
+        return (f"{m} (speedup per batch {_speed(ep, m, refs):.2f} on 2 ranks, final test "
+                f"accuracy {100 * acc[m]:.2f}%)")
 
     out = []
     good = [m for m in close if accurate(m)]
     if good:
-        best = max(good, key=lambda m: _speed(ep, m))
+        best = max(good, key=lambda m: _speed(ep, m, refs))
         out.append(f"- Use {said(best)}: the fastest of the modes that train like serial here "
                    f"(final test accuracy within 1 point of serial's {100 * acc['serial']:.2f}% "
                    f"or above, true gradient error at most {target:g} at 90% or more of the "
                    f"measured batches): {', '.join(good)}.")
         mgrit = [m for m in good if m != "exact"]
         if best == "exact" and mgrit:
-            fast = max(mgrit, key=lambda m: _speed(ep, m))
+            fast = max(mgrit, key=lambda m: _speed(ep, m, refs))
             out.append(f"- The fastest MGRIT mode (2 or more levels) among them: {said(fast)}; "
                        "on 2 ranks MGRIT's iterations cost more than the exact pipeline saves, "
                        "they pay on more ranks (docs/scaling.md).")
     elif close:
-        best = max(close, key=lambda m: _speed(ep, m))
+        best = max(close, key=lambda m: _speed(ep, m, refs))
         out.append(f"- No mode met both bars (final test accuracy within 1 point of serial's "
                    f"{100 * acc['serial']:.2f}%, true gradient error at most {target:g} at 90% "
                    f"of the measured batches); within 1 point: {', '.join(close)}.  Use "

@@ -203,3 +203,34 @@ def test_the_accuracy_reports_tuned_sentence_counts_from_the_rows():
     assert "the tuner took 10% of the training time" in text
     assert "Of the 3 measured batch(es) above the target, 1 was a probed batch" in text
     assert "and 2 lay between probes, at 1.2-2.5x the target." in text
+
+
+def test_a_rerun_keeps_each_stored_runs_own_pairing_reference():
+    """`bench.accuracy --only` replaces serial: the runs it does not rerun keep the serial run
+    of their own job as their pairing reference (their batches were timed beside it); the
+    rerun ones pair with the new serial, and a second rerun keeps the first reference."""
+    if not (ROOT / "bench" / "accuracy.py").exists():
+        pytest.skip("bench/ is not part of an installed wheel")
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.accuracy import keep_references, references
+    finally:
+        sys.path.remove(str(ROOT))
+
+    def run(seconds):
+        return [dict(kind="epoch", seconds=seconds, batch_seconds=[seconds / 2] * 2)]
+
+    job_a, job_b = dict(commit="a", date="1"), dict(commit="b", date="2")
+    data = {"runs": {"mnist/serial": run(1.0), "mnist/exact": run(1.1), "mnist/tuned": run(2.0)},
+            "measured": {"mnist/serial": job_a, "mnist/exact": job_a, "mnist/tuned": job_a}}
+    keep_references(data, "mnist", ["serial", "tuned"])
+    data["runs"].update({"mnist/serial": run(1.5), "mnist/tuned": run(2.5)})
+    data["measured"].update({"mnist/serial": job_b, "mnist/tuned": job_b})
+    ep = {m: [r for r in data["runs"][f"mnist/{m}"] if r["kind"] == "epoch"]
+          for m in ("serial", "exact", "tuned")}
+    refs = references(data, "mnist", ep)
+    assert refs["exact"][0]["seconds"] == 1.0  # its own job's serial
+    assert refs["tuned"] is ep["serial"] and refs["serial"] is ep["serial"]
+    keep_references(data, "mnist", ["serial", "tuned"])  # again: exact keeps job a's
+    assert data["references"]["mnist/exact"][0]["seconds"] == 1.0
+    assert "mnist/tuned" not in data["references"]
