@@ -1,7 +1,7 @@
 """When is layer-parallel training faster than plain PyTorch, and what does layerbraid add on
 top of the layers' own work?  Writes docs/performance.md and its raw data, performance.json.
 
-    python -m bench.performance                  # the whole report (about 15 minutes here)
+    python -m bench.performance                  # the whole report (about 20 minutes here)
     python -m bench.performance --rounds 2       # shorter
     python -m bench.performance --report         # rewrite the .md from the .json
 
@@ -164,7 +164,7 @@ def measure(a):
 
 def main(argv=None):
     p = parser(__doc__)
-    p.add_argument("--rounds", type=int, default=pick(4, 1), help="interleaved rounds")
+    p.add_argument("--rounds", type=int, default=pick(6, 1), help="interleaved rounds")
     p.add_argument("--batches", type=int, default=pick(15, 2),
                    help="timed batches per demo job (median taken)")
     p.add_argument("--repeats", type=int, default=pick(4, 1),
