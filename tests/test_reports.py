@@ -1,5 +1,6 @@
 """The reports under docs/ and the code they measure: the suite says which are stale."""
 import ast
+import importlib
 import re
 import subprocess
 import sys
@@ -37,16 +38,20 @@ def test_every_report_has_its_command_and_the_stale_ones_are_listed():
         assert "no stale report" in out.stdout or "no git history" in out.stdout, out.stdout
 
 
-def _bench_reports():
-    """bench/reports.py as a module (skips where bench/ is not next to the tests)."""
-    if not (ROOT / "bench" / "reports.py").exists():
+def _bench(name="reports"):
+    """bench/NAME.py as a module (skips where bench/ is not next to the tests)."""
+    if not (ROOT / "bench" / f"{name}.py").exists():
         pytest.skip("bench/ is not next to the tests")
     sys.path.insert(0, str(ROOT))
     try:
-        import bench.reports
+        return importlib.import_module(f"bench.{name}")
     finally:
         sys.path.remove(str(ROOT))
-    return bench.reports
+
+
+def _bench_reports():
+    """bench/reports.py as a module (skips where bench/ is not next to the tests)."""
+    return _bench("reports")
 
 
 def test_every_worker_a_report_launches_is_code_it_measures():
@@ -147,13 +152,8 @@ def test_every_report_generator_runs_in_quick_mode(tmp_path):
 def test_the_accuracy_reports_default_modes_are_the_examples_defaults():
     """docs/accuracy.md marks each example's default mode (bench/accuracy.py DEFAULTS): the
     iterations and first down-cycle that the example's --help states are that mode's."""
-    if not (ROOT / "bench" / "accuracy.py").exists():
-        pytest.skip("bench/ is not next to the tests")
-    sys.path.insert(0, str(ROOT))
-    try:
-        from bench.accuracy import DEFAULTS, MODE_FLAGS
-    finally:
-        sys.path.remove(str(ROOT))
+    accuracy = _bench("accuracy")
+    DEFAULTS, MODE_FLAGS = accuracy.DEFAULTS, accuracy.MODE_FLAGS
     scripts = {"mnist": "mnist.py", "volumes3d": "volumes3d.py",
                "sequence": "sequence_classification.py"}
     assert set(DEFAULTS) == set(scripts)
@@ -179,13 +179,8 @@ def test_the_accuracy_reports_tuned_sentence_counts_from_the_rows():
     """A tuned run's sentence is computed from its tuning rows and measured batches: probes
     judged against the aim the rows carry, misses split into probed batches and batches
     between probes, with their error over the target."""
-    if not (ROOT / "bench" / "accuracy.py").exists():
-        pytest.skip("bench/ is not part of an installed wheel")
-    sys.path.insert(0, str(ROOT))
-    try:
-        from bench.accuracy import _tuned_sentence
-    finally:
-        sys.path.remove(str(ROOT))
+    accuracy = _bench("accuracy")
+    _tuned_sentence = accuracy._tuned_sentence
 
     def tuning(batch, change, ran, its):
         return dict(epoch=1, batch=batch, change=change, ran=[list(ran)],
@@ -209,13 +204,8 @@ def test_a_rerun_keeps_each_stored_runs_own_pairing_reference():
     """`bench.accuracy --only` replaces serial: the runs it does not rerun keep the serial run
     of their own job as their pairing reference (their batches were timed beside it); the
     rerun ones pair with the new serial, and a second rerun keeps the first reference."""
-    if not (ROOT / "bench" / "accuracy.py").exists():
-        pytest.skip("bench/ is not part of an installed wheel")
-    sys.path.insert(0, str(ROOT))
-    try:
-        from bench.accuracy import keep_references, references
-    finally:
-        sys.path.remove(str(ROOT))
+    accuracy = _bench("accuracy")
+    keep_references, references = accuracy.keep_references, accuracy.references
 
     def run(seconds):
         return [dict(kind="epoch", seconds=seconds, batch_seconds=[seconds / 2] * 2)]
