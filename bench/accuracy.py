@@ -19,9 +19,9 @@ forward / 1 adjoint iteration), smooth (fixed, the loss plus 0.1 times the depth
 penalty, ``LayerParallelModule.depth_smoothness``), adaptive (target_error 1e-2, at most 10
 iterations per solve), adaptive_warm (adaptive with warm starts), tuned (``IterationTuner`` at
 1e-2 with its default margin 2: from fixed's counts, every 20 batches the probe moves every
-solve's iterations by one toward the fewest whose probed error is at most the aim, 1e-2 / 2,
-and above the aim it probes every batch until a probe meets it; the tuner's time counts as
-training's)
+solve's iterations to the fewest whose probed error is at most the aim, 1e-2 / 2: down by one,
+or above the aim up within the batch, one iteration at a time, until one more changes the
+gradients by no more than the aim; the tuner's time counts as training's)
 and tuned_warm (tuned with warm starts); the GRU has no warm starts or penalty (its steps share
 their weights), and volumes3d no relaxed1.  The example's default
 mode is marked.  The modes take turns batch by batch (bench/workers/accuracy.py), so each
@@ -332,12 +332,12 @@ FINDINGS = f"""- The raw estimate is a solve's own error from its residuals (Not
   by q per iteration, with no assumption about the steps and no calibration.  It is judged at
   every logged batch above the floor, the first ones included.
 - The tuned modes aim their iterations with the probe (Note [tuned iterations] in
-  layerbraid/audit.py): at each of their probes, above the target every solve gets one iteration
-  more, the batch trains on the probe's gradients (one iteration further) and the next batch
-  is probed as well, until a probe meets the target; at a scheduled
-  probe at or below it the batch is solved once more with one fewer, from the cold guess, and
-  the counts go down if that change meets the target.  Their time per batch includes the
-  tuner's.
+  layerbraid/audit.py): at each of their probes, above the aim the tuner climbs within the
+  batch (it solves the batch again with one iteration more in every solve, and again, until
+  one more iteration changes the gradients by no more than the aim; the counts become the
+  fewest that met it, and the batch trains on the climb's last solve); at a probe at or below
+  the aim the batch is solved once more with one fewer, from the cold guess, and the counts go
+  down if that change meets the aim.  Their time per batch includes the tuner's.
 - An audit costs one exact forward and backward of the batch: about plain PyTorch's time for it,
   spread over the ranks as a pipeline.  A probe costs one layer-parallel forward and backward at
   one iteration more than the batch's."""
@@ -399,12 +399,10 @@ def _tuned_sentence(m, tunings, seconds, target, measured):
     moves = sum(t["ran"][0] is not None and tuple(t["ran"][0]) != tuple(t["iterations"][0])
                 for t in tunings)
     share = sum(t["seconds"] for t in tunings) / max(seconds, 1e-9)
-    # a probe right after one that raised the counts is a climb's (off the schedule or on it)
-    climbs = sum(a["change"] > aim and a["ran"][0] is not None
-                 and tuple(a["ran"][0]) != tuple(a["iterations"][0])
-                 for a in tunings[:-1])
-    text = (f"- {m}: the tuner probed {len(tunings)} batches ({climbs} of them the batch after "
-            f"a probe that raised the counts) and moved the iterations {moves} "
+    climbs = [t for t in tunings if t["change"] > aim]
+    solves = sum(len(t.get("climb", [])) for t in climbs)
+    text = (f"- {m}: the tuner probed {len(tunings)} batches, climbed at {len(climbs)} of them "
+            f"({solves} solve(s) beyond the probes) and moved the iterations {moves} "
             f"times, through " + ", ".join(f"{f}/{b}" for f, b in sorted(set(start + counts))))
     if counts:
         text += f", ending at {counts[-1][0]}/{counts[-1][1]}"
@@ -420,8 +418,8 @@ def _tuned_sentence(m, tunings, seconds, target, measured):
         at_probe = len(misses) - len(between)
         text += (f" Of the {len(misses)} measured batch(es) above the target, {at_probe} "
                  f"{'was a probed batch' if at_probe == 1 else 'were probed batches'} (above "
-                 f"the aim a probed batch trains on the probe's gradients, one iteration "
-                 f"further; the counts change from the next batch)")
+                 f"the aim a probed batch trains on the gradients of its climb's last "
+                 f"solve)")
         spread = (f"{min(between):.1f}-{max(between):.1f}x" if len(between) > 1 else
                   f"{between[0]:.1f}x" if between else "")
         text += (f" and {len(between)} lay between probes, at {spread} the target."

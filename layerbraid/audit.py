@@ -43,26 +43,31 @@ probe, but the network keeps training between probes and its error drifts, so th
 the room for that drift (and for the probe's own factor against the truth) before the error
 crosses the target, paid for with an iteration more where the probe lies between the aim and
 the target.  Below, a probe "meets" the aim when it is at most the aim.  Above the aim, the
-batch trains on the probe's gradients instead of its own (they are one iteration further, so
-closer to the truth by the solves' contraction, and already paid for), every solve's count
-goes up by one, and the tuner climbs: it probes the next batch as well, whatever the
-schedule, and the one after, until a probe meets the aim or every count is at
-``max_iterations``; then it is back on the schedule.  So a network that starts to amplify
-pays for one batch per missing iteration above the aim, not one probe interval.  At a
-scheduled probe that meets the aim, the tuner solves the batch once more with one iteration
-fewer in every solve that runs more than one, from the cold guess, and compares with the
-batch's gradients: that change is the probe the lower counts would get (``g_k - g_{k-1}``),
-so if it meets the aim the counts go down by one; with warm starts it is an upper bound where
-they help (a cold solve at k - 1 iterations, which the batch's own solution cannot measure).
-The probe that ends a climb does not try one fewer (that count has just failed); the next
-scheduled probe does.  So the counts settle at the fewest whose probed error meets the aim
-and follow the network as it trains.  Between probes every solve runs exactly its count (no
+tuner climbs within the batch: it has the gradients at k + 1 iterations (the probe's), solves
+the batch again at k + 2 and compares (``g_{k+2} - g_{k+1}``, the estimate at k + 1), and so
+on, one iteration more each time, until a change meets the aim or every count is at
+``max_iterations``; the counts become the fewest whose change met the aim, and the batch
+trains on the climb's last solve (one iteration further still, and already paid for), whose
+solve statistics and warm-start states become the model's as well, so that an audit of the
+batch, its logged iterations and the next warm start describe the gradients it trains on.
+An earlier version climbed one count per batch, probing every batch until a probe met the
+aim; the batches of such a climb trained on gradients that had not met it (on the GRU of
+docs/accuracy.md, its first three batches, whose true error was 0.2-0.95 while the counts
+climbed from 2/1 to 8/7).  At a probe that meets the aim, the tuner solves the batch once more
+with one iteration fewer in every solve that runs more than one, from the cold guess, and
+compares with the batch's gradients: that change is the probe the lower counts would get
+(``g_k - g_{k-1}``), so if it meets the aim the counts go down by one; with warm starts it is
+an upper bound where they help (a cold solve at k - 1 iterations, which the batch's own
+solution cannot measure).  A climb does not try one fewer (that count has just failed); the
+next probe does.  So the counts settle at the fewest whose probed error meets the aim and
+follow the network as it trains.  Between probes every solve runs exactly its count (no
 stopping rule).  The cost per probed batch: the probe, about (k + 1) / k times the batch's
-solves, and at most one more solve at k - 1 iterations.
+solves, and at most one more solve at k - 1 iterations; a climb of j counts costs j solves
+more, at k + 2, ..., k + j + 1 iterations.
 """
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -217,23 +222,16 @@ def probe_gradients(model, closure) -> GradientProbe:
 
 
 def _probe(model, closure):
-    """``probe_gradients``, and the probe's gradients ({id(p): gradient})."""
+    """``probe_gradients``, the probe's gradients ({id(p): gradient}) and what its solves
+    left per part (``_solve_at``)."""
     parts = _parts(model, "probe_gradients")
-    iterations = [_iterations(p) for p in parts]
-    comm, counted = counted_parameters(model)
+    probed = [None if its is None else (its[0] + 1, its[1] + 1)
+              for its in (_iterations(p) for p in parts)]
     t0 = time.perf_counter()
-
-    def probing(on):
-        for part, its in zip(parts, iterations):
-            part._solve_probe = (its[0] + 1, its[1] + 1) if on and its is not None else None
-
-    more = _gradients_with(model, parts, closure, probing)
-    num, den, _ = _difference(counted, more)
-    if comm is not None and comm.Get_size() > 1:
-        num, den = allreduce_floats(comm, [num, den], "sum", "a gradient probe")
-    change = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
-    probed = [None if its is None else (its[0] + 1, its[1] + 1) for its in iterations]
-    return GradientProbe(change, probed, time.perf_counter() - t0), more
+    more, left = _solve_at(model, parts, closure, probed)
+    now = {id(p): p.grad for p in model.parameters()}
+    change = _relative_change(model, now, more, "a gradient probe")
+    return GradientProbe(change, probed, time.perf_counter() - t0), more, left
 
 
 @dataclass
@@ -242,17 +240,24 @@ class Tuning:
 
     Attributes:
         change: the probe at the counts the batch ran (``GradientProbe.change``): the estimate
-            of its gradients' relative error.  Above ``aim`` the tuner left the probe's
-            gradients (one iteration more) in place of the batch's.
+            of its gradients' relative error.  Above ``aim`` the tuner climbed (``climb``).
         lower_change: the gradients' relative change with one iteration fewer in every solve
             that runs more than one (from the cold guess): the error estimate at the lower
-            counts; None where the tuner did not try them (``change`` above the aim, a probe
-            that ends a climb, or no solve above one iteration).
+            counts; None where the tuner did not try them (``change`` above the aim, or no
+            solve above one iteration).
         ran: per layer-parallel part, the (forward, adjoint) iterations of the batch; None for
             a part that solves exactly.
         iterations: per part, the counts from the next batch on.
-        seconds: the tuner's time at this batch (the probe and the lower solve).
+        seconds: the tuner's time at this batch (the probe, the climb's solves and the lower
+            solve).
         aim: the probed error the tuner held the counts to (``target / margin``).
+        climb: where ``change`` is above the aim, the error estimates of the counts the tuner
+            climbed through: the j-th (from 0) is the gradients' change from ``ran`` + j + 1
+            to ``ran`` + j + 2 iterations in every solve (capped at ``max_iterations``), the
+            estimate at ``ran`` + j + 1.  It stops at the first that meets the aim (those
+            counts are ``iterations``) or where every count is at ``max_iterations``; the
+            batch trains on the gradients of its last solve.  Empty where the probe met the
+            aim.
     """
 
     change: float
@@ -261,23 +266,25 @@ class Tuning:
     iterations: list
     seconds: float
     aim: float
+    climb: list = field(default_factory=list)
 
 
 class IterationTuner:
     """Adaptive iterations aimed with the gradient probe (Note [tuned iterations]): every
     layer-parallel solve of ``model`` runs a fixed number of iterations, which the tuner moves
-    by one at a time to the fewest whose probed gradient error is at most the aim,
-    ``target / margin``, so that the true error stays below ``target`` between probes.
+    to the fewest whose probed gradient error is at most the aim, ``target / margin`` (down by
+    one at a probe, up as far as a climb within the batch takes them), so that the true error
+    stays below ``target`` between probes.
 
     Call it at every batch, after ``loss.backward()`` and before ``optimizer.step()``, on every
     rank of the layer group, with the batch's closure (as for ``probe_gradients``) and the
     batch's index counted over the whole run: ``tuner(lambda: loss_fn(model(x), y), batch)``.
-    It probes (collective) at the batches ``audit_due(batch, every)`` names and, while it climbs
-    (``climbing``: the last probe was above the aim), at every batch, and returns a
-    :class:`Tuning`; at the others it returns None at no cost.  The buffers and solve
-    statistics it finds are the ones it leaves, and so are the gradients where the probe meets
-    the aim; above it, the batch's gradients are replaced by the probe's (one iteration more
-    in every solve, closer to the truth).  The counts change from the next batch on.
+    It probes (collective) at the batches ``audit_due(batch, every)`` names and returns a
+    :class:`Tuning`; at the others it returns None at no cost.  The buffers it finds are the
+    ones it leaves, and so are the gradients and solve statistics where the probe meets the
+    aim; above it, the tuner climbs within the batch, and the batch's gradients, solve
+    statistics and warm-start states are replaced by those of the climb's last solve (closer
+    to the truth, and already paid for).  The counts change from the next batch on.
 
     Args:
         model: a layer-parallel module or a model holding some; their solves must not use
@@ -309,7 +316,6 @@ class IterationTuner:
         self.model, self.every, self.max_iterations = model, every, max_iterations
         self.margin = float(margin)
         self.history = []  # every Tuning so far
-        self.climbing = False  # whether the next batch is probed whatever the schedule
 
     @property
     def aim(self):
@@ -323,58 +329,120 @@ class IterationTuner:
         return [p._solve_iterations for p in self.parts]
 
     def __call__(self, closure, batch: int) -> Optional[Tuning]:
-        scheduled = audit_due(batch, self.every)
-        if not (scheduled or self.climbing):
+        if not audit_due(batch, self.every):
             return None
         t0 = time.perf_counter()
-        ran = [_iterations(p) for p in self.parts]
-        probe, more = _probe(self.model, closure)
-        change, lower_change, counts = probe.change, None, ran
-        ended_climb, self.climbing = self.climbing, False
-        if change > self.aim:
-            counts = [None if its is None else tuple(min(k + 1, self.max_iterations) for k in its)
-                      for its in ran]
-            self.climbing = any(k < self.max_iterations for its in counts if its is not None
-                                for k in its)
-            for p in self.model.parameters():  # the batch trains on the probe's gradients
-                p.grad = more[id(p)]
-        elif not ended_climb:
+        model, parts, aim = self.model, self.parts, self.aim
+        ran = [_iterations(p) for p in parts]
+        probe, grads, left = _probe(model, closure)
+        change, lower_change, counts, climb = probe.change, None, ran, []
+        if change > aim:  # climb: the probe's counts, then one more, until a change meets it
+            counts = self._up(ran)
+            while True:
+                higher = self._up(counts)
+                if higher == counts:  # every count at max_iterations: nothing to compare with
+                    break
+                more, more_left = _solve_at(model, parts, closure, higher)
+                climb.append(_relative_change(model, grads, more, "an iteration tuner"))
+                grads, left = more, more_left  # trained on: the furthest solved
+                if climb[-1] <= aim:  # the counts' own error estimate meets the aim
+                    break
+                counts = higher
+            for p in model.parameters():
+                p.grad = grads[id(p)]
+            for part, its, solved in zip(parts, counts, left):
+                if its is not None:
+                    _adopt(part, solved)
+        else:
             lower = [None if its is None else tuple(max(k - 1, 1) for k in its) for its in ran]
             if lower != ran:
-                lower_change = _gradient_change(self.model, self.parts, closure, lower)
-                if lower_change <= self.aim:
+                now = {id(p): p.grad for p in model.parameters()}
+                fewer, _ = _solve_at(model, parts, closure, lower, cold=True)
+                lower_change = _relative_change(model, fewer, now, "an iteration tuner")
+                if lower_change <= aim:
                     counts = lower
-        for part, its in zip(self.parts, counts):
+        for part, its in zip(parts, counts):
             part._solve_iterations = its
         tuning = Tuning(change, lower_change, ran, list(counts), time.perf_counter() - t0,
-                        self.aim)
+                        aim, climb)
         self.history.append(tuning)
         return tuning
 
+    def _up(self, counts):
+        """``counts`` with every count one higher, at most ``max_iterations``."""
+        return [None if its is None else tuple(min(k + 1, self.max_iterations) for k in its)
+                for its in counts]
 
-def _gradient_change(model, parts, closure, counts):
-    """The relative change ``|g' - g| / |g|`` of the gradients the last backward left (g) when
-    the batch is solved again with ``counts`` iterations per part from the cold guess (g');
-    the same on every rank."""
-    comm, counted = counted_parameters(model)
 
-    def lowering(on):
+def _solve_at(model, parts, closure, counts, cold=False):
+    """The parameter gradients ({id(p): gradient}) of ``closure``'s loss with every part's
+    solves running ``counts`` iterations (None: the part solves as it does), from the cold
+    guess or, without ``cold``, from the guesses its next solves would start from (a
+    probe's); and per part, what those solves left (``_solved``).  The model is left as it
+    was (``_gradients_with``)."""
+    left = []
+
+    def at(on):
         for part, its in zip(parts, counts):
-            part._solve_probe = (*its, True) if on and its is not None else None
+            part._solve_probe = (((*its, True) if cold else tuple(its))
+                                 if on and its is not None else None)
 
-    other = _gradients_with(model, parts, closure, lowering)
+    def keep():
+        left.extend(None if its is None else _solved(part, its)
+                    for part, its in zip(parts, counts))
+
+    return _gradients_with(model, parts, closure, at, after=keep), left
+
+
+def _solved(part, counts):
+    """What the part's solves at ``counts`` iterations (a probe's, just run) left: their
+    statistics and, with warm starts, their states."""
+    chain = getattr(part, "_chain", None)
+    if chain is None:  # an RNN: the statistics live on the module, no warm starts
+        return part._save_stats()
+    probe = chain._probes[tuple(counts[:2])]
+    return probe.forward_stats, probe.backward_stats, probe._warm_fwd, probe._warm_bwd
+
+
+def _adopt(part, solved):
+    """Makes the solves that ``_solved`` described the part's own, as if the batch had run
+    them: a tuner that trains a batch on a probe's gradients keeps the statistics (with the
+    part's calibration) and the warm-start states that go with them, so that what an audit,
+    the iteration log and the next warm start see describes the gradients trained on."""
+    chain = getattr(part, "_chain", None)
+    if chain is None:
+        k = part._calibration
+        part._restore_stats(tuple([_calibrated(s, k) for s in stats] for stats in solved))
+        return
+    k = chain.calibration
+    chain.forward_stats, chain.backward_stats = (_calibrated(s, k) for s in solved[:2])
+    if chain.warm_start:
+        chain._warm_fwd, chain._warm_bwd = solved[2], solved[3]
+
+
+def _calibrated(stats, k):
+    """``stats`` with its error estimate calibrated by ``k`` (a probe's solver has none)."""
+    if stats.raw_error_estimate is None or not stats.iterations:
+        return stats
+    return replace(stats, error_estimate=k * stats.raw_error_estimate)
+
+
+def _relative_change(model, old, new, what):
+    """``|new - old| / |new|`` over all parameter gradients ({id(p): gradient} each; None is
+    0), the same on every rank (collective for ``what``)."""
+    comm, counted = counted_parameters(model)
     num = den = 0.0
     with torch.no_grad():
         for p in counted:
-            g, o = p.grad, other[id(p)]
-            if g is None and o is None:
+            o, n = old[id(p)], new[id(p)]
+            if o is None and n is None:
                 continue
-            g = torch.zeros_like(o) if g is None else g
-            o = torch.zeros_like(g) if o is None else o
-            num += float((g - o).double().pow(2).sum())
-            den += float(g.double().pow(2).sum())
+            o = torch.zeros_like(n) if o is None else o
+            n = torch.zeros_like(o) if n is None else n
+            num += float((n - o).double().pow(2).sum())
+            den += float(n.double().pow(2).sum())
     if comm is not None and comm.Get_size() > 1:
-        num, den = allreduce_floats(comm, [num, den], "sum", "an iteration tuner")
+        num, den = allreduce_floats(comm, [num, den], "sum", what)
     return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
 
 
@@ -397,10 +465,11 @@ def _iterations(part):
     return None if its == (0, 0) else its  # one level: no iterations
 
 
-def _gradients_with(model, parts, closure, mode):
+def _gradients_with(model, parts, closure, mode, after=None):
     """The parameter gradients of ``closure``'s loss with ``mode(True)`` in force ({id(p):
-    gradient}); afterwards the gradients, the buffers and the parts' solve statistics are put
-    back as they were, and ``mode(False)``."""
+    gradient}); ``after()``, if given, runs right after its backward; afterwards the gradients,
+    the buffers and the parts' solve statistics are put back as they were, and
+    ``mode(False)``."""
     params = list(model.parameters())
     approx = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -415,6 +484,8 @@ def _gradients_with(model, parts, closure, mode):
                 raise TypeError(f"the closure must return the loss, a 0-d tensor; got "
                                 f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
             loss.backward()
+            if after is not None:
+                after()
         finally:
             mode(False)
         return {id(p): p.grad for p in params}

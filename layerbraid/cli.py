@@ -103,10 +103,11 @@ def add_lp_arguments(parser, *, levels=_DEFAULT.max_levels, cfactor=_DEFAULT.cfa
     g.add_argument("--lp-tune-error", type=_fraction, default=None, metavar="E",
                    help="adaptive iterations aimed with the gradient probe, to keep the true "
                         "gradient error below E: at --lp-probe-every's batches (default 20 with "
-                        "this flag), probe the gradients and move every solve's iterations by "
-                        "one toward the fewest whose probed error is at most E / "
-                        "--lp-tune-margin, probing every batch while a probe is above that "
-                        "(layerbraid.IterationTuner); starts at --lp-fwd-iters / "
+                        "this flag), probe the gradients and move every solve's iterations "
+                        "to the fewest whose probed error is at most E / --lp-tune-margin: "
+                        "down by one, or up within the batch until one more iteration changes "
+                        "the gradients by no more than that (layerbraid.IterationTuner); "
+                        "starts at --lp-fwd-iters / "
                         "--lp-bwd-iters, at most 10; default: off")
     g.add_argument("--lp-tune-margin", type=_number(float, lambda v: 1 <= v < _finite,
                                                     "a number >= 1"),

@@ -215,54 +215,78 @@ def test_tuner_lowers_by_the_change_of_one_iteration_fewer():
         m.free()
 
 
-def test_tuner_climbs_batch_by_batch_until_a_probe_meets_the_target():
-    """Above the target the tuner leaves the probe's gradients (one iteration more) for the
-    batch to train on, and probes every batch, off its schedule, raising the counts by
-    one each time, until a probe meets the target (which ends the climb without trying one
-    fewer: that count has just failed) or every count is at max_iterations; the next scheduled
-    probe tries one fewer again.  The target is moved between batches to steer the states."""
-    model = net(MPI.COMM_SELF, steps=16, forward_options=opts(1), backward_options=opts(1))
+@pytest.mark.shared_job
+@pytest.mark.parallel([1, 2])
+def test_tuner_climbs_within_the_batch_until_a_change_meets_the_aim():
+    """Above the aim the tuner solves the batch again at one iteration more each time, until
+    the change of one iteration meets the aim: the counts become the fewest that met it, and
+    the batch trains on the climb's last solve, whose gradients (those of a copy solved at its
+    counts, to round-off) and solve statistics become the model's, so that an audit of the
+    batch judges the estimate of the gradients trained on.  A scheduled probe that meets the
+    aim then tries one fewer; a climb that reaches max_iterations stops there."""
+    assert WORLD.Get_size() in (1, 2)
+    model = net(WORLD, steps=16, forward_options=opts(1), backward_options=opts(1))
     x, y = batch(n=8, seed=2)
-    tuner = layerbraid.IterationTuner(model, 1e-12, every=50, max_iterations=4)
-    assert not tuner.climbing
+    tuner = layerbraid.IterationTuner(model, 1e-9, every=50)
 
     def step(b):
         model.zero_grad()
         F.cross_entropy(model(x), y).backward()
         return tuner(lambda: F.cross_entropy(model(x), y), b)
 
-    t = step(100)  # scheduled, above the target: up by one, and climbing
-    assert t.ran == [(1, 1)] and t.iterations == [(2, 2)] and t.lower_change is None
-    assert t.change > 1e-12 and tuner.climbing
-    # the batch trains on the probe's gradients: those of a copy solved at 2/2 iterations
-    more = net(MPI.COMM_SELF, steps=16, forward_options=opts(2), backward_options=opts(2))
+    t = step(100)
+    assert t.ran == [(1, 1)] and t.change > tuner.aim and t.lower_change is None
+    k = 1 + len(t.climb)  # the counts the climb stopped at, verified by its last change
+    assert len(t.climb) >= 2 and t.climb[-1] <= tuner.aim < min(t.climb[:-1]), t.climb
+    assert t.iterations == [(k, k)] == tuner.iterations
+    assert WORLD.allgather(t.climb) == [t.climb] * WORLD.Get_size()
+    # the batch trains on the last solve, at k + 1: a copy's gradients, and its statistics
+    more = net(WORLD, steps=16, forward_options=opts(k + 1), backward_options=opts(k + 1))
     F.cross_entropy(more(x), y).backward()
     assert _relative_change(model, more) < ROUNDOFF
+    assert (model.forward_stats.iterations, model.backward_stats.iterations) == (k + 1, k + 1)
+    assert model._raw_gradient_error_estimate() == \
+        pytest.approx(more._raw_gradient_error_estimate(), rel=1e-9)
+    audit = layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y),
+                                       calibrate=False)
+    assert audit.raw_estimate == pytest.approx(more._raw_gradient_error_estimate(), rel=1e-9)
+    assert audit.error == pytest.approx(serial_error(model, x, y), rel=1e-6, abs=1e-13)
     more.free()
-    t = step(101)  # off the schedule: probed all the same, at the raised counts
-    assert t is not None and t.ran == [(2, 2)] and t.iterations == [(3, 3)] and tuner.climbing
+    assert step(101) is None  # off the schedule: nothing runs
+    assert (model.forward_stats.iterations, model.backward_stats.iterations) == (k, k)
     tuner.target = 0.9
-    t = step(102)  # meets the aim: the climb ends, one fewer is not tried
-    assert t.ran == [(3, 3)] and t.change <= 0.45
-    assert t.iterations == [(3, 3)] and t.lower_change is None and not tuner.climbing
-    assert step(103) is None  # back on the schedule: nothing runs
-    assert (model.forward_stats.iterations, model.backward_stats.iterations) == (3, 3)
     t = step(150)  # scheduled and met: one fewer is tried, and kept
-    assert t.ran == [(3, 3)] and t.lower_change is not None and t.lower_change <= 0.45
-    assert t.iterations == [(2, 2)] and not tuner.climbing
-    tuner.target = 1e-12
-    t = step(200)  # a climb to the cap: the probe that reaches it ends the climb
-    assert t.iterations == [(3, 3)] and tuner.climbing
-    t = step(201)
-    assert t.iterations == [(4, 4)] and not tuner.climbing  # nothing left to raise
-    assert step(202) is None
-    assert len(tuner.history) == 6
+    assert t.ran == [(k, k)] and t.climb == [] and t.lower_change <= tuner.aim
+    assert t.iterations == [(k - 1, k - 1)]
+    tuner.target, tuner.max_iterations = 1e-12, k
+    t = step(200)  # a climb to the cap: nothing to compare the cap with, so it ends there
+    assert t.ran == [(k - 1, k - 1)] and t.iterations == [(k, k)] and t.climb == []
+    assert len(tuner.history) == 3
+    model.free()
+
+
+def test_a_climb_keeps_its_last_solves_warm_start_states():
+    """With warm starts, the states the next batch starts from are those of the solve the
+    batch trains on (the climb's last), not the batch's own: the same batch solved next at the
+    tuned counts from them is as exact as that solve."""
+    model = net(MPI.COMM_SELF, steps=16, forward_options=opts(1), backward_options=opts(1),
+                warm_start=True)
+    x, y = batch(n=8, seed=2)
+    F.cross_entropy(model(x), y).backward()
+    first = serial_error(model, x, y)
+    t = layerbraid.IterationTuner(model, 1e-9, every=50)(
+        lambda: F.cross_entropy(model(x), y), 0)
+    assert t.climb and t.climb[-1] <= 5e-10, t
+    trained = serial_error(model, x, y)
+    assert trained < 1e-8 < first, (trained, first)
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()  # at the tuned counts, from the adopted states
+    assert serial_error(model, x, y) < 1e-8
     model.free()
 
 
 def test_the_tuner_holds_the_probe_to_the_target_over_its_margin():
-    """A probe below the target but above target / margin (the aim) raises the counts and
-    starts a climb, with the probe's gradients kept; with margin 1 the same probe meets the
+    """A probe below the target but above target / margin (the aim) starts a climb; with margin 1 the same probe meets the
     target and nothing is raised.  The probe is the same deterministic solve both times."""
     x, y = batch(n=8, seed=2)
     changes = {}
@@ -276,10 +300,10 @@ def test_the_tuner_holds_the_probe_to_the_target_over_its_margin():
         changes[margin] = t.change
         assert t.change == pytest.approx(p, rel=1e-9) and t.change <= tuner.target
         assert t.aim == pytest.approx(1.5 * p / margin)
-        if margin == 2.0:  # above the aim: up by one, climbing
-            assert t.iterations == [(2, 2)] and tuner.climbing and t.lower_change is None
+        if margin == 2.0:  # above the aim: a climb
+            assert t.iterations[0] > (1, 1) and t.climb and t.lower_change is None
         else:  # meets the aim; at 1/1 there is nothing lower to try
-            assert t.iterations == [(1, 1)] and not tuner.climbing and t.lower_change is None
+            assert t.iterations == [(1, 1)] and not t.climb and t.lower_change is None
         model.free()
     assert changes[2.0] == pytest.approx(changes[1.0], rel=1e-9)
 
@@ -288,8 +312,8 @@ def test_the_tuner_holds_the_probe_to_the_target_over_its_margin():
 @pytest.mark.parallel([1, 3])
 def test_tuned_iterations_meet_the_target_on_a_trained_amplifying_network():
     """24 ReLU conv steps trained with SGD with momentum, tuned to 1e-2 from 1/1 iterations:
-    the counts move one at a time, the batches probed are the schedule's and those of climbs,
-    every later batch runs the counts, and the true error at the tuned counts (audited on the
+    the counts go down one at a time and up as far as a climb within the batch finds needed,
+    the batches probed are the schedule's, every later batch runs the counts, and the true error at the tuned counts (audited on the
     batches between the probes) is below the target at every audit after the first probes
     (the tuner aims at half of it), on any rank count."""
     assert WORLD.Get_size() in (1, 3)
@@ -304,16 +328,16 @@ def test_tuned_iterations_meet_the_target_on_a_trained_amplifying_network():
         if tuner.iterations[0] is not None:  # every batch runs the tuned counts
             assert [(model.forward_stats.iterations, model.backward_stats.iterations)] == \
                 tuner.iterations
-        climbing = tuner.climbing
         t = tuner(lambda: F.cross_entropy(model(x), y), b)
-        # probed exactly where the schedule or a climb says so
-        assert (t is not None) == (layerbraid.audit_due(b, 6) or climbing), (b, climbing)
+        assert (t is not None) == layerbraid.audit_due(b, 6), b  # probed on the schedule
         if t is not None:
             tunings.append(t)
-            assert all(abs(a - c) <= 1 for r, i in zip(t.ran, t.iterations)
-                       for a, c in zip(r, i))
-            if t.iterations != t.ran and t.lower_change is not None:
-                assert t.lower_change <= tuner.aim  # lowered only where the lower counts meet it
+            if t.climb:  # up to the counts whose change met the aim (or to the cap)
+                assert t.change > tuner.aim and t.iterations[0][0] == t.ran[0][0] + len(t.climb)
+                assert t.climb[-1] <= tuner.aim or t.iterations[0][0] == tuner.max_iterations
+            elif t.iterations != t.ran:  # down by one where the lower counts meet the aim
+                assert t.lower_change <= tuner.aim
+                assert all(a - c == 1 for a, c in zip(t.ran[0], t.iterations[0]))
         elif b > 12 and b % 3 == 0:
             errors.append((b, serial_error(model, x, y), tuner.iterations))
         opt.step()
@@ -349,19 +373,23 @@ def test_a_tuned_solve_is_the_chains_own():
     model = net(MPI.COMM_SELF, steps=16, warm_start=True)
     x, y = batch(n=8, seed=2)
     F.cross_entropy(model(x), y).backward()
-    tuner = layerbraid.IterationTuner(model, 1e-9, every=2)
-    tuner(lambda: F.cross_entropy(model(x), y), 0)  # up to 3/2
+    tuner = layerbraid.IterationTuner(model, 1e-12, every=2, max_iterations=2)
+    tuner(lambda: F.cross_entropy(model(x), y), 0)  # up to the cap, 2/2
     chain = model._chain
     model.zero_grad()
     F.cross_entropy(model(x), y).backward()
-    assert chain._tuned_key == (3, 2) and chain.forward_stats.iterations == 3
+    assert chain._tuned_key == (2, 2) and chain.forward_stats.iterations == 2
     assert chain._warm_fwd is chain._tuned._warm_fwd and chain._warm_fwd
     assert chain._warm_bwd is chain._tuned._warm_bwd and chain._warm_bwd
     old = chain._tuned
-    tuner(lambda: F.cross_entropy(model(x), y), 2)  # up to 4/3: a new solver, the old freed
+    tuner.max_iterations = 3
+    x, y = batch(n=8, seed=3)  # a new batch, which the states do not solve
     model.zero_grad()
     F.cross_entropy(model(x), y).backward()
-    assert chain._tuned is not old and old.freed and chain._tuned_key == (4, 3)
+    tuner(lambda: F.cross_entropy(model(x), y), 2)  # up to 3/3: a new solver, the old freed
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    assert chain._tuned is not old and old.freed and chain._tuned_key == (3, 3)
     model.free()
     assert chain._tuned is None
 

@@ -100,11 +100,11 @@ def test_a_target_error_the_caps_cannot_reach_is_said_once_per_epoch(tmp_path):
 
 def test_tuned_iterations_follow_the_probe_and_are_recorded(tmp_path):
     """--lp-tune-error: from 1/1 iterations that skip the first down-cycle (a real error) over
-    32 steps (8 C-points: 5 iterations are not yet exact), a target below float32 round-off
-    (aimed at a quarter of it by --lp-tune-margin 4) raises every solve's iterations by one at
-    each probed batch, and the tuner climbs: it
-    probes every batch (3 as well, off the schedule of 0, 1, 2, 4); the tunings are recorded as
-    the batch's probes, and the next batches run the tuned counts."""
+    32 steps (8 C-points), a target below float32 round-off (aimed at a quarter of it by
+    --lp-tune-margin 4): the first probed batch climbs within the batch, one iteration more at
+    a time, to the counts whose change met the aim or to the cap of 10, and the batches after
+    it run those counts; the tunings are recorded as the batches' probes,
+    on the schedule of 0, 1, 2, 4, and the epoch line names the counts and the aim."""
     proc = run(2, "mnist.py", "--lp-tune-error", "1e-9", "--lp-fwd-iters", 1, "--lp-bwd-iters",
                1, "--lp-skip-downcycle", "--steps", 32, "--epochs", 1, "--max-batches", 5,
                "--test-limit", 100,
@@ -112,15 +112,21 @@ def test_tuned_iterations_follow_the_probe_and_are_recorded(tmp_path):
                "--lp-tune-margin", 4)
     hist = metrics(tmp_path)["history"]
     probes = hist[0]["probes"]
-    assert all(p["aim"] == pytest.approx(1e-9 / 4) for p in probes)
-    assert [p["batch"] for p in probes] == [0, 1, 2, 3, 4]
-    assert [p["iterations"] for p in probes] == [[[k, k]] for k in range(1, 6)]
-    assert [p["tuned"] for p in probes] == [[[k, k]] for k in range(2, 7)]
-    assert all(p["change"] > 1e-9 and p["lower_change"] is None for p in probes)
+    aim = 1e-9 / 4
+    assert all(p["aim"] == pytest.approx(aim) for p in probes)
+    assert [p["batch"] for p in probes] == [0, 1, 2, 4]
+    first = probes[0]
+    assert first["iterations"] == [[1, 1]] and first["change"] > aim
+    assert first["lower_change"] is None
+    k = first["tuned"][0][0]
+    assert first["tuned"] == [[k, k]] and 3 <= k <= 10, first  # a climb of more than one
+    for before, p in zip(probes, probes[1:]):  # every later batch ran the counts set before
+        assert p["iterations"] == before["tuned"]
     assert hist[0]["tune_seconds"] == pytest.approx(sum(p["seconds"] for p in probes))
     assert hist[0]["probe_seconds"] == 0
-    assert proc.stdout.count("--lp-tune-error set the iterations to 6/6 (forward/adjoint), "
-                             "aiming the probe at 2.5e-10") == 1
+    last = probes[-1]["tuned"][0]
+    assert proc.stdout.count(f"--lp-tune-error set the iterations to {last[0]}/{last[1]} "
+                             "(forward/adjoint), aiming the probe at 2.5e-10") == 1
 
 
 @pytest.mark.parametrize("flag, value, words", [

@@ -182,17 +182,17 @@ def test_the_accuracy_reports_tuned_sentence_counts_from_the_rows():
     accuracy = _bench("accuracy")
     _tuned_sentence = accuracy._tuned_sentence
 
-    def tuning(batch, change, ran, its):
+    def tuning(batch, change, ran, its, climb=()):
         return dict(epoch=1, batch=batch, change=change, ran=[list(ran)],
-                    iterations=[list(its)], aim=5e-3, seconds=0.5)
+                    iterations=[list(its)], aim=5e-3, seconds=0.5, climb=list(climb))
 
-    tunings = [tuning(0, 2e-2, (2, 1), (3, 2)), tuning(1, 7e-3, (3, 2), (4, 3)),
-               tuning(2, 3e-3, (4, 3), (4, 3)), tuning(20, 4e-3, (4, 3), (4, 3))]
+    tunings = [tuning(0, 2e-2, (2, 1), (4, 3), [8e-3, 1e-3]), tuning(1, 3e-3, (4, 3), (4, 3)),
+               tuning(2, 3e-3, (4, 3), (3, 2)), tuning(20, 7e-3, (3, 2), (4, 3), [2e-3])]
     measured = [dict(epoch=1, batch=b, grad_error=e)
                 for b, e in [(1, 1.5e-2), (5, 2e-3), (10, 1.2e-2), (15, 2.5e-2), (20, 1e-3)]]
     text = _tuned_sentence("tuned", tunings, 20.0, 1e-2, measured)
-    assert "probed 4 batches (2 of them the batch after a probe that raised the counts)" in text
-    assert "moved the iterations 2 times, through 2/1, 3/2, 4/3, ending at 4/3" in text
+    assert "probed 4 batches, climbed at 2 of them (3 solve(s) beyond the probes)" in text
+    assert "moved the iterations 3 times, through 2/1, 3/2, 4/3, ending at 4/3" in text
     assert "at 2 of them (50%) the probe met the aim 0.005 (the target 0.01 over the margin 2)" \
         in text
     assert "the tuner took 10% of the training time" in text

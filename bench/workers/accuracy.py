@@ -14,9 +14,9 @@ adjoint iteration), adaptive (target_error=TARGET, at most 10 iterations per sol
 adaptive_warm (adaptive, with warm starts), smooth (fixed, the loss plus GAMMA times the
 depth-smoothness penalty), tuned (iterations tuned to TARGET by ``layerbraid.IterationTuner``,
 aiming the probe at TARGET / 2 (its default margin), probing every TUNE_EVERY batches and
-every batch while a probe is above that aim, from 2
-forward / 1 adjoint iteration, the first down-cycle skipped; the tuner's time is part of the batch's, as it is part of training), tuned_warm (tuned,
-with warm starts).
+climbing within a batch whose probe is above that aim, from 2 forward / 1 adjoint iteration,
+the first down-cycle skipped; the tuner's time is part of the batch's, as it is part of
+training), tuned_warm (tuned, with warm starts).
 
 Every mode trains its own model from the same initial weights on the same batches, the modes
 taking turns batch by batch (the order rotating by one each batch, every timed part starting
