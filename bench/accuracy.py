@@ -400,10 +400,11 @@ def _tuned_sentence(m, tunings, seconds, target, measured):
                 for t in tunings)
     share = sum(t["seconds"] for t in tunings) / max(seconds, 1e-9)
     climbs = [t for t in tunings if t["change"] > aim]
-    solves = sum(len(t.get("climb", [])) for t in climbs)
-    text = (f"- {m}: the tuner probed {len(tunings)} batches, climbed at {len(climbs)} of them "
-            f"({solves} solve(s) beyond the probes) and moved the iterations {moves} "
-            f"times, through " + ", ".join(f"{f}/{b}" for f, b in sorted(set(start + counts))))
+    text = f"- {m}: the tuner probed {len(tunings)} batches, climbed at {len(climbs)} of them"
+    if climbs and all("climb" in t for t in climbs):  # runs before the climb within a batch
+        text += f" ({sum(len(t['climb']) for t in climbs)} solve(s) beyond their probes)"
+    text += (f" and moved the iterations {moves} times, through "
+             + ", ".join(f"{f}/{b}" for f, b in sorted(set(start + counts))))
     if counts:
         text += f", ending at {counts[-1][0]}/{counts[-1][1]}"
     aimed = f"the aim {aim:g} (the target {target:g} over the margin {target / aim:g})" \

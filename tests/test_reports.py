@@ -191,7 +191,12 @@ def test_the_accuracy_reports_tuned_sentence_counts_from_the_rows():
     measured = [dict(epoch=1, batch=b, grad_error=e)
                 for b, e in [(1, 1.5e-2), (5, 2e-3), (10, 1.2e-2), (15, 2.5e-2), (20, 1e-3)]]
     text = _tuned_sentence("tuned", tunings, 20.0, 1e-2, measured)
-    assert "probed 4 batches, climbed at 2 of them (3 solve(s) beyond the probes)" in text
+    assert "probed 4 batches, climbed at 2 of them (3 solve(s) beyond their probes) and" \
+        in text
+    for t in tunings:  # rows of runs from before the climb within a batch: no count to give
+        del t["climb"]
+    assert "probed 4 batches, climbed at 2 of them and moved" in \
+        _tuned_sentence("tuned", tunings, 20.0, 1e-2, measured)
     assert "moved the iterations 3 times, through 2/1, 3/2, 4/3, ending at 4/3" in text
     assert "at 2 of them (50%) the probe met the aim 0.005 (the target 0.01 over the margin 2)" \
         in text

@@ -222,7 +222,7 @@ def main():
                     emit(dict(kind="tuning", mode=m, epoch=epoch + 1, batch=b,
                               change=tuning.change, lower_change=tuning.lower_change,
                               ran=tuning.ran, iterations=tuning.iterations,
-                              aim=tuning.aim, seconds=tuning.seconds))
+                              climb=tuning.climb, aim=tuning.aim, seconds=tuning.seconds))
                 if m != "serial" and layerbraid.audit_due(epoch * per_epoch + b, audit_every):
                     solves = _raw_solves(model)
                     a = layerbraid.audit_gradients(model, lambda: objective()[1])
