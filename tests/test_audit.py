@@ -582,16 +582,19 @@ def test_a_rank_that_stops_before_the_reduction_is_reported(monkeypatch, short_t
 
 
 @pytest.mark.parallel([2])
-def test_a_rank_that_stops_before_the_tuners_reduction_is_reported(monkeypatch, short_timeout):
-    """Rank 1 probes with rank 0 but never reaches the reduction of the tuner's lower re-solve:
-    rank 0 raises StallError naming it after the timeout; rank 1 ends with its own error."""
+@pytest.mark.parametrize("target", [0.9, 1e-12], ids=["lower re-solve", "climb"])
+def test_a_rank_that_stops_before_the_tuners_reduction_is_reported(monkeypatch, short_timeout,
+                                                                   target):
+    """Rank 1 probes with rank 0 but never reaches the reduction of the tuner's next solve (at
+    a loose target the lower re-solve, at a tight one the climb's first): rank 0 raises
+    StallError naming it after the timeout; rank 1 ends with its own error."""
     import layerbraid.audit as audit_module
 
     assert WORLD.Get_size() == 2
     model = net(WORLD, steps=8)
     x, y = batch(n=4, seed=0)
     F.cross_entropy(model(x), y).backward()
-    tuner = layerbraid.IterationTuner(model, 0.9)  # loose: it tries one iteration fewer
+    tuner = layerbraid.IterationTuner(model, target)
     if WORLD.rank == 1:
         real = audit_module.allreduce_floats
 
