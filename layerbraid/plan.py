@@ -4,14 +4,16 @@
         --levels 3 --cfactor 4 --fwd-iters 2 --bwd-iters 1 --step-seconds 6e-3 --vjp-seconds 6e-3
 
 The prediction runs on the exact schedule the C core would run: each rank's ordered actions
-(steps per level, sends and receives with their peers, the residual allreduce), recorded by
+(steps per level, sends and receives with their peers, the residual allreduces), recorded by
 *virtual* ranks of the core (`mgrit_create_virtual`: the same code with no MPI and no-op states;
 the schedule never depends on the data).  A discrete-event simulation then walks those actions:
 a step costs the measured (or given) seconds of one layer step forward, one VJP backward (one
 with parameter gradients in the final relaxation); a message costs latency + bytes / bandwidth;
 a receive waits for its message; an allreduce waits for every rank, plus log2(P) latencies.
 Forward and adjoint solves are simulated separately (the adjoint on the mirrored distribution)
-and added.  MGRIT's own bookkeeping (vector sums) is not modelled: it is small next to the layers
+and added.  A planned solve runs a fixed number of iterations, with no stopping test, as the
+examples' solves do (``--lp-tol 0``): a solve with a residual tolerance also waits for every
+rank in an allreduce after each iteration but its last.  MGRIT's own bookkeeping (vector sums) is not modelled: it is small next to the layers
 (see docs/bench_grid.md).
 """
 import argparse
@@ -124,7 +126,8 @@ def _check(num_steps, ranks):
 
 
 def _training(options):
-    # Training always ends with the FC relaxation; a planned solve runs all its iterations.
+    # Training always ends with the FC relaxation; a planned solve runs all its iterations, with
+    # no stopping test and so no allreduce between them (Note [deferred status] in cycle.c).
     return replace(options, final_fc_relax=True, tol=0.0)
 
 

@@ -170,7 +170,8 @@ def test_final_fc_runs_every_fine_step_exactly_once_with_done():
 
 
 def test_schedule_of_one_two_level_iteration():
-    """The schedule is data: 8 steps, cfactor 2, F-relaxation, one iteration."""
+    """The schedule is data: 8 steps, cfactor 2, F-relaxation, one iteration (no allreduce
+    between it and the final sweep: Note [deferred status] in cycle.c)."""
     r = solve(nonlinear_step, nonlinear_init, 8, 0.0, 1.0, max_levels=2, cfactor=2, nrelax=0,
               min_coarse=1, max_iters=1, tol=0.0, trace=True)
     ops = [(e.level, e.op, e.index) for e in r.trace if e.op not in ("init",)]
@@ -179,9 +180,41 @@ def test_schedule_of_one_two_level_iteration():
                 + [(1, "gstep", k) for k in (1, 2, 3, 4)]     # coarse steps for the FAS rhs
                 + [(1, "seqstep", k) for k in (1, 2, 3, 4)]   # coarsest solve
                 + [(1, "correct", k) for k in (1, 2, 3, 4)]
-                + [(0, "norm", 0)]
                 + [(0, "fstep", i) for i in (1, 3, 5, 7)])    # final F-sweep
     assert ops == expected
+
+
+def test_an_allreduce_only_where_an_iteration_decides_whether_to_stop():
+    """Note [deferred status]: a residual allreduce follows an iteration only where the solve
+    has a stopping test and the iteration is not the last allowed one."""
+    for tol, norms in [(0.0, []), (1e-300, [0, 1])]:
+        r = solve(nonlinear_step, nonlinear_init, 8, 0.0, 1.0, max_levels=2, cfactor=2,
+                  nrelax=0, min_coarse=1, max_iters=3, tol=tol, trace=True)
+        assert [e.index for e in r.trace if e.op == "norm"] == norms, tol
+        assert r.iterations == 3 and len(r.residual_norms) == 3
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_deferred_residuals_equal_those_reduced_after_each_iteration():
+    """A fixed-count solve reduces its iterations' residuals at its end (Note [deferred
+    status]); they, the final residual, the iterations and the states are those of the same
+    solve with an allreduce after every iteration (a stopping test that never stops), on any
+    number of ranks."""
+    for final_fc, skip in [(False, True), (True, False), (True, True)]:
+        solvers = [MGRIT(step=nonlinear_step, init=nonlinear_init, num_steps=32, t_start=0.0,
+                         t_stop=1.0, options=MGRITOptions(
+                             max_levels=3, cfactor=2, nrelax=1, max_iters=4, tol=tol,
+                             skip_first_downcycle=skip, final_fc_relax=final_fc),
+                         comm=WORLD) for tol in (0.0, 1e-300)]
+        deferred, reduced = (m.solve() for m in solvers)
+        assert deferred.iterations == reduced.iterations == 4
+        assert deferred.residual_norms == reduced.residual_norms
+        assert len(deferred.residual_norms) == 4 - skip
+        finals = [m._core.final_residual() for m in solvers]
+        assert finals[0] == finals[1] and (finals[0][0] is not None) == final_fc
+        assert sorted(deferred.states) == sorted(reduced.states)
+        for i, u in deferred.states.items():
+            assert np.array_equal(u, reduced.states[i])
 
 
 def test_only_one_level_forms():
@@ -258,14 +291,17 @@ class Boom(KeyError):
 
 @pytest.mark.parallel([1, 3])
 def test_exception_on_one_rank_reaches_every_rank():
-    for where in ("fine", "coarse", "final"):
-        _check_exception(where)
+    # tol 0: the status is reduced once, at the end; a stopping test: after each iteration
+    for tol in (0.0, 1e-300):
+        for where in ("fine", "coarse", "final"):
+            _check_exception(where, tol)
 
 
-def _check_exception(where):
+def _check_exception(where, tol):
     """The rank that raised gets its own exception back; the others a RemoteRankError; no hang."""
     bad = WORLD.size - 1
-    opts = dict(nrelax=1, skip_first_downcycle=False, max_levels=2, cfactor=2, max_iters=3, tol=0.0, trace=True)
+    opts = dict(nrelax=1, skip_first_downcycle=False, max_levels=2, cfactor=2, max_iters=3,
+                tol=tol, trace=True)
 
     def init(t):
         return np.array([1.0, 2.0])
@@ -297,8 +333,11 @@ def _check_exception(where):
 def test_nan_residual_stops_with_a_clear_error():
     def step(u, t0, t1, level):
         return u * np.nan if level == 1 else u * 0.5
-    with pytest.raises(layerbraid.DivergenceError, match="residual norm is nan"):
-        solve(step, lambda t: np.array([1.0]), 16, 0.0, 1.0, max_levels=2, max_iters=5, tol=0.0)
+    for tol in (0.0, 1e-300):  # reported at the end of the solve, or after the iteration
+        with pytest.raises(layerbraid.DivergenceError,
+                           match="residual norm is nan at iteration 1"):
+            solve(step, lambda t: np.array([1.0]), 16, 0.0, 1.0, max_levels=2, max_iters=5,
+                  tol=tol)
 
 
 @pytest.mark.parallel([1, 2])

@@ -44,7 +44,7 @@ extern "C" {
 #define MGRIT_OP_CORRECT 4 /* the correction of coarse point index added to the level above */
 #define MGRIT_OP_SEND 5   /* a state of point index sent to rank `peer` */
 #define MGRIT_OP_RECV 6   /* a state of point index received from rank `peer` */
-#define MGRIT_OP_NORM 7   /* the residual allreduce of an iteration (index = iteration) */
+#define MGRIT_OP_NORM 7   /* the residual allreduce of an iteration with a stopping test (index = iteration) */
 #define MGRIT_OP_INIT 8   /* the initial value or guess of fine point index */
 #define MGRIT_OP_SEQSTEP 9 /* a step into point index during the coarsest-level solve */
 

@@ -129,7 +129,7 @@ int mgrit_i_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec
 int mgrit_i_wait_sends(mgrit_core *core);
 /* Waits for one request by polling (Note [polled waits] in comm.c); names `what` on a stall. */
 int mgrit_i_poll_wait(mgrit_core *core, MPI_Request *req, const char *what);
-int mgrit_i_allreduce_status(mgrit_core *core, double *sums);
+int mgrit_i_allreduce_status(mgrit_core *core, double *sums, int n);
 int mgrit_i_tag(int l, int kind);
 
 int mgrit_i_mpi_error(mgrit_core *core, int rc, const char *call);

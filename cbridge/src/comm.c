@@ -205,26 +205,33 @@ int mgrit_i_wait_sends(mgrit_core *core) {
   return MGRIT_OK;
 }
 
-/* Collective: sums *sumsq over the ranks and learns whether any rank failed (and the lowest
- * rank whose own callback failed, or that ran out of memory).  Returns MGRIT_OK, or this rank's
- * error status. */
-int mgrit_i_allreduce_status(mgrit_core *core, double *sums) {
+/* Collective: sums the n entries of sums over the ranks and learns whether any rank failed (and
+ * the lowest rank whose own callback failed, or that ran out of memory).  sums holds triples:
+ * squared residual and state norms and the sum of residual norms, one triple per iteration whose
+ * allreduce was deferred (Note [deferred status]) and one for the measured sweep, summed with a
+ * poison flag in one message.  Returns MGRIT_OK, or this rank's error status. */
+int mgrit_i_allreduce_status(mgrit_core *core, double *sums, int n) {
   if (core->virt) return MGRIT_OK;
   int rc;
   if ((rc = mgrit_i_wait_sends(core))) return rc;
-  /* sums (3): squared residual and state norms and the sum of residual norms, summed with a
-   * poison flag in one message */
-  double local[4] = {core->err ? 0.0 : sums[0], core->err ? 0.0 : sums[1],
-                     core->err ? 0.0 : sums[2], core->err ? 1.0 : 0.0}, global[4];
+  double small[16], *local = n + 1 <= 8 ? small : malloc(2 * (size_t)(n + 1) * sizeof(double));
+  if (!local) abort_nomem(core, "the status allreduce", 2 * (size_t)(n + 1) * sizeof(double));
+  double *global = local + n + 1;
+  for (int k = 0; k < n; k++) local[k] = core->err ? 0.0 : sums[k];
+  local[n] = core->err ? 1.0 : 0.0;
   double t0 = MPI_Wtime();
   MPI_Request req;
-  MGRIT_I_MPI(core, MPI_Iallreduce(local, global, 4, MPI_DOUBLE, MPI_SUM, core->c.comm, &req));
-  if ((rc = mgrit_i_poll_wait(core, &req, "the residual allreduce"))) return rc;
+  rc = MPI_Iallreduce(local, global, n + 1, MPI_DOUBLE, MPI_SUM, core->c.comm, &req);
+  if (rc != MPI_SUCCESS) rc = mgrit_i_mpi_error(core, rc, "MPI_Iallreduce");
+  else rc = mgrit_i_poll_wait(core, &req, "the residual allreduce");
+  /* after a failed wait the request may still write global: it is leaked with the core's
+   * abandoned schedule rather than freed */
+  if (rc) return rc;
   core->comm_seconds += MPI_Wtime() - t0;
-  sums[0] = global[0];
-  sums[1] = global[1];
-  sums[2] = global[2];
-  if (global[3] == 0.0) return MGRIT_OK;
+  for (int k = 0; k < n; k++) sums[k] = global[k];
+  int poisoned = global[n] != 0.0;
+  if (local != small) free(local);
+  if (!poisoned) return MGRIT_OK;
   int own = core->err == MGRIT_ERR_CALLBACK || core->err == MGRIT_ERR_NOMEM;
   int mine = own ? core->c.rank : core->c.size, first;
   MGRIT_I_MPI(core, MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, core->c.comm, &req));

@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 static int push_norm(mgrit_core *core, double r) {
   if (core->nnorms == core->cap_norms) {
@@ -50,8 +51,28 @@ static int iterate(mgrit_core *core, int skip, double *sums) {
   return MGRIT_OK;
 }
 
+/* An iteration's summed residual: its norm joins the history (but the skipped first iteration's,
+ * which measures nothing) and must be finite.  Returns MGRIT_OK or MGRIT_ERR_NAN. */
+static int record(mgrit_core *core, int iter, int skip, const double *sums) {
+  if (skip) return MGRIT_OK;
+  double r = sqrt(sums[0]);
+  core->state_norm = sqrt(sums[1]);
+  int rc = push_norm(core, r);
+  if (rc) return rc;
+  if (!isfinite(r)) {
+    snprintf(core->msg, sizeof core->msg,
+             "the residual norm is %g at iteration %d: the solve diverged or a step "
+             "produced NaN/Inf",
+             r, iter);
+    core->err = MGRIT_ERR_NAN;
+    return MGRIT_ERR_NAN;
+  }
+  return MGRIT_OK;
+}
+
 /* The end of a solve: the status allreduce, which also sums the final C-relaxation's residual
- * (`final`, when measured).
+ * (`final`, when measured) and the residuals of the iterations whose allreduce was deferred
+ * (Note [deferred status]: `ndeferred` triples in `deferred`, the iterations from `first`).
  *
  * Note [idle work]: before it, a rank whose part went well waits until its sends are received
  * (so that no message waits on this rank's MPI progress) and then calls the idle callback:
@@ -59,16 +80,22 @@ static int iterate(mgrit_core *core, int skip, double *sums) {
  * other rank can run in that wait instead of after the solve (the adjoint's deferred
  * parameter gradients, Note [deferred parameter gradients] in layerbraid/_layer_steps.py).  A
  * failing idle callback poisons the allreduce like any callback. */
-static int finish(mgrit_core *core, int rc, double *final) {
-  double none[3] = {0.0, 0.0, 0.0};
+static int finish_deferred(mgrit_core *core, int rc, double *final, double *deferred,
+                           int ndeferred, int first) {
+  int n = 3 * ndeferred + (final ? 3 : 0);
   if (rc == MGRIT_OK && !core->err && !core->virt && core->cb.idle) {
     rc = mgrit_i_wait_sends(core);
     if (rc == MGRIT_OK) MGRIT_I_CB(core, core->cb.idle(core->app));
   }
   if (rc == MGRIT_OK || rc == MGRIT_ERR_NAN) {
-    int status = mgrit_i_allreduce_status(core, final ? final : none);
+    if (final) memcpy(deferred + 3 * ndeferred, final, 3 * sizeof(double));
+    int status = n ? mgrit_i_allreduce_status(core, deferred, n)
+                   : mgrit_i_allreduce_status(core, (double[3]){0.0, 0.0, 0.0}, 3);
     if (rc == MGRIT_OK) rc = status;
+    for (int k = 0; k < ndeferred && rc == MGRIT_OK; k++)
+      rc = record(core, first + k, core->o.skip && first + k == 0, deferred + 3 * k);
     if (rc == MGRIT_OK && final) {
+      final = deferred + 3 * ndeferred;
       core->final_residual = sqrt(final[0]);
       core->final_state_norm = sqrt(final[1]);
       core->final_residual_sum = final[2];
@@ -83,6 +110,11 @@ static int finish(mgrit_core *core, int rc, double *final) {
     snprintf(core->msg, sizeof core->msg, "a callback failed on rank %d; rank %d stopped",
              core->failed_rank, core->c.rank);
   return rc;
+}
+
+static int finish(mgrit_core *core, int rc, double *final) {
+  double buf[3];
+  return finish_deferred(core, rc, final, buf, 0, 0);
 }
 
 static int check_same_everywhere(mgrit_core *core) {
@@ -169,32 +201,51 @@ int mgrit_solve(mgrit_core *core) {
     return finish(core, rc, NULL);
   }
 
-  for (int iter = 0;; iter++) {
-    int skip = core->o.skip && iter == 0;
-    double sums[3] = {0.0, 0.0, 0.0};
-    if ((rc = iterate(core, skip, sums))) return finish(core, rc, NULL);
-    mgrit_i_trace(core, 0, MGRIT_OP_NORM, iter, -1, 0);
-    if ((rc = mgrit_i_allreduce_status(core, sums))) return finish(core, rc, NULL);
-    core->iterations = iter + 1;
-    if (!skip) {
-      double r = sqrt(sums[0]);
-      core->state_norm = sqrt(sums[1]);
-      if ((rc = push_norm(core, r))) return finish(core, rc, NULL);
-      if (!isfinite(r)) {
-        snprintf(core->msg, sizeof core->msg,
-                 "the residual norm is %g at iteration %d: the solve diverged or a step "
-                 "produced NaN/Inf",
-                 r, iter);
-        core->err = MGRIT_ERR_NAN;
-        return finish(core, MGRIT_ERR_NAN, NULL);
-      }
-      /* virtual ranks run max_iters */
-      if (!core->virt && (r < core->o.tol || r < core->o.rtol * core->state_norm)) break;
-    }
-    if (iter + 1 >= core->o.max_iters) break;
+  /* Note [deferred status]: nothing waits on the residual norm of an iteration after which the
+   * solve goes on whatever it is: every iteration of a solve with no stopping test (tol and
+   * rtol 0, as with a fixed iteration count), and the last allowed iteration of any solve.
+   * Such an iteration's sums are kept and reduced with the final ones in the allreduce that
+   * ends the solve.  An allreduce after each iteration made every rank wait for the slowest
+   * (rank 0, whose coarse steps come first, for the last rank's) before it could start its
+   * next relaxation; without it, a rank goes on as soon as its own part of the coarse solve is
+   * done, which layerbraid.plan's work model (virtual ranks) sees as well.  A failure still
+   * reaches every rank: a failed rank keeps the schedule with poisoned messages (Note
+   * [poisoned messages], comm.c), so the ranks after it stop computing at their next receive
+   * and every rank learns who failed at the end of the solve, one solve later at most than
+   * with an allreduce per iteration; a diverged solve is reported at the end, after its
+   * remaining iterations ran on NaN. */
+  int defer = core->o.tol <= 0 && core->o.rtol <= 0;
+  double few[6], *deferred = few;
+  if (defer && core->o.max_iters > 1) {
+    deferred = calloc(3 * ((size_t)core->o.max_iters + 1), sizeof(double));
+    if (!deferred) return finish(core, MGRIT_ERR_NOMEM, NULL);
   }
-  rc = mgrit_i_fsweep(core, 0, 1);
+  int ndeferred = 0;
+  for (int iter = 0;; iter++) {
+    int skip = core->o.skip && iter == 0, last = iter + 1 >= core->o.max_iters;
+    double sums[3] = {0.0, 0.0, 0.0};
+    if ((rc = iterate(core, skip, sums))) break;
+    core->iterations = iter + 1;
+    if (defer || last) {
+      memcpy(deferred + 3 * ndeferred++, sums, sizeof sums);
+      if (last) break;
+      continue;
+    }
+    mgrit_i_trace(core, 0, MGRIT_OP_NORM, iter, -1, 0);
+    if ((rc = mgrit_i_allreduce_status(core, sums, 3))) break;
+    if ((rc = record(core, iter, skip, sums))) break;
+    /* virtual ranks run max_iters */
+    if (!skip && !core->virt && (sqrt(sums[0]) < core->o.tol ||
+                                 sqrt(sums[0]) < core->o.rtol * core->state_norm))
+      break;
+  }
   double final[3] = {0.0, 0.0, 0.0};
-  if (!rc && core->o.final_fc) rc = mgrit_i_csweep(core, 0, 1, final);
-  return finish(core, rc, core->o.final_fc ? final : NULL);
+  if (!rc) {
+    rc = mgrit_i_fsweep(core, 0, 1);
+    if (!rc && core->o.final_fc) rc = mgrit_i_csweep(core, 0, 1, final);
+  }
+  rc = finish_deferred(core, rc, !rc && core->o.final_fc ? final : NULL, deferred, ndeferred,
+                       core->iterations - ndeferred);
+  if (deferred != few) free(deferred);
+  return rc;
 }
