@@ -1,5 +1,7 @@
 """MGRIT against sequential stepping and against XBraid, on 1 to 4 ranks."""
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -327,6 +329,24 @@ def _check_exception(where, tol):
         assert "Boom: 'step failed here'" in str(e)  # the failing rank's own message
     else:
         pytest.fail("no exception")
+
+
+@pytest.mark.parallel([2])
+def test_a_rank_that_never_reaches_the_end_of_a_fixed_count_solve_is_reported(short_timeout):
+    """A fixed-count solve has one allreduce, at its end (Note [deferred status]): rank 1 never
+    starts the solve, so rank 0, which receives nothing from it, runs all its iterations and
+    then raises StallError naming that allreduce after the timeout instead of waiting forever."""
+    solver = MGRIT(step=nonlinear_step, init=nonlinear_init, num_steps=32, t_start=0.0,
+                   t_stop=1.0, options=MGRITOptions(max_levels=3, max_iters=4, tol=0.0),
+                   comm=WORLD)
+    solver.solve()  # a healthy solve first: construction and setup are behind both ranks
+    if WORLD.rank == 0:
+        t0 = time.perf_counter()
+        with pytest.raises(layerbraid.StallError, match="rank 0 waited .* in the residual "
+                                                        "allreduce"):
+            solver.solve()
+        assert time.perf_counter() - t0 < short_timeout + 5
+    # rank 1 stops here: it never starts the second solve
 
 
 @pytest.mark.parallel([1, 2])
