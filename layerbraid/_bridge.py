@@ -238,6 +238,10 @@ class _Core:
         self._error = None
         self.step_seconds = 0.0
         self._app = app
+        # Where unpacked states land (Note [staging]): the solve's device where the caller names
+        # one (a rank may receive a state before it makes one, and a model can move between
+        # solves), else the device of the first state this rank makes.
+        self._device = getattr(app, "device", None)
         try:
             rc = lib.mgrit_solve(self._core)
         finally:

@@ -42,3 +42,18 @@ def train(model, steps, data_rank=0, data_size=1):
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def assert_gradients_match(model, serial, tol, world):
+    """Every parameter gradient a rank of ``world`` holds (its steps; the open layer on the
+    first rank, the close layer on the last) against the serial copy's."""
+    for i, layer in model.owned_steps():
+        for (name, p), q in zip(layer.named_parameters(), serial.layers[i].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol,
+                                       msg=lambda m: f"step {i} {name}: {m}")
+    if world.rank == 0:
+        for p, q in zip(model.open.parameters(), serial.open.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
+    if world.rank == world.size - 1:
+        for p, q in zip(model.close.parameters(), serial.close.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)

@@ -10,7 +10,7 @@ from torch import nn
 
 import layerbraid
 from layerbraid import LayerParallelModule, MGRITOptions
-from nets import ConvBlock, ODEResNet, batch
+from nets import ConvBlock, ODEResNet, assert_gradients_match, batch
 from tolerances import CONVERGED, ROUNDOFF
 
 WORLD = MPI.COMM_WORLD
@@ -34,16 +34,7 @@ def compare_with_serial(model, x, y, tol):
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     if WORLD.rank == 0:
         torch.testing.assert_close(xp.grad, xs.grad, rtol=tol, atol=tol)
-    for i, layer in model.owned_steps():
-        for (name, p), q in zip(layer.named_parameters(), serial.layers[i].parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol,
-                                       msg=lambda m: f"step {i} {name}: {m}")
-    if WORLD.rank == 0:
-        for p, q in zip(model.open.parameters(), serial.open.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
-    if WORLD.rank == WORLD.size - 1:
-        for p, q in zip(model.close.parameters(), serial.close.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
+    assert_gradients_match(model, serial, tol, WORLD)
 
 
 @pytest.mark.shared_job

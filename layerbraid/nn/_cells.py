@@ -27,6 +27,12 @@ def _flat(t):
     return t.reshape(-1, t.shape[-1])
 
 
+def _train():
+    """The kernels' ``train`` flag: on where autograd records (with no dropout it changes no
+    number, but cuDNN differentiates its RNN kernel only when it ran in training mode)."""
+    return torch.is_grad_enabled()
+
+
 def _lstm_activations(gi, gh):
     i, f, g, o = (gi + gh).chunk(4, -1)
     return torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
@@ -44,7 +50,7 @@ class GRUMath:
 
     def kernel(self, xs, s, params, keep):
         out, _ = torch._VF.gru(xs.contiguous(), s.unsqueeze(0), list(params), self.bias, 1, 0.0,
-                               False, False, True)
+                               _train(), False, True)
         return list(out.unbind(1)), (out,)
 
     def cotangents(self, raw, src, w):
@@ -118,7 +124,7 @@ class LSTMMath:
                 states.append(s)
             return states, (torch.stack([t[0] for t in states], 1), s[0:1], s[1:2])
         out, h_n, c_n = torch._VF.lstm(xs.contiguous(), (s[0:1], s[1:2]), list(params),
-                                       self.bias, 1, 0.0, False, False, True)
+                                       self.bias, 1, 0.0, _train(), False, True)
         states = [] if keep else [None] * (n - 1)
         if keep and n > 1:
             # the kernel returns the h's only: the c's from the same gates (Note [fused cells])
