@@ -2,9 +2,11 @@
 Python puts a script's folder first on sys.path, so the examples import it by name; copy it
 into your own project as a starting point.
 
-Progress bar (tqdm) on rank 0; per epoch: training loss, test accuracy, time per batch, and the
-MGRIT iterations and last residuals of the forward and adjoint solves; at the end a metrics JSON
-and a training-curve PNG; checkpoint after every epoch and resume.
+Progress bar (tqdm) on rank 0; per epoch: training loss, test accuracy, time per batch, the
+MGRIT iterations of the forward and adjoint solves, the audits' true gradient error and, where
+MGRIT runs more than one level, the probe's estimate of it (the residuals' calibrated estimate
+instead with --lp-target-error or --lp-probe-every 0); at the end a metrics JSON (every solve
+statistic, audit and probe) and a training-curve PNG; checkpoint after every epoch and resume.
 """
 import json
 import sys
@@ -100,14 +102,27 @@ class _SolveLog:
         return out
 
 
-def _mgrit_line(s):
-    """' | MGRIT fwd 2.0 it, est. error 3.1e-03 (max 5.2e-03), bwd ...' for the epoch line."""
+PROBE_EVERY = 20  # the probes' spacing where MGRIT runs more than one level, unless told
+
+
+def _multilevel(model, args):
+    """Whether a layer-parallel part of ``model`` runs MGRIT on more than one level (with one,
+    the solves are exact and there is no error to show)."""
+    levels = [max(m.mgrit_levels()) for m in model.modules() if hasattr(m, "mgrit_levels")]
+    if levels:
+        return max(levels) > 1
+    return getattr(args, "lp_levels", 1) != 1  # an RNN's levels form with its first sequence
+
+
+def _mgrit_line(s, estimates):
+    """' | MGRIT fwd 2.0 it, bwd 1.0 it' for the epoch line; with ``estimates``, each with its
+    calibrated estimate: ' | MGRIT fwd 2.0 it, est. error 3.1e-03 (max 5.2e-03), bwd ...'."""
     def part(name):
         if f"{name}_iters" not in s:
             return None
         text = f"{name} {s[f'{name}_iters']:.1f} it"
         est, top = s.get(f"{name}_error_estimate"), s.get(f"{name}_error_estimate_max")
-        if est is not None:
+        if estimates and est is not None:
             text += f", est. error {est:.1e} (max {top:.1e})"
         return text
     parts = [p for p in (part("fwd"), part("bwd")) if p]
@@ -176,7 +191,13 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     of every batch."""
     data_size = grid.data_size if grid is not None else 1
     audit_every = 0 if args.serial else getattr(args, "lp_audit_every", 0)
-    probe_every = 0 if args.serial else getattr(args, "lp_probe_every", 0)
+    probe_every = getattr(args, "lp_probe_every", 0)
+    if probe_every is None:  # the examples' default: the probe is the error they show
+        probe_every = PROBE_EVERY if _multilevel(model, args) else 0
+    probe_every = 0 if args.serial else probe_every
+    # the residuals' calibrated estimate is shown where it acts (--lp-target-error) or where
+    # no probe measures the error
+    estimates = not probe_every or getattr(args, "lp_target_error", None) is not None
     tune = None if args.serial else getattr(args, "lp_tune_error", None)
     tuner = (layerbraid.IterationTuner(model, tune, every=probe_every,
                                        margin=getattr(args, "lp_tune_margin", 2.0))
@@ -274,7 +295,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             s = record
             print(f"epoch {s['epoch']}: loss {s['train_loss']:.4f} | test accuracy "
                   f"{100 * acc:.2f}% | {1000 * s['seconds_per_batch']:.1f} ms/batch"
-                  f"{_mgrit_line(s)}", flush=True)
+                  f"{_mgrit_line(s, estimates)}", flush=True)
             if audits:
                 print(_audit_line(audits, seconds), flush=True)
             if probes:
@@ -282,12 +303,19 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             missed = solves.missed_line(args)
             if missed:
                 print(missed, flush=True)
-            if epoch == start_epoch and s.get("fwd_error_estimate") is not None:
+            if epoch == start_epoch and estimates and s.get("fwd_error_estimate") is not None:
                 print("  (it: MGRIT iterations per batch; est. error: the estimated relative "
                       "error of the forward's output and of the adjoint's input gradient, "
                       "layerbraid.SolveStats.error_estimate, calibrated by the audits, whose "
                       "line gives the true gradient error; --lp-target-error or --lp-tune-error adapt the "
                       "iterations to a target)", flush=True)
+            elif epoch == start_epoch and probes:
+                print("  (it: MGRIT iterations per batch; probes: how much one more MGRIT "
+                      "iteration in every solve changes the gradients, an estimate of their "
+                      "true error that needs no calibration (layerbraid.probe_gradients), "
+                      f"at the batches layerbraid.audit_due(batch, {probe_every}) names (--lp-probe-every); "
+                      "the audits' line gives the true error; --lp-tune-error sets the "
+                      "iterations from the probe)", flush=True)
         if args.checkpoint:  # one file, atomic, loadable on any number of ranks
             layerbraid.save_checkpoint(model, args.checkpoint, optimizer,
                                        extra={"epoch": epoch + 1, "history": history})

@@ -126,13 +126,15 @@ def add_lp_arguments(parser, *, levels=_DEFAULT.max_levels, cfactor=_DEFAULT.cfa
                         "calibrate the error estimate and adaptive iterations "
                         "(layerbraid.audit_gradients, layerbraid.audit_due); 0 = never "
                         f"(default {audit_every})")
-    g.add_argument("--lp-probe-every", type=_nonneg_int, default=0, metavar="K",
+    g.add_argument("--lp-probe-every", type=_nonneg_int, default=None, metavar="K",
                    help="at the same schedule of batches (0, 1, 2, 4, ... below K, then every "
                         "K-th), solve the batch again with one more MGRIT iteration in each "
                         "solve and report how much the gradients change: an estimate of their "
                         "true error that needs no exact solve and no calibration, at about one "
-                        "more layer-parallel forward and backward (layerbraid.probe_gradients); "
-                        "0 = never (default 0)")
+                        "more layer-parallel forward and backward (layerbraid.probe_gradients), "
+                        "the gradient error the epoch lines show; 0 = never, and the epoch "
+                        "lines show the residuals' calibrated estimate instead (default: 20 "
+                        "where MGRIT runs more than one level, never with one: it is exact)")
     return g
 
 
@@ -209,7 +211,7 @@ def parse_args(parser, argv=None):
         if args.lp_target_error is not None:
             parser.error("--lp-tune-error and --lp-target-error are two kinds of adaptive "
                          "iterations: give one")
-        if getattr(args, "lp_probe_every", 0) == 0:
+        if not getattr(args, "lp_probe_every", None):
             args.lp_probe_every = 20
     if getattr(args, "dp_size", 1) > 1:
         size = world().Get_size()

@@ -38,6 +38,9 @@ def test_tuned_iterations_probe_every_twenty_batches_unless_told():
     args = cli.parse_args(parser(), ["--lp-tune-error", "1e-2", "--lp-probe-every", "4"])
     assert args.lp_tune_error == 1e-2 and args.lp_probe_every == 4
     assert cli.parse_args(parser(), []).lp_tune_error is None
+    # no flag: the training loop decides (every 20th batch where MGRIT runs several levels)
+    assert cli.parse_args(parser(), []).lp_probe_every is None
+    assert cli.parse_args(parser(), ["--lp-probe-every", "0"]).lp_probe_every == 0
     assert args.lp_tune_margin == 2.0
     assert cli.parse_args(parser(), ["--lp-tune-margin", "1"]).lp_tune_margin == 1.0
 

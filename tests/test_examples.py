@@ -39,7 +39,14 @@ def test_mnist_layer_parallel_on_two_ranks_learns(tmp_path):
     assert h["fwd_iters"] == 1 and h["bwd_iters"] == 1
     assert 0 <= h["fwd_error_estimate"] <= h["fwd_error_estimate_max"] < 1e-5
     assert 0 <= h["bwd_error_estimate"] <= h["bwd_error_estimate_max"] < 1e-5
-    assert "est. error" in proc.stdout
+    # two levels: the probe is the gradient error shown, by default at batches 0, 1, 2, 4, 8,
+    # 16, then every 20th; the residuals' estimates stay in metrics.json only
+    assert [p["batch"] for p in h["probes"]] == [0, 1, 2, 4, 8, 16, 20]
+    for p in h["probes"]:
+        assert 0 <= p["change"] < 1e-5 and p["iterations"] == [[2, 2]] and p["seconds"] > 0
+    assert proc.stdout.count("probes (7): the gradients change by") == 1
+    assert proc.stdout.count("(it: MGRIT iterations per batch; probes: how much one more") == 1
+    assert "est. error" not in proc.stdout
     # the default audits (every 50 batches, and the batches 1, 2, 4, ... before the 50th) are
     # recorded and printed; errors at float32 round-off leave the calibration as it was
     assert [a["batch"] for a in h["audits"]] == [0, 1, 2, 4, 8, 16, 32]
@@ -79,6 +86,8 @@ def test_a_hierarchy_smaller_than_asked_is_said_in_the_header_and_a_warning(tmp_
                "--epochs", 1, "--max-batches", 2, "--test-limit", 100, "--out-dir", tmp_path)
     assert proc.stdout.count("1 MGRIT level(s) (exact) [asked for 10 levels, cfactor [16]]") == 1
     assert proc.stderr.count("asked for 10 MGRIT levels with cfactor 16 over 3 steps") == 2
+    # one level is exact: no probe by default, whatever was asked
+    assert metrics(tmp_path)["history"][0]["probes"] == [] and "probes" not in proc.stdout
 
 
 def test_a_target_error_the_caps_cannot_reach_is_said_once_per_epoch(tmp_path):
@@ -88,6 +97,9 @@ def test_a_target_error_the_caps_cannot_reach_is_said_once_per_epoch(tmp_path):
                "--out-dir", tmp_path, "--lp-audit-every", 0, "--lp-probe-every", 2)
     assert proc.stdout.count("solves ended above their share of --lp-target-error 1e-06") == 2
     assert "raise them to reach the target" in proc.stdout
+    # the estimate the target acts on is shown beside the probes
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(lines) == 2 and all(line.count("est. error") == 2 for line in lines), lines
     # the probes (batches 0, 1, 2, 4 of the run) are recorded and printed: a real change, as
     # 1/1 iterations that skip the first down-cycle leave a real error
     hist = metrics(tmp_path)["history"]

@@ -114,6 +114,41 @@ def test_the_engine_list_holds_everything_the_engine_imports():
         assert set(_ENGINE) <= set(code), report
 
 
+def test_the_reports_measure_the_examples_networks_not_their_training_loop():
+    """No report lists examples/training_loop.py: bench/harness.py loads it only because the
+    example scripts import it, and nothing a report runs calls it.  So: in bench/, only the
+    loader names it; it defines and does nothing at import; and each example that a report
+    loads uses what it imports from it inside main() alone (the function the reports never
+    run)."""
+    if not (ROOT / "bench" / "harness.py").exists():
+        pytest.skip("bench/ is not next to the tests")
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        if path.name not in ("harness.py", "reports.py"):
+            assert "training_loop" not in path.read_text(), path
+    loop = ast.parse((ROOT / "examples" / "training_loop.py").read_text())
+    for node in loop.body:  # imports, definitions, constants, the docstring
+        assert isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef,
+                                 ast.Expr, ast.Assign)), node.lineno
+        if isinstance(node, (ast.Expr, ast.Assign)):
+            assert isinstance(node.value, ast.Constant), node.lineno
+    for name in ("mnist", "volumes3d", "sequence_classification"):
+        tree = ast.parse((ROOT / "examples" / f"{name}.py").read_text())
+        assert not any(isinstance(n, ast.Import) and any(a.name == "training_loop"
+                                                          for a in n.names)
+                       for n in ast.walk(tree)), name
+        taken = {a.asname or a.name for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.module == "training_loop"
+                 for a in n.names}
+        assert taken, name
+        main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        inside = {id(n) for n in ast.walk(main)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Name) and n.id in taken:
+                assert id(n) in inside, f"examples/{name}.py:{n.lineno} uses {n.id} outside main()"
+    for report, (_, code) in _bench_reports().REPORTS.items():
+        assert "examples/training_loop.py" not in code, report
+
+
 def test_bench_has_one_launch_convention():
     """Every benchmark is a module run as ``python -m bench.NAME`` from the repository's root,
     its jobs started through bench/harness.py: no script edits sys.path, imports from tests/,
