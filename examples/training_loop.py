@@ -174,6 +174,8 @@ def _probe_line(probes, seconds):
     text = (f"  probes ({len(probes)}): the gradients change by {statistics.median(changes):.1e} "
             f"(median; max {changes[-1]:.1e}) with one more MGRIT iteration, an estimate of "
             f"their true error")
+    if changes[-1] == 0:  # one more iteration reproduced them bit for bit
+        text += " (none at all: the solves are converged, to round-off)"
     tuned = probes[-1].get("tuned")
     if tuned is None:
         return text + (f"; the probes took {100 * share:.0f}% on top of the epoch's training "
