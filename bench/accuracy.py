@@ -1,7 +1,7 @@
 """Gradient accuracy in real training: the true error of every mode's gradients (audits), the
 calibrated estimate judged against it, test accuracy and time beside plain PyTorch.
 
-    python -m bench.accuracy            (docs/accuracy.md, .json and .png; about 75 minutes on 2 cores)
+    python -m bench.accuracy            (docs/accuracy.md, .json and .png; about 85 minutes on 2 cores)
     python -m bench.accuracy --report   (rewrites the .md and .png from the .json)
     python -m bench.accuracy --only EXAMPLE/MODE [...]   (reruns those into the .json)
 
@@ -16,14 +16,17 @@ sequential stepping across the ranks), fixed (2 forward / 1 adjoint iteration, t
 down-cycle skipped), relaxed1 (1 forward / 1 adjoint iteration, the first down-cycle relaxed),
 warm (fixed, each solve starting from the previous batch's states), warm1 (warm starts at 1
 forward / 1 adjoint iteration), smooth (fixed, the loss plus 0.1 times the depth-smoothness
-penalty, ``LayerParallelModule.depth_smoothness``), adaptive (target_error 1e-2, at most 10
+penalty, ``LayerParallelModule.depth_smoothness``), smooth3 (fixed, the penalty at 0.3),
+serial_smooth and serial_smooth3 (plain PyTorch on one rank trained with the penalty of smooth
+and smooth3: what the penalty alone does to serial training), adaptive (target_error 1e-2, at most 10
 iterations per solve), adaptive_warm (adaptive with warm starts), tuned (``IterationTuner`` at
 1e-2 with its default margin 2: from fixed's counts, every 20 batches the probe moves every
 solve's iterations to the fewest whose probed error is at most the aim, 1e-2 / 2: down by one,
 or above the aim up within the batch, one iteration at a time, until one more changes the
 gradients by no more than the aim; the tuner's time counts as training's)
 and tuned_warm (tuned with warm starts); the GRU has no warm starts or penalty (its steps share
-their weights), and volumes3d no relaxed1.  The example's default
+their weights), and volumes3d no relaxed1.  "Serial's final accuracy" is always the unpenalized
+serial run's.  The example's default
 mode is marked.  The modes take turns batch by batch (bench/workers/accuracy.py), so each
 batch's time in a mode is paired with plain PyTorch's on the same batch, measured seconds apart
 under the same load: the speedup per batch is plain PyTorch's time for that batch over the
@@ -52,9 +55,11 @@ WORKER = "accuracy"  # bench/workers/accuracy.py
 TARGET = 1e-2
 FLOOR = 1e-5  # float32 round-off of a gradient, and a margin
 FACTOR = 3.0  # an estimate "holds" within this factor of the true error, either way
-GAMMA = 0.1  # the depth-smoothness penalty's weight in mode smooth
-MODES = ["serial", "exact", "fixed", "relaxed1", "warm", "warm1", "smooth", "adaptive",
-         "adaptive_warm", "tuned", "tuned_warm"]
+# the depth-smoothness penalty's weight in each penalized mode; serial_MODE trains plain
+# PyTorch with MODE's penalty
+PENALTIES = {"smooth": 0.1, "smooth3": 0.3}
+MODES = ["serial", "exact", "fixed", "relaxed1", "warm", "warm1", "smooth", "smooth3",
+         "serial_smooth", "serial_smooth3", "adaptive", "adaptive_warm", "tuned", "tuned_warm"]
 RUNS = {"mnist": dict(epochs=1, log_every=25, audit_every=100, max_batches="-"),
         "volumes3d": dict(epochs=3, log_every=4, audit_every=16, max_batches="-",
                           modes=[m for m in MODES if m != "relaxed1"]),
@@ -71,7 +76,7 @@ MODE_FLAGS = {"exact": {"levels": 1},
               "relaxed1": {"levels": "more", "fwd_iters": 1, "bwd_iters": 1, "skip": "off"}}
 if QUICK:
     RUNS = {"mnist": dict(epochs=1, log_every=2, audit_every=3, max_batches=6,
-                          modes=["serial", "fixed"])}
+                          modes=["serial", "fixed", "smooth3", "serial_smooth3"])}
 OUT = DOCS / "accuracy"
 
 
@@ -91,7 +96,8 @@ def measure(only=None):
             modes = ["serial"] + [m for m in modes if m != "serial"]
         print(f"--- {example}: {', '.join(modes)}", flush=True)
         rows = launch(WORKER, 2, example, ",".join(modes), cfg["epochs"], cfg["log_every"],
-                      TARGET, cfg["max_batches"], cfg["audit_every"], GAMMA, echo=False,
+                      TARGET, cfg["max_batches"], cfg["audit_every"],
+                      ",".join(f"{m}={g:g}" for m, g in PENALTIES.items()), echo=False,
                       timeout=4 * 3600)
         when = provenance()
         keep_references(data, example, modes)
@@ -234,8 +240,9 @@ def report(data):
                         f"{statistics.mean(r['it_fwd'] for r in logged):.1f} / "
                         f"{statistics.mean(r['it_bwd'] for r in logged):.1f}" if logged else "-",
                         f"{a_sec:.2f} ({100 * share:.0f}%)" if audits else "-"]
-            else:
-                row += ["0 (the reference)", "-", "-", "-", "-", "-"]
+            else:  # plain PyTorch: serial, and serial trained with a penalty
+                row += ["0 (the reference)" if m == "serial" else "- (plain PyTorch)",
+                        "-", "-", "-", "-", "-"]
             lines.append("| " + " | ".join(row) + " |")
         lines += ["", _measured(data.get("measured", {}), example, list(ep)),
                   "", f"![true error and estimate per logged batch]({OUT.name}_{example}.png)", ""]
@@ -482,8 +489,29 @@ def _findings(example, ep, rows, refs, goal, target, tunings=None):
                        f"({100 * pok / pn:.0f}%, no calibration), so it {verdict} the 90%; a "
                        f"probe took {p_sec:.2f} s, an exact measurement of the same batch "
                        f"{a_sec:.2f} s.")
+    out += _penalized(ep, acc, rows, target)
     out += _advice(example, ep, rows, refs, acc, goal, target)
     return [f"### {example}: what the run shows", ""] + out
+
+
+def _penalized(ep, acc, rows, target):
+    """Per penalized mode with its penalized serial run: whether its accuracy gap is the
+    penalty's or MGRIT's (the same penalty trained by plain PyTorch, and no penalty)."""
+    out = []
+    for m, gamma in PENALTIES.items():
+        ref = f"serial_{m}"
+        if m not in ep or ref not in ep:
+            continue
+        errs = [r["grad_error"] for r in rows.get(m, [])]
+        errors = (f", true gradient error at most {target:g} at "
+                  f"{100 * sum(e <= target for e in errs) / len(errs):.0f}% of the measured "
+                  f"batches" if errs else "")
+        gap, cost = acc[m] - acc[ref], acc[ref] - acc["serial"]
+        out.append(f"- {m} (penalty {gamma:g}) reaches {100 * acc[m]:.2f}%{errors}; plain "
+                   f"PyTorch with the same penalty {100 * acc[ref]:.2f}%, without it "
+                   f"{100 * acc['serial']:.2f}%: MGRIT's share of the difference to serial is "
+                   f"{100 * gap:+.2f} points, the penalty's own {100 * cost:+.2f}.")
+    return out
 
 
 def _mean_seconds(epochs):
@@ -504,7 +532,7 @@ def _advice(example, ep, rows, refs, acc, goal, target):
     accuracy within 1 point of serial's or above, and the true gradient error at most
     ``target`` at 90% or more of the measured batches); the fastest MGRIT mode among them
     as well when that is the exact one; what misses where none does."""
-    lp = [m for m in MODES if m in ep and m != "serial"]
+    lp = [m for m in MODES if m in ep and not m.startswith("serial")]
     close = [m for m in lp if acc[m] >= goal]
 
     def accurate(m):

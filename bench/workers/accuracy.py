@@ -1,7 +1,7 @@
 """Training in several modes side by side, with the true gradient error measured on the side
 (a worker of bench/accuracy.py, run under mpiexec on 2 ranks; prints JSON lines).
 
-    accuracy.py EXAMPLE MODES EPOCHS LOG_EVERY [TARGET [MAX_BATCHES [AUDIT_EVERY [GAMMA]]]]
+    accuracy.py EXAMPLE MODES EPOCHS LOG_EVERY [TARGET [MAX_BATCHES [AUDIT_EVERY [PENALTIES]]]]
 
 EXAMPLE: mnist (examples/mnist.py's network and defaults), volumes3d (examples/volumes3d.py's),
 sequence (examples/sequence_classification.py's GRU on MNIST rows) or convchain (mnist's network
@@ -11,8 +11,10 @@ level: sequential stepping across the ranks), fixed (the example's hierarchy at 
 adjoint iteration, the first down-cycle skipped), relaxed1 (1 forward / 1 adjoint iteration, the
 first down-cycle relaxed), warm (fixed, with warm starts), warm1 (warm starts at 1 forward / 1
 adjoint iteration), adaptive (target_error=TARGET, at most 10 iterations per solve),
-adaptive_warm (adaptive, with warm starts), smooth (fixed, the loss plus GAMMA times the
-depth-smoothness penalty), tuned (iterations tuned to TARGET by ``layerbraid.IterationTuner``,
+adaptive_warm (adaptive, with warm starts), smooth and smooth3 (fixed, the loss plus the
+depth-smoothness penalty times the weight PENALTIES gives the mode, "smooth=0.1,smooth3=0.3"),
+serial_smooth and serial_smooth3 (plain PyTorch on rank 0 alone, with the penalty of smooth and
+smooth3), tuned (iterations tuned to TARGET by ``layerbraid.IterationTuner``,
 aiming the probe at TARGET / 2 (its default margin), probing every TUNE_EVERY batches and
 climbing within a batch whose probe is above that aim, from 2 forward / 1 adjoint iteration,
 the first down-cycle skipped; the tuner's time is part of the batch's, as it is part of
@@ -101,7 +103,7 @@ def setup(example):
     bwd = fwd.__class__(**{**fwd.__dict__, "max_iters": 1})
 
     def build(mode, target):
-        serial = mode == "serial"
+        serial = mode.startswith("serial")
         lp_comm = MPI.COMM_SELF if serial else comm
         torch.manual_seed(0)
         if mode.startswith("smooth"):
@@ -173,17 +175,18 @@ def main():
     target = float(sys.argv[5]) if len(sys.argv) > 5 else None
     max_batches = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "-" else None
     audit_every = int(sys.argv[7]) if len(sys.argv) > 7 else 50
-    penalty = float(sys.argv[8]) if len(sys.argv) > 8 else 0.0
+    penalties = {m: float(g) for m, g in (kv.split("=") for kv in sys.argv[8].split(","))} \
+        if len(sys.argv) > 8 else {}
     torch.set_num_threads(1)
     comm, build, train, test, batch, lr, opt_name = setup(example)
     rank = comm.rank
     # serial trains on rank 0 alone (plain PyTorch on one core); the other rank waits for it at
     # the next barrier, as it would for anything else that runs on one rank
-    runs = [m for m in modes if m != "serial" or rank == 0]
+    runs = [m for m in modes if not m.startswith("serial") or rank == 0]
     models = {m: build(m, target) for m in modes}
     opts = {m: torch.optim.Adam(models[m].parameters(), lr=lr) if opt_name == "adam" else
             torch.optim.SGD(models[m].parameters(), lr=lr, momentum=0.9) for m in modes}
-    gamma = {m: penalty if m.startswith("smooth") else 0.0 for m in modes}
+    gamma = {m: penalties.get(m.removeprefix("serial_"), 0.0) for m in modes}
     tuners = {m: layerbraid.IterationTuner(models[m], target, every=TUNE_EVERY)
               for m in modes if m.startswith("tuned")}
 
@@ -223,14 +226,15 @@ def main():
                               change=tuning.change, lower_change=tuning.lower_change,
                               ran=tuning.ran, iterations=tuning.iterations,
                               climb=tuning.climb, aim=tuning.aim, seconds=tuning.seconds))
-                if m != "serial" and layerbraid.audit_due(epoch * per_epoch + b, audit_every):
+                serial = m.startswith("serial")
+                if not serial and layerbraid.audit_due(epoch * per_epoch + b, audit_every):
                     solves = _raw_solves(model)
                     a = layerbraid.audit_gradients(model, lambda: objective()[1])
                     emit(dict(kind="audit", mode=m, epoch=epoch + 1, batch=b,
                               grad_error=a.error, estimate=a.estimate,
                               raw_estimate=a.raw_estimate, calibrated=a.calibrated,
                               seconds=a.seconds, **solves))
-                elif m != "serial" and b % log_every == 0:
+                elif not serial and b % log_every == 0:
                     f, g = _last_stats(model)
                     solves = _raw_solves(model)
                     a = layerbraid.audit_gradients(model, lambda: objective()[1], calibrate=False)
