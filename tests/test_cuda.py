@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,57 @@ def test_rnns_on_the_gpu_equal_torch_rnns(cls, ref_cls):
         for a, b in zip(gp1, gp2):
             assert a.device == gpu()
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parallel([1, 2])
+@pytest.mark.parametrize("cls, ref_cls", [(LayerParallelGRU, nn.GRU),
+                                          (LayerParallelLSTM, nn.LSTM)])
+def test_rnn_weights_on_the_gpu_are_one_cudnn_buffer_per_layer(cls, ref_cls):
+    """Note [cuDNN weights]: after .to(gpu) each layer's parameters are views into one buffer
+    (cuDNN then neither copies them on every call nor warns that it does), still the same
+    Parameter objects; an optimizer made before the move trains them like torch's RNN, with
+    no warning about the weights' layout; a change of dtype lays them out again."""
+    torch.manual_seed(0)
+    model = cls(3, 5, num_layers=2, comm=WORLD)
+    params = list(model.parameters())
+    model.to(gpu())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    ref = ref_cls(3, 5, num_layers=2, batch_first=True).to(gpu())
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+
+    def one_buffer_per_layer():
+        assert all(a is b for a, b in zip(model.parameters(), params))
+        for k in range(2):
+            layer = model._layer_params(k)
+            assert len({p.untyped_storage().data_ptr() for p in layer}) == 1, k
+            assert all(p.is_cuda for p in layer)
+        assert model._layer_params(0)[0].untyped_storage().data_ptr() != \
+            model._layer_params(1)[0].untyped_storage().data_ptr()
+
+    one_buffer_per_layer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x = torch.randn(4, 16, 3, generator=torch.Generator().manual_seed(step)).to(gpu())
+            outs = []
+            for net, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                out, _ = net(x)
+                out.pow(2).sum().backward()
+                o.step()
+                outs.append(out.detach())
+            torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-10)
+    assert not [str(w.message) for w in caught if "contiguous" in str(w.message)]
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    one_buffer_per_layer()
+    model.float()
+    one_buffer_per_layer()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model.cpu()  # on the CPU: the parameters are plain tensors again, and it still runs
+    out, _ = model(torch.randn(4, 16, 3, dtype=torch.float32))
+    assert out.device.type == "cpu" and all(not p.is_cuda for p in model.parameters())
 
 
 class VolumeNet(LayerParallelModule):

@@ -26,13 +26,22 @@ VJP (a few elementwise products and one product with W_hh), with the weights' an
 gradients formed at the end by batched products over the block (as cuDNN's backward does).  In
 exact mode the LSTM instead keeps the kernel's graph of each rank's block and runs torch's own
 backward on it, one oneDNN call on CPU, faster there than the closed-form loop (the GRU's is
-not).  The fused LSTM kernel returns only the h's: where the core keeps the states inside a run
+not); on a GPU both do, cuDNN's backward being one call where the loop launches a few kernels
+per step.  The fused LSTM kernel returns only the h's: where the core keeps the states inside a run
 (or the adjoint linearizes at them), the c's come from the same batched gates
 (``c_t = f_t c_{t-1} + i_t g_t``).  The chain's output is the h's (taken in the final
 relaxation, so the forward core keeps only what its cycles read again) and, for the LSTM, c_n
 as one more row.  ``fused=False`` takes one cell call and one autograd VJP of a kept graph per
 step (as Note [Euler graphs] in _layer_steps.py): the reference the fused path is tested equal
 to.
+
+Note [cuDNN weights]: on a GPU the fused kernels run cuDNN, which wants each layer's weights as
+views into one buffer in its own layout; otherwise it copies them into one on every call (and
+warns that it does).  So whenever the module's tensors move or change type (``.to``, ``.cuda``,
+``.double``: ``nn.Module._apply``) each layer's parameters become views into one such buffer,
+as nn.GRU / nn.LSTM's ``flatten_parameters`` does.  The Parameter objects stay the same (an
+optimizer made before keeps working) and in-place updates (an optimizer's step,
+``load_state_dict``, the weights' broadcast) keep the views; on the CPU nothing changes.
 
 The forward and adjoint solves are the engine's (``_chain.py``), shared with LayerParallelModule;
 a GRU or an LSTM is only a step provider: a cell subclass of ``_CellSteps``
@@ -95,6 +104,31 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         self._solve_iterations = None  # (forward, adjoint iterations), set by IterationTuner
         self._audit_ratios = []
         self._calibration = 1.0
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self._flatten_for_cudnn()
+        return out
+
+    def _flatten_for_cudnn(self):
+        """Each layer's parameters as views into one buffer in cuDNN's layout, where cuDNN
+        runs the kernels (Note [cuDNN weights]); otherwise nothing."""
+        params = list(self.parameters())
+        if not params or not all(p.is_cuda and p.dtype == params[0].dtype for p in params) or \
+                not all(torch.backends.cudnn.is_acceptable(p) for p in params) or \
+                len({p.data_ptr() for p in params}) != len(params) or \
+                not torch._use_cudnn_rnn_flatten_weight():
+            return
+        from torch.backends.cudnn import rnn as cudnn_rnn
+
+        mode = cudnn_rnn.get_cudnn_mode(self._cell.reference.__name__.upper())
+        with torch.cuda.device_of(params[0]), torch.no_grad():
+            for k in range(self.num_layers):
+                layer = self._layer_params(k)
+                # in place: the Parameters become views into one new buffer per layer
+                torch._cudnn_rnn_flatten_weight(layer, len(layer),
+                                                self.input_size if k == 0 else self.hidden_size,
+                                                mode, self.hidden_size, 0, 1, True, False)
 
     def free(self):
         """Frees the communicators and MGRIT cores made for each sequence length (also done
