@@ -140,21 +140,45 @@ def test_fused_path_equals_per_step_path():
                     torch.testing.assert_close(a, b, rtol=ROUNDOFF, atol=ROUNDOFF)
 
 
+def _gru_steps_of_each_call(monkeypatch, method, xs_at):
+    """The list that every later call of the GRU's ``method`` appends its step count to: the
+    length of its argument ``xs_at`` (the inputs of its steps, batch first)."""
+    from layerbraid.nn import rnn
+
+    calls = []
+    original = getattr(rnn._GRUSteps, method)
+
+    def counted(self, *args):
+        calls.append(args[xs_at].shape[1])
+        return original(self, *args)
+
+    monkeypatch.setattr(rnn._GRUSteps, method, counted)
+    return calls
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([1, 3])
+def test_gru_blocks_by_the_kernels_own_backward_equal_torch(monkeypatch):
+    """On a GPU, exact mode differentiates the GRU's blocks by torch's backward of the kernel,
+    as it does the LSTM's everywhere (Note [fused cells]): the same path forced on the CPU
+    equals nn.GRU to round-off, one block per rank and layer."""
+    from layerbraid.nn import rnn
+
+    monkeypatch.setattr(rnn._GRUSteps, "block_graphs", True)
+    blocks = _gru_steps_of_each_call(monkeypatch, "_record_block", 2)  # run, u, xs
+    for seq in (8, 13):  # 13: not divisible by the ranks
+        blocks.clear()
+        compare(LayerParallelGRU, torch.nn.GRU, seq, ROUNDOFF, with_h0=seq == 13)
+        assert len(blocks) == 2 and blocks[0] == blocks[1], blocks  # one per layer
+        assert WORLD.allreduce(blocks[0]) == seq  # each rank's block: its steps
+
+
 @pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
 def test_fused_path_runs_blocks_and_intervals_in_one_kernel_call(monkeypatch):
     """Exact mode: one kernel call per rank and layer; two levels with cfactor 4: the level-0
     F-intervals (3 steps) in one call each."""
-    from layerbraid.nn import rnn
-
-    calls = []
-    kernel = rnn._GRUSteps.kernel
-
-    def counted(self, xs, s, params, keep):
-        calls.append(xs.shape[1])
-        return kernel(self, xs, s, params, keep)
-
-    monkeypatch.setattr(rnn._GRUSteps, "kernel", counted)
+    calls = _gru_steps_of_each_call(monkeypatch, "kernel", 0)  # xs, s, ...
     seq = 16
     gru = LayerParallelGRU(3, 5, num_layers=2, comm=WORLD)
     out, _ = gru(torch.randn(4, seq, 3))
