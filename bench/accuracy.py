@@ -13,13 +13,15 @@ F-relaxation), examples/volumes3d.py's (3 epochs; 3 levels, cfactor 2, spatial c
 with 24 steps over T = 2, SGD with momentum, its first 300 batches).  Modes: serial (plain
 PyTorch on one rank, the speedup reference, without any penalty), exact (one MGRIT level:
 sequential stepping across the ranks), fixed (2 forward / 1 adjoint iteration, the first
-down-cycle skipped), relaxed1 (1 forward / 1 adjoint iteration, the first down-cycle relaxed),
-warm (fixed, each solve starting from the previous batch's states), warm1 (warm starts at 1
+down-cycle skipped), relaxed (2 forward / 1 adjoint iteration, the first down-cycle relaxed:
+the work of a warm solve, from the cold guess), relaxed1 (1 forward / 1 adjoint iteration, the
+first down-cycle relaxed), warm (fixed, each solve starting from the previous batch's states
+and so not skipping its first down-cycle), warm1 (warm starts at 1
 forward / 1 adjoint iteration), smooth (fixed, the loss plus 0.1 times the depth-smoothness
 penalty, ``LayerParallelModule.depth_smoothness``), smooth3 (fixed, the penalty at 0.3),
 serial_smooth and serial_smooth3 (plain PyTorch on one rank trained with the penalty of smooth
-and smooth3: what the penalty alone does to serial training), adaptive (target_error 1e-2, at most 10
-iterations per solve), adaptive_warm (adaptive with warm starts), tuned (``IterationTuner`` at
+and smooth3: what the penalty alone does to serial training), adaptive (target_error 1e-2, at
+most 10 iterations per solve), adaptive_warm (adaptive with warm starts), tuned (``IterationTuner`` at
 1e-2 with its default margin 2: from fixed's counts, every 20 batches the probe moves every
 solve's iterations to the fewest whose probed error is at most the aim, 1e-2 / 2: down by one,
 or above the aim up within the batch, one iteration at a time, until one more changes the
@@ -58,7 +60,7 @@ FACTOR = 3.0  # an estimate "holds" within this factor of the true error, either
 # the depth-smoothness penalty's weight in each penalized mode; serial_MODE trains plain
 # PyTorch with MODE's penalty
 PENALTIES = {"smooth": 0.1, "smooth3": 0.3}
-MODES = ["serial", "exact", "fixed", "relaxed1", "warm", "warm1", "smooth", "smooth3",
+MODES = ["serial", "exact", "fixed", "relaxed", "relaxed1", "warm", "warm1", "smooth", "smooth3",
          "serial_smooth", "serial_smooth3", "adaptive", "adaptive_warm", "tuned", "tuned_warm"]
 RUNS = {"mnist": dict(epochs=1, log_every=25, audit_every=100, max_batches="-"),
         "volumes3d": dict(epochs=3, log_every=4, audit_every=16, max_batches="-",
@@ -374,13 +376,14 @@ def _measured(measured, example, modes):
     text = "; ".join(f"{', '.join(ms)} at {c} on {d}" for (c, d), ms in groups.items())
     commits = sorted({c.removesuffix("+changes") for c, _ in groups if c != "unknown"})
     if len(commits) > 1:
-        diff = subprocess.run(["git", "diff", "--quiet", commits[0], commits[-1], "--",
+        diff = subprocess.run(["git", "diff", "--name-only", commits[0], commits[-1], "--",
                                "layerbraid", "cbridge", "examples"], cwd=ROOT,
-                              capture_output=True)
-        text += (".  layerbraid/, cbridge/ and examples/ are the same at these commits"
-                 if diff.returncode == 0 else
-                 ".  The library or the examples differ between these commits"
-                 if diff.returncode == 1 else ".  (git could not compare the commits)")
+                              capture_output=True, text=True)
+        changed = diff.stdout.split()
+        text += (".  (git could not compare the commits)" if diff.returncode else
+                 ".  The library and the examples differ between these commits in "
+                 + ", ".join(changed) if changed else
+                 ".  layerbraid/, cbridge/ and examples/ are the same at these commits")
         text += (".  Each run's speedups are paired with the plain PyTorch (serial) run of its "
                  "own job, measured beside it")
     return f"Runs measured: {text}."
@@ -452,7 +455,8 @@ def _findings(example, ep, rows, refs, goal, target, tunings=None):
     for m in (m for m in MODES if (tunings or {}).get(m)):
         out.append(_tuned_sentence(m, tunings[m], sum(r["seconds"] for r in ep[m]), target,
                                    rows.get(m, [])))
-    for warm, cold in (("warm", "fixed"), ("warm1", "fixed"), ("warm1", "relaxed1"),
+    for warm, cold in (("warm", "fixed"), ("warm", "relaxed"), ("warm1", "fixed"),
+                       ("warm1", "relaxed1"),
                        ("adaptive_warm", "adaptive"), ("tuned_warm", "tuned"),
                        ("tuned", "adaptive")):
         if warm in sec and cold in sec and its.get(warm) and its.get(cold):

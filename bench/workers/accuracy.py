@@ -8,9 +8,9 @@ sequence (examples/sequence_classification.py's GRU on MNIST rows) or convchain 
 with 24 steps over T = 2, a deeper ReLU conv chain than any example's default).
 MODES: a comma-separated list of: serial (plain PyTorch, on rank 0 alone), exact (one MGRIT
 level: sequential stepping across the ranks), fixed (the example's hierarchy at 2 forward / 1
-adjoint iteration, the first down-cycle skipped), relaxed1 (1 forward / 1 adjoint iteration, the
-first down-cycle relaxed), warm (fixed, with warm starts), warm1 (warm starts at 1 forward / 1
-adjoint iteration), adaptive (target_error=TARGET, at most 10 iterations per solve),
+adjoint iteration, the first down-cycle skipped), relaxed (fixed, the first down-cycle relaxed),
+relaxed1 (1 forward / 1 adjoint iteration, the first down-cycle relaxed), warm (fixed, with
+warm starts), warm1 (warm starts at 1 forward / 1 adjoint iteration), adaptive (target_error=TARGET, at most 10 iterations per solve),
 adaptive_warm (adaptive, with warm starts), smooth and smooth3 (fixed, the loss plus the
 depth-smoothness penalty times the weight PENALTIES gives the mode, "smooth=0.1,smooth3=0.3"),
 serial_smooth and serial_smooth3 (plain PyTorch on rank 0 alone, with the penalty of smooth and
@@ -114,6 +114,10 @@ def setup(example):
         elif mode == "exact":  # one level: sequential stepping across the ranks
             one = fwd.__class__(**{**fwd.__dict__, "max_levels": 1})
             model = make(lp_comm, serial, one, one, False)
+        elif mode == "relaxed":  # cold, 2/1, the first down-cycle relaxed (as a warm solve's)
+            model = make(lp_comm, serial,
+                         *(o.__class__(**{**o.__dict__, "skip_first_downcycle": False})
+                           for o in (fwd, bwd)), False)
         elif mode == "relaxed1":  # cold, 1/1, the first down-cycle relaxed (not skipped)
             relaxed = fwd.__class__(**{**fwd.__dict__, "max_iters": 1,
                                        "skip_first_downcycle": False})
