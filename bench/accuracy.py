@@ -460,7 +460,7 @@ def _findings(example, ep, rows, refs, goal, target, tunings=None):
                        ("adaptive_warm", "adaptive"), ("tuned_warm", "tuned"),
                        ("tuned", "adaptive")):
         if warm in sec and cold in sec and its.get(warm) and its.get(cold):
-            if refs[warm] is refs[cold]:  # one job: warm's time over cold's, batch by batch
+            if refs[warm] == refs[cold]:  # one job: warm's time over cold's, batch by batch
                 ratio, how = paired(ep[warm], ep[cold]), "paired"
                 epochs = sec[warm] / sec[cold]
             else:  # two jobs: each against its own job's plain PyTorch, batch by batch

@@ -264,3 +264,28 @@ def test_a_rerun_keeps_each_stored_runs_own_pairing_reference():
     keep_references(data, "mnist", ["serial", "tuned"])  # again: exact keeps job a's
     assert data["references"]["mnist/exact"][0]["seconds"] == 1.0
     assert "mnist/tuned" not in data["references"]
+
+
+def test_runs_timed_in_one_job_are_compared_batch_by_batch_after_a_rerun():
+    """Two stored runs of one job keep equal copies of that job's serial run as their pairing
+    reference (`--only` reran others): their times are still compared batch by batch, not
+    each against its own job's plain PyTorch."""
+    accuracy = _bench("accuracy")
+
+    def epochs(seconds):
+        return [dict(kind="epoch", seconds=sum(seconds), batch_seconds=list(seconds),
+                     test_accuracy=0.9)]
+
+    def logged(error):
+        return [dict(kind="batch", grad_error=error, it_fwd=1, it_bwd=1, estimate=None,
+                     raw_estimate=None, calibrated=False)]
+
+    serial = epochs([1.0, 1.0, 1.0, 1.0])
+    ep = {"serial": epochs([1.5, 1.5, 1.5, 1.5]), "warm1": epochs([2.0, 2.2, 2.0, 2.2]),
+          "relaxed1": epochs([2.0, 2.0, 2.0, 2.0])}
+    rows = {"serial": [], "warm1": logged(1e-3), "relaxed1": logged(2e-3)}
+    refs = {"serial": ep["serial"], "warm1": [dict(r) for r in serial],
+            "relaxed1": [dict(r) for r in serial]}
+    text = "\n".join(accuracy._findings("mnist", ep, rows, refs, 0.0, 1e-2))
+    assert "warm1 costs 1.05x relaxed1's time per epoch, 1.05 [1.00-1.10]x per batch " \
+        "(median [quartiles], paired)" in text, text
