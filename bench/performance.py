@@ -1,7 +1,7 @@
 """When is layer-parallel training faster than plain PyTorch, and what does layerbraid add on
 top of the layers' own work?  Writes docs/performance.md and its raw data, performance.json.
 
-    python -m bench.performance                  # the whole report (about 20 minutes here)
+    python -m bench.performance                  # the whole report (about 25 minutes here)
     python -m bench.performance --rounds 2       # shorter
     python -m bench.performance --report         # rewrite the .md from the .json
 
@@ -167,7 +167,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=pick(6, 1), help="interleaved rounds")
     p.add_argument("--batches", type=int, default=pick(15, 2),
                    help="timed batches per demo job (median taken)")
-    p.add_argument("--repeats", type=int, default=pick(4, 1),
+    # 8 pairs per job, 48 per row: with 4 (24 per row) the rows' speedups spread from 0.58-0.91x
+    # to 1.29-1.45x their medians, enough to move a median across its target between runs
+    p.add_argument("--repeats", type=int, default=pick(8, 1),
                    help="timed forward+backward pairs per benchmark-layer job")
     p.add_argument("--out", type=Path, default=OUT)
     generate(OUT, measure, report, p, argv)
