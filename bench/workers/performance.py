@@ -68,6 +68,7 @@ def worker(argv):
     p.add_argument("--paired", action="store_true",
                    help="time plain PyTorch (1 thread, rank 0) after or before every batch")
     a = p.parse_args(argv)
+    harness.steady_allocator()
     import torch
     import torch.nn.functional as F
     from mpi4py import MPI

@@ -19,6 +19,7 @@ import torch
 from mpi4py import MPI
 
 import layerbraid
+from bench.harness import steady_allocator
 from layerbraid.nn import ConvBlock
 
 
@@ -65,6 +66,7 @@ def main():
                         "layer-parallel network or (1 rank) of its serial copy: the growth of "
                         "each rank's peak resident set over its resident set before it")
     args = p.parse_args()
+    steady_allocator()
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
 

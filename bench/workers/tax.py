@@ -22,6 +22,7 @@ from mpi4py import MPI
 from torch import nn
 
 import layerbraid
+from bench.harness import steady_allocator
 from bench.workers.resnet import traced_work
 
 
@@ -50,6 +51,7 @@ def main():
     size, levels = int(sys.argv[1]), int(sys.argv[2])
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 64
     repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 7
+    steady_allocator()
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     model = Chain(comm, steps, levels)
