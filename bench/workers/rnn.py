@@ -15,9 +15,11 @@ def main():
     import torch
     from mpi4py import MPI
 
+    from bench.harness import steady_allocator
     from layerbraid import MGRITOptions
     from layerbraid.nn import LayerParallelGRU, LayerParallelLSTM
 
+    steady_allocator()  # as every worker that times plain PyTorch beside a layer-parallel run
     torch.set_num_threads(1)
     seq, levels = int(sys.argv[1]), int(sys.argv[2])
     cell = sys.argv[3] if len(sys.argv) > 3 else "gru"
