@@ -15,12 +15,14 @@ alike):
    process (the 2-thread row is timed against the plain PyTorch job of the same round).
 2. The benchmark conv layer alone (bench/workers/resnet.py): each job alternates a
    layer-parallel forward+backward with plain PyTorch's on rank 0 (the other ranks wait in a
-   barrier, so the reference runs with the machine as busy as in a 1-rank job), and measures
-   one step's and one VJP's cost; the work bound is layerbraid.plan's prediction from those
-   costs with no overhead and free messages.
+   barrier, so the reference runs with the machine as busy as in a 1-rank job), and after each
+   pair measures one step's and one VJP's cost; each pair's work bound is layerbraid.plan's
+   prediction from its round's costs with no overhead and free messages.
 3. Memory: the growth of each rank's peak resident set over one forward+backward, against
    plain PyTorch's (separate processes).
 4. The planner's projection to 4-4096 ranks from step costs measured here.
+
+Every job binds each rank to cores of its own (bench.harness.binding): one per thread.
 
 The unit everywhere: speedup = plain PyTorch's time / time (> 1 is faster).
 """
@@ -96,13 +98,23 @@ def _layer_options(levels, fwd, bwd):
                               tol=0.0, skip_first_downcycle=True) for it in (fwd, bwd))
 
 
-def work_bound(r, levels, fwd, bwd):
-    """Seconds the layer-parallel forward+backward would take with the measured step and VJP
-    costs, no other work and free messages (layerbraid.plan's model of the core's schedule)."""
+def work_bound(steps, ranks, levels, fwd, bwd, step, vjp, vjp_param):
+    """Seconds the layer-parallel forward+backward would take with these step and VJP costs,
+    no other work and free messages (layerbraid.plan's model of the core's schedule)."""
     from layerbraid.plan import Costs, predict
 
-    costs = Costs(r["step_seconds"], r["vjp_seconds"], r["vjp_param_seconds"], 0.0, 0.0, 1e30)
-    return predict(r["steps"], r["ranks"], *_layer_options(levels, fwd, bwd), costs).seconds
+    costs = Costs(step, vjp, vjp_param, 0.0, 0.0, 1e30)
+    return predict(steps, ranks, *_layer_options(levels, fwd, bwd), costs).seconds
+
+
+def pair_costs(run):
+    """(step, VJP, VJP with parameter gradients) seconds for each timed pair of a benchmark-layer
+    job: measured in the pair's own round, or, in a job that measured them once, that one
+    measurement for every pair."""
+    if "step_times" in run:
+        return list(zip(run["step_times"], run["vjp_times"], run["vjp_param_times"]))
+    return [(run["step_seconds"], run["vjp_seconds"], run["vjp_param_seconds"])] * \
+        len(run["lp_times"])
 
 
 # ---------------------------------------------------------------- measuring
@@ -143,8 +155,10 @@ def measure(a):
     for r in range(a.rounds):
         for label, ranks, args in rows:
             paired = [] if args[0] == "plain" else ["--paired"]
+            threads = int(args[args.index("--threads") + 1]) if "--threads" in args else 1
             demo[label].append(launch("performance", ranks, *args, *paired, "--batches",
-                                      a.batches, timeout=900, echo=False)[-1])
+                                      a.batches, timeout=900, echo=False,
+                                      cores_per_rank=threads)[-1])
             print(f"round {r + 1}: {label}: {1e3 * demo[label][-1]['seconds']:.1f} ms/batch",
                   flush=True)
         for ranks, steps, levels, fwd, bwd, _, _ in layer_rows:
@@ -152,11 +166,12 @@ def measure(a):
             layer[label].append(launch("resnet", ranks, "--steps", steps, "--levels", levels,
                                        "--fwd-iters", fwd, "--bwd-iters", bwd, "--serial",
                                        "--repeats", a.repeats, *pick([], ["--batch", 2]),
-                                       timeout=900, echo=False)[-1])
+                                       timeout=900, echo=False, cores_per_rank=1)[-1])
             print(f"round {r + 1}: {label}: speedup "
                   f"{layer[label][-1]['speedup']:.2f}", flush=True)
     memory = {label: launch("resnet", ranks, *args, *pick([], ["--batch", 2]), timeout=900,
-                            echo=False)[-1] for label, ranks, args in pick(MEMORY, MEMORY[:2])}  # quick: 1-rank jobs only
+                            echo=False, cores_per_rank=1)[-1]
+              for label, ranks, args in pick(MEMORY, MEMORY[:2])}  # quick: 1-rank jobs only
     return {**provenance(), "rounds": a.rounds, "batches": a.batches, "repeats": a.repeats,
             "seconds": time.time() - t0, "demo": demo, "layer": layer, "memory": memory,
             "projection": _projection()}
@@ -278,9 +293,10 @@ def report(data):
         f"forward+backward and plain PyTorch's ({data['repeats']} timed pairs per job, one job "
         "per round): the speedup's spread is over every pair.  `bound` is the work bound:",
         "layerbraid.plan's prediction of the core's schedule with the step and VJP costs",
-        "measured in the same job (median over the rounds), no other work and free messages;",
-        "`/ bound` is the time as a multiple of it, for layerbraid and for plain PyTorch (whose",
-        "bound is N steps + N VJPs).  The costs are measured on one step alone, its input and",
+        "measured right after the pair (medians of 3), no other work and free messages;",
+        "`/ bound` is the time as a multiple of its pair's bound, for layerbraid and for plain",
+        "PyTorch (whose bound is N steps + N VJPs), median [min-max] over the pairs.  The ranks",
+        "are bound to a core each.  The costs are measured on one step alone, its input and",
         "output hot in cache; in a chain of steps every step reads the previous one's output,",
         "and plain PyTorch itself takes longer than its bound.  `/ chain bound` scales the",
         "bound by plain PyTorch's time over its own bound: the time as a multiple of the work",
@@ -305,21 +321,25 @@ def report(data):
         lp_t = [t for r in runs for t in r["lp_times"]]
         pl_t = [t for r in runs for t in r["serial_times"]]
         med, lo, hi, cell = speedup(pl_t, lp_t)
-        bound = statistics.median(work_bound(r, levels, fwd, bwd) for r in runs)
-        plain_bound = statistics.median(
-            steps * (r["step_seconds"] + r["vjp_param_seconds"]) for r in runs)
-        over, plain_over = statistics.median(lp_t) / bound, statistics.median(pl_t) / plain_bound
+        costs = [c for r in runs for c in pair_costs(r)]
+        bounds = [work_bound(steps, ranks, levels, fwd, bwd, *c) for c in costs]
+        plain_bounds = [steps * (c[0] + c[2]) for c in costs]
+        over_t = [t / b for t, b in zip(lp_t, bounds)]
+        plain_over_t = [t / b for t, b in zip(pl_t, plain_bounds)]
+        chain_t = [o / q for o, q in zip(over_t, plain_over_t)]
+        over, over_chain = statistics.median(over_t), statistics.median(chain_t)
         mpi, book = (statistics.median(r[key] for r in runs) if key in runs[0] else None
                      for key in ("mpi_seconds", "bookkeeping_seconds"))
         lines.append(
             f"| {label} | {spread(lp_t, '.0f', 1e3)} | {spread(pl_t, '.0f', 1e3)} | {cell} | "
-            f">= {target:.2f} ({meaning}) | {1e3 * bound:.0f} | {over:.2f} | {plain_over:.2f} "
-            f"| {over / plain_over:.2f} | {'' if mpi is None else f'{1e3 * mpi:.0f}'} "
+            f">= {target:.2f} ({meaning}) | {spread(bounds, '.0f', 1e3)} | {spread(over_t)} | "
+            f"{spread(plain_over_t)} | {spread(chain_t)} "
+            f"| {'' if mpi is None else f'{1e3 * mpi:.0f}'} "
             f"| {'' if book is None else f'{1e3 * book:.0f}'} "
             f"| {statistics.median(r['err_param_grad'] for r in runs):.1e} |")
         verdicts.append((label, med, lo, target, _verdict(med, lo, target)))
         if levels > 1 and (fwd, bwd) == (2, 1):
-            chain.append((label, over, over / plain_over,
+            chain.append((label, over, over_chain,
                           None if book is None else book / statistics.median(lp_t)))
     lines += ["", "### What the benchmark-layer rows show", ""]
     met = [v for v in verdicts if v[4] != "not met"]

@@ -2,12 +2,13 @@
 
     python -m bench.plan_validation        (writes docs/plan_validation.md and .json)
 
-For each N and rank count, bench/workers/resnet.py trains the benchmark ODE-ResNet (8 channels,
+For each N and rank count, bench/workers/resnet.py times the benchmark ODE-ResNet (8 channels,
 28x28, batch 10 here, float32) with 1, 2 or 3 levels, cfactor 4, 2 forward / 1 backward
 iterations, and measures the seconds per forward+backward, the cost of one step / VJP of its
 layer, and the steps each rank ran (from the core's trace).  The planner predicts the seconds from those costs alone
 and its own schedule; its step counts must equal the measured ones exactly.  4 ranks run
-oversubscribed on this 2-core machine, so only their step counts are compared.
+oversubscribed on this 2-core machine, so only their step counts are compared; the 1- and
+2-rank jobs run with each rank bound to a core of its own.
 """
 import statistics
 import time
@@ -21,7 +22,8 @@ CONFIGS = [(1, 1), (1, 2), (2, 2), (2, 3), (4, 2)]  # (ranks, levels)
 
 def run(ranks, steps, levels, batch):
     return launch("resnet", ranks, "--steps", steps, "--levels", levels, "--batch", batch,
-                  "--serial", "--repeats", pick(3, 1), timeout=1800, echo=False)[-1]
+                  "--serial", "--repeats", pick(3, 1), timeout=1800, echo=False,
+                  cores_per_rank=1)[-1]
 
 
 def options(levels):

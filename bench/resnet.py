@@ -27,7 +27,7 @@ def run(ranks, steps, levels, fwd, bwd, repeats):
     return launch("resnet", ranks, "--steps", steps, "--levels", levels,
                   "--fwd-iters", max(fwd, 1), "--bwd-iters", max(bwd, 1), "--serial",
                   "--repeats", repeats, *pick([], ["--batch", 2]), timeout=1800,
-                  echo=False)[-1]
+                  echo=False, cores_per_rank=1)[-1]
 
 
 def work_speedup(r):
@@ -67,15 +67,15 @@ def report(data):
         "Network: `x <- x + dt*relu(conv2(relu(conv1(x))))`, 8 channels, 28x28, batch 50, float32,",
         "one thread per rank. Coarsening factor 4, F-relaxation on the fine level and FCF on",
         "coarse levels, first down-cycle skipped. Each configuration is one `mpiexec` job per",
-        "round that alternates layer-parallel and plain-PyTorch forward+backward passes",
-        "(training-like: a new batch and an SGD step each time; plain PyTorch runs on rank 0",
-        "while the other ranks wait in a barrier); times and speedups are median [min-max] over",
+        "round, each rank bound to a core of its own, that alternates layer-parallel and",
+        "plain-PyTorch forward+backward passes (a new batch each time, the weights at their",
+        "initial values; plain PyTorch runs on rank 0 while the other ranks wait in a",
+        "barrier); times and speedups are median [min-max] over",
         "every pair of every round; speedup = PyTorch's time / layerbraid's (> 1 is faster).",
         SAME_LEGEND,
         "Errors are relative 2-norm errors against the serial network with the same weights,",
-        "measured at the initial weights before the timed passes (the job's SGD steps with a sum",
-        "loss degenerate this network, which would make every row look accurate); errors on",
-        "trained networks, and the estimates layerbraid reports, are in docs/accuracy.md.",
+        "measured at the initial weights, the timed ones; errors on trained networks, and the",
+        "estimates layerbraid reports, are in docs/accuracy.md.",
         "`work speedup` is serial's N steps and N VJPs over the busiest rank's step and VJP counts",
         "(from the C core's trace), each at the measured cost of one step and one VJP: the",
         "speedup MGRIT would reach if no rank ever waited for another.",

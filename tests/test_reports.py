@@ -205,6 +205,35 @@ def test_the_steady_allocator_keeps_what_a_run_freed():
     assert max(steady) < pages // 100, steady
 
 
+_AFFINITY = "import os; print(sorted(os.sched_getaffinity(0)), flush=True)"
+
+
+def test_a_bound_job_gives_each_rank_cores_of_its_own():
+    """bench.harness.mpiexec(..., cores_per_rank=K): each rank of a job that fits on the cores
+    runs on K cores no other rank of it has (MPICH binds nothing by default: there every rank
+    may run on every core); a job that would need more cores than there are is left unbound."""
+    harness = _bench("harness")
+    if not hasattr(__import__("os"), "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    cores = harness.available_cores()
+    if cores < 2:
+        pytest.skip("one core: nothing to bind apart")
+
+    def sets(ranks, per_rank):
+        out = harness.mpiexec(ranks, [sys.executable, "-c", _AFFINITY], timeout=120,
+                              cores_per_rank=per_rank).stdout
+        return [tuple(ast.literal_eval(line)) for line in out.splitlines() if line.startswith("[")]
+
+    bound = sets(2, 1)
+    assert len(bound) == 2 and all(len(s) == 1 for s in bound), bound
+    assert bound[0] != bound[1], bound  # a core each, not the same one
+    assert harness.binding(2, 1) == ["-bind-to", "core:1"]
+    # oversubscribed, or no binding asked for: no option, every rank on every core
+    assert harness.binding(cores + 1, 1) == [] and harness.binding(2, None) == []
+    unbound = sets(cores + 1, 1)
+    assert len(unbound) == cores + 1 and all(len(s) == cores for s in unbound), unbound
+
+
 @pytest.mark.timeout(900)
 def test_every_report_generator_runs_in_quick_mode(tmp_path):
     """``make reports QUICK=1`` (``python -m bench --run all --quick``): every generator
