@@ -8,6 +8,7 @@ on the slowest rank: `steps` = time inside layers and VJPs (SolveStats.step_seco
 the rest of the two solves outside MPI, `mpi` = the core's MPI time (waiting included), `other` =
 everything outside the solves (open/close layers, loss, output broadcast, gradient averaging,
 optimizer).  4 ranks run oversubscribed on 2 cores here: read them as counts of work, not speed.
+Jobs that fit on the cores run with each rank bound to a core of its own.
 """
 import statistics
 import time
@@ -34,8 +35,8 @@ def measure(a):
     runs = {}
     for _ in range(a.rounds):
         for ranks, dp in pick(GRIDS, GRIDS[2:3]):
-            runs.setdefault(f"{ranks}|{dp}", []).append(launch(WORKER, ranks, dp,
-                                                               a.batches)[-1])
+            runs.setdefault(f"{ranks}|{dp}", []).append(launch(WORKER, ranks, dp, a.batches,
+                                                               cores_per_rank=1)[-1])
     return {**provenance(), "rounds": a.rounds, "batches": a.batches,
             "seconds": time.time() - t0, "runs": runs}
 

@@ -4,7 +4,8 @@ sequences, with both of layerbraid's paths for the steps.
     python -m bench.rnn            (writes docs/bench_rnn.md and docs/bench_rnn.json)
     python -m bench.rnn --report   (rewrites the .md from the .json)
 
-Batch 32, 16 input features, hidden 64, float32, one thread per rank.  Layer-parallel: 1 level
+Batch 32, 16 input features, hidden 64, float32, one thread per rank, each rank bound to a core
+of its own.  Layer-parallel: 1 level
 (exact), or 2 levels, cfactor 4, F-relaxation, first down-cycle skipped, 2 forward / 1 backward
 iterations, the stable "cell" coarse rule.  Paths: `fused` (the default: runs of steps through
 torch's multi-step GRU/LSTM kernel, the adjoint by the cell's closed-form VJP with batched weight
@@ -36,7 +37,8 @@ def measure(args=None):
                              skip_first_downcycle=True)
             steps = max(sum(c.values()) for c in plan.step_counts(plan.schedule(seq, ranks, o)))
             for path in ("fused", "per-step"):
-                r = launch(WORKER, ranks, seq, levels, cell, path, pick(7, 1))[-1]
+                r = launch(WORKER, ranks, seq, levels, cell, path, pick(7, 1),
+                           cores_per_rank=1)[-1]
                 r["steps_per_rank"] = steps
                 rows.append(r)
     return {**provenance(), "seconds": time.time() - t0, "rows": rows}
