@@ -13,7 +13,8 @@ same weights; on 2 ranks the other rank waits in an MPI reduction meanwhile) is 
 job, interleaved with the three modes round after round (3 rounds at 32^3, 2 at 64^3; at 64^3 with
 128 steps on 2 ranks only), and is the reference of the errors: relative 2-norm errors of the
 output, the input gradient and all parameter gradients.  Times are the median [min-max] over the
-rounds and the speedup is over the rounds' pairs, after a warm-up on an 8^3 input.
+rounds and the speedup is over the rounds' pairs, after a warm-up on an 8^3 input.  The timing
+jobs and the training runs bind each rank to a core of its own.
 """
 import json
 import statistics
@@ -273,7 +274,7 @@ def training(tmp):
     for name, flags, ranks in runs:
         d = Path(tmp) / name.replace(" ", "_")
         mpiexec(ranks, [sys.executable, ROOT / "examples" / "volumes3d.py", *TRAINING, *flags,
-                        "--out-dir", d])
+                        "--out-dir", d], cores_per_rank=1)
         hist = json.loads((d / "metrics.json").read_text())["history"]
         out.append(dict(mode=name, ranks=ranks, test_accuracy=[h["test_accuracy"] for h in hist],
                         train_loss=[h["train_loss"] for h in hist],
@@ -295,7 +296,7 @@ def measure(args=None):
     data = {**provenance(), "timing": [], "convergence": []}
     for size, steps, rounds, ranks_list in pick(CONFIGS, [(8, 8, 1, (2,))]):
         for ranks in ranks_list:
-            data["timing"] += launch(WORKER, ranks, size, steps, rounds)
+            data["timing"] += launch(WORKER, ranks, size, steps, rounds, cores_per_rank=1)
     for size, steps, iters in pick(CONVERGENCE_CONFIGS, [(8, 8, 2)]):
         data["convergence"] += launch(CONVERGENCE, 1, size, steps, iters)
     data["costs"] = [measure_costs(2, 1)] * 2 if QUICK else \
