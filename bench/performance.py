@@ -17,7 +17,9 @@ alike):
    layer-parallel forward+backward with plain PyTorch's on rank 0 (the other ranks wait in a
    barrier, so the reference runs with the machine as busy as in a 1-rank job), and after each
    pair measures one step's and one VJP's cost; each pair's work bound is layerbraid.plan's
-   prediction from its round's costs with no overhead and free messages.
+   prediction from its round's costs with no overhead and free messages.  On several ranks
+   the costs are measured a second time with every rank measuring at once (the busy bound:
+   the ranks of a solve share the cache and memory bandwidth, plain PyTorch does not).
 3. Memory: the growth of each rank's peak resident set over one forward+backward, against
    plain PyTorch's (separate processes).
 4. The planner's projection to 4-4096 ranks from step costs measured here.
@@ -107,12 +109,17 @@ def work_bound(steps, ranks, levels, fwd, bwd, step, vjp, vjp_param):
     return predict(steps, ranks, *_layer_options(levels, fwd, bwd), costs).seconds
 
 
-def pair_costs(run):
+def pair_costs(run, busy=False):
     """(step, VJP, VJP with parameter gradients) seconds for each timed pair of a benchmark-layer
     job: measured in the pair's own round, or, in a job that measured them once, that one
-    measurement for every pair."""
-    if "step_times" in run:
-        return list(zip(run["step_times"], run["vjp_times"], run["vjp_param_times"]))
+    measurement for every pair.  With ``busy``, the costs measured on every rank at once (the
+    mean over the ranks), or None where the job did not measure them (one rank, older runs)."""
+    pre = "busy_" if busy else ""
+    if pre + "step_times" in run:
+        return list(zip(run[pre + "step_times"], run[pre + "vjp_times"],
+                        run[pre + "vjp_param_times"]))
+    if busy:
+        return None
     return [(run["step_seconds"], run["vjp_seconds"], run["vjp_param_seconds"])] * \
         len(run["lp_times"])
 
@@ -148,7 +155,7 @@ def _projection():
 
 def measure(a):
     rows = pick(ROWS, [ROWS[0], ROWS[4]])
-    layer_rows = pick(LAYER_ROWS, LAYER_ROWS[:1])
+    layer_rows = pick(LAYER_ROWS, [LAYER_ROWS[0], LAYER_ROWS[3]])  # quick: 1 and 2 ranks
     demo = {label: [] for label, _, _ in rows}
     layer = {_layer_label(*row[:5]): [] for row in layer_rows}
     t0 = time.time()
@@ -191,6 +198,78 @@ def main(argv=None):
 
 
 # ---------------------------------------------------------------- the report
+def _busy_rows(layer):
+    """For every benchmark-layer row whose jobs measured the busy costs (several ranks): (label,
+    target, meaning, plain times, layerbraid times, idle costs, busy costs, busy bounds), pair
+    by pair."""
+    rows = []
+    for ranks, steps, levels, fwd, bwd, target, meaning in LAYER_ROWS:
+        label = _layer_label(ranks, steps, levels, fwd, bwd)
+        runs = layer.get(label)
+        if not runs or any(pair_costs(r, busy=True) is None for r in runs):
+            continue
+        busy = [c for r in runs for c in pair_costs(r, busy=True)]
+        rows.append((label, target, meaning, [t for r in runs for t in r["serial_times"]],
+                     [t for r in runs for t in r["lp_times"]],
+                     [c for r in runs for c in pair_costs(r)], busy,
+                     [work_bound(steps, ranks, levels, fwd, bwd, *c) for c in busy]))
+    return rows
+
+
+def _busy_table(layer):
+    rows = _busy_rows(layer)
+    if not rows:
+        return []
+    lines = [
+        "",
+        "### The work bound with every rank stepping at once",
+        "",
+        "The costs above are measured on one rank while the others wait, as plain PyTorch runs:",
+        "alone on the machine.  In a solve the ranks step side by side and share the cache and",
+        "memory bandwidth.  So every job on several ranks measures the same costs again right",
+        "after, with every rank measuring at once (each on a layer of its own; the mean over",
+        "the ranks), and `busy bound` is the work bound at those costs.  `busy / alone` is the",
+        "busy cost over the alone cost, pair by pair; `busy bound's speedup` is plain",
+        "PyTorch's time over the busy bound: the most the schedule's work allows on this",
+        "machine's cores when they all step, with no overhead.",
+        "",
+        "| configuration | step, busy / alone | VJP with parameter gradients, busy / alone "
+        "| busy bound ms | busy bound's speedup | / busy bound | speedup | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, target, meaning, pl_t, lp_t, alone, busy, bounds in rows:
+        lines.append(
+            f"| {label} | {spread([b[0] / a[0] for a, b in zip(alone, busy)])} "
+            f"| {spread([b[2] / a[2] for a, b in zip(alone, busy)])} "
+            f"| {spread(bounds, '.0f', 1e3)} | {spread([p / b for p, b in zip(pl_t, bounds)])} "
+            f"| {spread([t / b for t, b in zip(lp_t, bounds)])} | {speedup(pl_t, lp_t)[3]} "
+            f"| >= {target:.2f} |")
+    return lines
+
+
+def _busy_findings(layer):
+    """For every row below its target that measured the busy costs: what the busy bound allows
+    and what the target asks of the time against it."""
+    lines = []
+    for label, target, meaning, pl_t, lp_t, alone, busy, bounds in _busy_rows(layer):
+        med = speedup(pl_t, lp_t)[0]
+        if med >= target:
+            continue
+        allowed = statistics.median(p / b for p, b in zip(pl_t, bounds))
+        over = statistics.median(t / b for t, b in zip(lp_t, bounds))
+        need = allowed / target
+        dearer = statistics.median(b[0] / a[0] for a, b in zip(alone, busy))
+        lines.append(
+            f"- {label}, at the busy costs (a step {100 * (dearer - 1):+.0f}% against alone): "
+            f"its bound's speedup is {allowed:.2f}; the target asks for at most {need:.2f}x "
+            f"the busy bound, against {over:.2f}x measured"
+            + (": below that bound, so it needs steps cheaper than they are with every rank "
+               "stepping, which only the stretches where a rank steps alone (the schedule's "
+               "waits) give" if need < 1.0 else f": {100 * (1 - need / over):.0f}% off the time")
+            + ".")
+    return lines
+
+
 def _verdict(med, lo, target):
     if lo >= target:
         return "met in every measurement"
@@ -346,6 +425,7 @@ def report(data):
         if levels > 1 and (fwd, bwd) == (2, 1):
             chain.append((label, over, over_chain,
                           None if book is None else book / statistics.median(lp_t)))
+    lines += _busy_table(layer)
     lines += ["", "### What the benchmark-layer rows show", ""]
     met = [v for v in verdicts if v[4] != "not met"]
     lines.append(f"- {len(met)} of {len(verdicts)} rows meet their target by the median; "
@@ -364,6 +444,7 @@ def report(data):
                         "schedule with less work" if need < 1.0 else
                         f": {100 * (1 - need / over):.0f}% off the time") + ".")
         lines.append(line)
+    lines += _busy_findings(layer)
     for label, over, over_chain, book in chain:
         lines.append(f"- {label}, against the target of at most {BOUND_TARGET:.2f}x the work "
                      f"bound: {over:.2f}x the bound ({'met' if over <= BOUND_TARGET else 'not met'})"

@@ -251,6 +251,11 @@ def test_every_report_generator_runs_in_quick_mode(tmp_path):
     for report in reports:
         written = tmp_path / Path(report).name
         assert written.exists() and written.stat().st_size > 0, (report, out.stdout[-2000:])
+    # the 2-rank benchmark-layer job measured its costs with every rank busy, and the report
+    # shows the bound they give
+    performance = (tmp_path / "performance.md").read_text()
+    busy = performance.split("### The work bound with every rank stepping at once")[1]
+    assert "| N=64, 2 ranks, 2 levels, 2/1 iterations |" in busy.split("###")[0]
 
 
 def test_the_accuracy_reports_default_modes_are_the_examples_defaults():
@@ -358,3 +363,33 @@ def test_runs_timed_in_one_job_are_compared_batch_by_batch_after_a_rerun():
     text = "\n".join(accuracy._findings("mnist", ep, rows, refs, 0.0, 1e-2))
     assert "warm1 costs 1.05x relaxed1's time per epoch, 1.05 [1.00-1.10]x per batch " \
         "(median [quartiles], paired)" in text, text
+
+
+def test_the_busy_bound_is_computed_pair_by_pair_and_judged_against_the_target():
+    """bench.performance's busy bound: the work bound at the costs measured with every rank
+    stepping, and the finding it gives for a row below its target."""
+    from bench import performance
+
+    ranks, steps, levels, fwd, bwd, target, _ = performance.LAYER_ROWS[5]  # N=16, 2/1
+    label = performance._layer_label(ranks, steps, levels, fwd, bwd)
+    alone = [(1e-3, 1e-3, 2e-3), (2e-3, 2e-3, 4e-3)]
+    busy = [tuple(1.2 * c for c in a) for a in alone]
+    bounds = [performance.work_bound(steps, ranks, levels, fwd, bwd, *c) for c in busy]
+    plain = [steps * (a[0] + a[2]) for a in alone]  # plain PyTorch at its own bound
+    run = {"lp_times": bounds, "serial_times": plain,  # layerbraid exactly at the busy bound
+           **{key: [c[i] for c in alone] for i, key in
+              enumerate(("step_times", "vjp_times", "vjp_param_times"))},
+           **{"busy_" + key: [c[i] for c in busy] for i, key in
+              enumerate(("step_times", "vjp_times", "vjp_param_times"))}}
+    table = "\n".join(performance._busy_table({label: [run]}))
+    row = next(line for line in table.splitlines() if line.startswith(f"| {label} |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1].startswith("1.20 ") and cells[2].startswith("1.20 ")
+    assert cells[5].startswith("1.00 ")  # the time over the busy bound
+    allowed = [p / b for p, b in zip(plain, bounds)]
+    assert max(allowed) < target  # this schedule's work on these costs is slower than asked
+    (finding,) = performance._busy_findings({label: [run]})
+    assert "below that bound" in finding and "+20%" in finding
+    # a job without busy costs (one rank) gives no row
+    lone = {k: v for k, v in run.items() if not k.startswith("busy_")}
+    assert performance._busy_table({label: [lone]}) == []

@@ -8,7 +8,10 @@ output, input gradient and parameter gradients against the serial network at the
 (a first solve: no warm guess yet), and the MGRIT work
 model: the steps and VJPs each rank ran (from the core's trace), turned into a predicted time with
 the serial cost of one step and one VJP, measured in every round beside the timed pair (with
---serial), so that the work bound sees the machine as the times do.
+--serial), so that the work bound sees the machine as the times do.  On several ranks the same
+costs are measured again with every rank measuring at once (the busy costs): the ranks of a
+solve step side by side and share the cache and memory bandwidth, which the first measurement,
+like plain PyTorch, has to itself.
 
 The weights stay at their initial values while timing (the cost of a step does not depend on
 them), but with --warm: a warm start needs a network that changes between solves, so each round
@@ -130,7 +133,8 @@ def main():
     # measured after each pair, so that machine noise hits all three alike.
     from layerbraid.plan import measure_step
 
-    lp_times, serial_times, costs = [], [], []
+    lp_times, serial_times, costs, busy_costs = [], [], [], []
+    own = serial.layers[0] if comm.rank == 0 else next(iter(model.owned_steps()))[1]
     split = []  # this rank's (MPI, bookkeeping) seconds of each timed forward+backward
     h = torch.randn(args.batch, args.channels, 28, 28, generator=torch.Generator().manual_seed(5))
 
@@ -152,6 +156,14 @@ def main():
                 # one step's and one VJP's cost, this round (medians of 3)
                 costs.append(measure_step(serial.layers[0], h, repeats=3))
         comm.Barrier()
+        if args.serial and comm.size > 1 and k > 0:
+            # the same costs measured on every rank at once, each on a layer of its own: in a
+            # solve the ranks step side by side and share the machine's cache and memory
+            # bandwidth, which plain PyTorch, alone on the machine, does not
+            comm.Barrier()
+            every = comm.gather(measure_step(own, h, repeats=3), root=0)
+            if comm.rank == 0:
+                busy_costs.append(tuple(statistics.mean(c[i] for c in every) for i in range(3)))
         if args.warm and k < args.repeats:  # the same SGD step on both copies of the weights
             _sgd(model, serial, comm, lr=1e-3)
     lp_time = statistics.median(lp_times)
@@ -184,6 +196,8 @@ def main():
             for i, key in enumerate(("step_seconds", "vjp_seconds", "vjp_param_seconds")):
                 result[key.replace("seconds", "times")] = [c[i] for c in costs]
                 result[key] = statistics.median(c[i] for c in costs)
+                if busy_costs:  # the same, measured on every rank at once (their mean)
+                    result["busy_" + key.replace("seconds", "times")] = [c[i] for c in busy_costs]
         print(json.dumps(result))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
