@@ -124,6 +124,25 @@ def pair_costs(run, busy=False):
         len(run["lp_times"])
 
 
+def rank_work(steps, ranks, levels, fwd, bwd, step, vjp, vjp_param):
+    """Each rank's seconds of steps and VJPs in one forward+backward at these costs: the
+    schedule's work without its waits (the final relaxation's steps at ``step`` and its VJPs at
+    ``vjp_param``, with the parameter gradients; every other VJP at ``vjp``)."""
+    import numpy as np
+
+    from layerbraid.plan import _STEP_OPS, OPS, schedule
+
+    codes = [OPS.index(op) for op in _STEP_OPS]
+    fo, bo = _layer_options(levels, fwd, bwd)
+    work = [0.0] * ranks
+    for opts, adjoint, cost, done_cost in ((fo, False, step, step), (bo, True, vjp, vjp_param)):
+        for r, trace in enumerate(schedule(steps, ranks, opts, adjoint=adjoint)):
+            mask = np.isin(trace["op"], codes)
+            done = int(np.count_nonzero(trace["done"][mask]))
+            work[r] += done * done_cost + (int(np.count_nonzero(mask)) - done) * cost
+    return work
+
+
 # ---------------------------------------------------------------- measuring
 def _projection():
     """Planner rows: (network, ranks, speedup at 2 levels, cfactor 4, 2/1 iterations,
@@ -245,6 +264,59 @@ def _busy_table(layer):
             f"| {spread([t / b for t, b in zip(lp_t, bounds)])} | {speedup(pl_t, lp_t)[3]} "
             f"| >= {target:.2f} |")
     return lines
+
+
+def _split_table(layer):
+    """Each rank's time in a multi-rank row, split by the solves' statistics, beside the work
+    its steps and VJPs would take at the alone and at the busy costs."""
+    rows = [r for r in _busy_rows(layer) if all("split_per_rank" in run for run in layer[r[0]])]
+    if not rows:
+        return [], []
+    lines = [
+        "",
+        "### Where each rank's time goes",
+        "",
+        "From the solves' own statistics (``SolveStats``), each rank's median over the pairs of",
+        "each job and then the median over the jobs: `steps` is the time in the step and VJP",
+        "callbacks (the layer's work and layerbraid's Python around it), beside the same steps",
+        "and VJPs priced at the alone and at the busy costs (their counts from the schedule);",
+        "`MPI` the time in the core's MPI calls (messages and the waits the schedule has);",
+        "`bookkeeping` the rest of the solves (the core's sweeps, the callbacks' vector sums,",
+        "norms, clones and packing); `outside` the rest of the forward+backward (the module's",
+        "work around the solves, zero_grad, the loss).  The four add up to the rank's time.",
+        "",
+        "| configuration | rank | ms | steps ms | their work alone ms | their work busy ms "
+        "| MPI ms | bookkeeping ms | outside ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    findings = []
+    for label, target, meaning, pl_t, lp_t, alone, busy, bounds in rows:
+        runs = layer[label]
+        ranks, steps, levels, fwd, bwd = next(row[:5] for row in LAYER_ROWS
+                                              if _layer_label(*row[:5]) == label)
+        med = lambda v: statistics.median(v)  # noqa: E731
+        w_alone = rank_work(steps, ranks, levels, fwd, bwd, *(med(c[i] for c in alone)
+                                                               for i in range(3)))
+        w_busy = rank_work(steps, ranks, levels, fwd, bwd, *(med(c[i] for c in busy)
+                                                             for i in range(3)))
+        parts = []
+        for r in range(ranks):
+            mpi, book, st, out = (med(run["split_per_rank"][r][i] for run in runs)
+                                  for i in range(4))
+            total = mpi + book + st + out
+            parts.append((total, mpi, book, st, out))
+            lines.append(f"| {label} | {r} | {1e3 * total:.0f} | {1e3 * st:.0f} | "
+                         f"{1e3 * w_alone[r]:.0f} | {1e3 * w_busy[r]:.0f} | {1e3 * mpi:.0f} | "
+                         f"{1e3 * book:.0f} | {1e3 * out:.0f} |")
+        r = max(range(ranks), key=lambda k: parts[k][0])
+        total, mpi, book, st, out = parts[r]
+        findings.append(
+            f"- {label}, rank {r}: its steps took {st / w_alone[r]:.2f}x their work at the "
+            f"alone costs and {st / w_busy[r]:.2f}x at the busy costs; the solves' bookkeeping "
+            f"and the work outside them, layerbraid's own time beside the steps' Python, are "
+            f"{100 * (book + out) / total:.0f}% of the rank's time, MPI "
+            f"{100 * mpi / total:.0f}%.")
+    return lines, findings
 
 
 def _busy_findings(layer):
@@ -426,6 +498,8 @@ def report(data):
             chain.append((label, over, over_chain,
                           None if book is None else book / statistics.median(lp_t)))
     lines += _busy_table(layer)
+    split_lines, split_findings = _split_table(layer)
+    lines += split_lines
     lines += ["", "### What the benchmark-layer rows show", ""]
     met = [v for v in verdicts if v[4] != "not met"]
     lines.append(f"- {len(met)} of {len(verdicts)} rows meet their target by the median; "
@@ -444,7 +518,7 @@ def report(data):
                         "schedule with less work" if need < 1.0 else
                         f": {100 * (1 - need / over):.0f}% off the time") + ".")
         lines.append(line)
-    lines += _busy_findings(layer)
+    lines += _busy_findings(layer) + split_findings
     for label, over, over_chain, book in chain:
         lines.append(f"- {label}, against the target of at most {BOUND_TARGET:.2f}x the work "
                      f"bound: {over:.2f}x the bound ({'met' if over <= BOUND_TARGET else 'not met'})"

@@ -256,6 +256,9 @@ def test_every_report_generator_runs_in_quick_mode(tmp_path):
     performance = (tmp_path / "performance.md").read_text()
     busy = performance.split("### The work bound with every rank stepping at once")[1]
     assert "| N=64, 2 ranks, 2 levels, 2/1 iterations |" in busy.split("###")[0]
+    split = performance.split("### Where each rank's time goes")[1].split("###")[0]
+    for rank in (0, 1):
+        assert f"| N=64, 2 ranks, 2 levels, 2/1 iterations | {rank} |" in split
 
 
 def test_the_accuracy_reports_default_modes_are_the_examples_defaults():
@@ -393,3 +396,15 @@ def test_the_busy_bound_is_computed_pair_by_pair_and_judged_against_the_target()
     # a job without busy costs (one rank) gives no row
     lone = {k: v for k, v in run.items() if not k.startswith("busy_")}
     assert performance._busy_table({label: [lone]}) == []
+
+
+def test_rank_work_counts_the_schedules_steps_and_vjps():
+    """bench.performance.rank_work prices each rank's steps and VJPs: the counts a 2-rank N=16
+    2/1 solve traced in the core (22 steps and 10 VJPs per rank, 8 of them in the final
+    relaxation), and plain PyTorch's N steps and N VJPs on one level and one rank."""
+    from bench.performance import rank_work
+
+    assert rank_work(16, 2, 2, 2, 1, 1.0, 0.0, 0.0) == [22.0, 22.0]
+    assert rank_work(16, 2, 2, 2, 1, 0.0, 1.0, 1.0) == [10.0, 10.0]
+    assert rank_work(16, 2, 2, 2, 1, 0.0, 0.0, 1.0) == [8.0, 8.0]
+    assert rank_work(64, 1, 1, 1, 1, 1.0, 0.0, 1.0) == [128.0]

@@ -135,7 +135,7 @@ def main():
 
     lp_times, serial_times, costs, busy_costs = [], [], [], []
     own = serial.layers[0] if comm.rank == 0 else next(iter(model.owned_steps()))[1]
-    split = []  # this rank's (MPI, bookkeeping) seconds of each timed forward+backward
+    split = []  # this rank's split of each timed forward+backward (solve_split)
     h = torch.randn(args.batch, args.channels, 28, 28, generator=torch.Generator().manual_seed(5))
 
     for k in range(args.repeats + 1):
@@ -143,10 +143,11 @@ def main():
         comm.Barrier()
         t0 = time.perf_counter()
         lp_step(xb)
-        t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        mine = time.perf_counter() - t0
+        t = comm.allreduce(mine, op=MPI.MAX)
         if k > 0:
             lp_times.append(t)
-            split.append(solve_split(model))
+            split.append(solve_split(model, mine))
         if args.serial and comm.rank == 0:
             xs = xb.detach().clone().requires_grad_(True)
             t0 = time.perf_counter()
@@ -187,7 +188,9 @@ def main():
                       bwd_iterations=model.backward_stats.iterations,
                       # the most over the ranks of each one's median
                       mpi_seconds=max(sp[0] for sp in splits),
-                      bookkeeping_seconds=max(sp[1] for sp in splits))
+                      bookkeeping_seconds=max(sp[1] for sp in splits),
+                      # each rank's medians: (MPI, bookkeeping, steps, outside the solves)
+                      split_per_rank=splits)
         if args.serial:
             result["serial_seconds"] = statistics.median(serial_times)
             result["speedup"] = result["serial_seconds"] / lp_time
@@ -203,14 +206,18 @@ def main():
             Path(args.json).write_text(json.dumps(result, indent=1))
 
 
-def solve_split(model):
-    """(MPI, bookkeeping) seconds of the last forward and adjoint solves together, from their
-    statistics: the time in the core's MPI calls (messages and the waiting for them), and the
-    time in neither the steps nor MPI (the core's sweeps and the callbacks' vector sums, norms,
-    clones and packing)."""
+def solve_split(model, seconds):
+    """(MPI, bookkeeping, steps, outside) seconds of this rank's last forward+backward, which
+    took it ``seconds``, from the forward and adjoint solves' statistics: the time in the core's
+    MPI calls (messages and the waiting for them); in neither the steps nor MPI (the core's
+    sweeps and the callbacks' vector sums, norms, clones and packing); in the step and VJP
+    callbacks (the layer's work and layerbraid's Python around it); and outside the two solves
+    (the module's work around them, zero_grad, the loss)."""
     stats = (model.forward_stats, model.backward_stats)
     return (sum(st.comm_seconds for st in stats),
-            sum(st.seconds - st.step_seconds - st.comm_seconds for st in stats))
+            sum(st.seconds - st.step_seconds - st.comm_seconds for st in stats),
+            sum(st.step_seconds for st in stats),
+            seconds - sum(st.seconds for st in stats))
 
 
 def traced_work(model, step, x):
