@@ -31,7 +31,7 @@ demo: $(STAMP)
 # ranks part ways) is ended after 15 minutes, however its tests' own limits fare.
 test: $(STAMP)
 	@rc=0; \
-	$(VENV)/bin/pytest -q -m "not shared_job or parallel[1]" || rc=1; \
+	$(VENV)/bin/pytest -q --durations=25 -m "not shared_job or parallel[1]" || rc=1; \
 	for n in 2 3 4; do \
 	  echo "== the shared_job tests on $$n ranks, one job"; \
 	  timeout -k 10 900 mpiexec -n $$n $(PY) -m pytest -q -p no:cacheprovider \
