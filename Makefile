@@ -43,10 +43,10 @@ bench: $(STAMP)
 	$(PY) -m bench.resnet
 
 # Every report of docs/ regenerated on today's code (hours here; `python -m bench` lists them).
-# `make reports QUICK=1`: the smallest measurement of each, into a temporary directory (the
-# test suite runs it), to check that every generator still runs.
+# `make reports QUICK=1`: the smallest measurement of each, two reports at a time, into a
+# temporary directory (the test suite runs it), to check that every generator still runs.
 reports: $(STAMP)
-	$(PY) -m bench --run all $(if $(QUICK),--quick)
+	$(PY) -m bench --run all $(if $(QUICK),--quick --jobs 2)
 
 # The reports older than the code they measure.
 stale:

@@ -184,9 +184,16 @@ def main(argv=None):
                         "report, and write them to --docs (a temporary directory by default), "
                         "not to docs/")
     p.add_argument("--docs", type=Path, help="with --run: write the reports here")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="with --run --quick: regenerate this many reports at a time (their "
+                        "timings mean nothing then; a full run always takes one at a time)")
     a = p.parse_args(argv)
+    if a.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {a.jobs}")
+    if a.jobs > 1 and not a.quick:
+        p.error("--jobs needs --quick: reports that time share the machine with nothing else")
     if a.run:
-        return regenerate(a.run, a.quick, a.docs)
+        return regenerate(a.run, a.quick, a.docs, a.jobs)
     if not a.stale:
         print("| report | regenerate with |\n|---|---|")
         for report in REPORTS:
@@ -205,13 +212,15 @@ def main(argv=None):
     return 0
 
 
-def regenerate(names, quick=False, docs=None):
+def regenerate(names, quick=False, docs=None, jobs=1):
     """Runs the modules of the reports ``names`` one after another, from the repository's root;
     stops at the first that fails.  ``quick``: the smallest measurements, written to ``docs``
-    (a temporary directory unless given)."""
+    (a temporary directory unless given); there, ``jobs`` reports may run at a time (each
+    report's modules still one after another), each one's output printed when it ends, and
+    every report runs whatever another's fate."""
     if quick and docs is None:
         with tempfile.TemporaryDirectory() as tmp:
-            return regenerate(names, True, Path(tmp))
+            return regenerate(names, True, Path(tmp), jobs)
     env = dict(os.environ)
     if quick:
         env["LAYERBRAID_BENCH_QUICK"] = "1"
@@ -233,6 +242,8 @@ def regenerate(names, quick=False, docs=None):
             print(f"unknown report(s) {unknown}; known: {', '.join(by_name)}", file=sys.stderr)
             return 2
         chosen = [n if n in REPORTS else by_name[n] for n in names]
+    if quick and jobs > 1:
+        return _regenerate_side_by_side(chosen, env, jobs)
     for report in chosen:
         for module in REPORTS[report][0]:
             print(f"--- {report}: python -m {module}" + (" (quick)" if quick else ""), flush=True)
@@ -242,6 +253,32 @@ def regenerate(names, quick=False, docs=None):
             if rc != 0:
                 print(f"python -m {module} failed ({rc})", file=sys.stderr)
                 return rc
+    return 0
+
+
+def _regenerate_side_by_side(chosen, env, jobs):
+    """Quick runs of the reports ``chosen``, ``jobs`` at a time; returns the first failing
+    module's exit status (in ``chosen``'s order), or 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(report):
+        out, t0 = [], time.time()
+        for module in REPORTS[report][0]:
+            proc = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env,
+                                  capture_output=True, text=True)
+            out.append(f"--- {report}: python -m {module} (quick)\n{proc.stdout}{proc.stderr}")
+            if proc.returncode != 0:
+                return report, module, proc.returncode, out, time.time() - t0
+        return report, None, 0, out, time.time() - t0
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(one, chosen))
+    for report, module, rc, out, seconds in results:
+        print("".join(out) + f"--- {seconds:.0f} s", flush=True)
+    for report, module, rc, out, seconds in results:
+        if rc != 0:
+            print(f"python -m {module} failed ({rc})", file=sys.stderr)
+            return rc
     return 0
 
 
