@@ -1,6 +1,7 @@
 """The autograd Functions that move a layer-parallel chain's output: to every rank of the layer
 group (``_BroadcastFn``), or to its first rank for the next stage (``_ToFirstFn``).  The chain
 itself is ``_chain._ChainFn`` (see Note [every rank runs backward] there)."""
+
 import torch
 
 from ._transport import bcast_tensor, recv_tensor, send_tensor
@@ -26,8 +27,13 @@ class _BroadcastFn(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.is_root:
             return None, None, grad, None, None
-        return None, None, torch.zeros(ctx.dummy_shape, dtype=ctx.dtype, device=ctx.device), \
-            None, None
+        return (
+            None,
+            None,
+            torch.zeros(ctx.dummy_shape, dtype=ctx.dtype, device=ctx.device),
+            None,
+            None,
+        )
 
 
 class _ToFirstFn(torch.autograd.Function):
@@ -61,6 +67,10 @@ class _ToFirstFn(torch.autograd.Function):
             g = grad if grad is not None else torch.zeros(ctx.out_shape, dtype=ctx.out_dtype)
             send_tensor(comm, g.to(ctx.out_dtype), comm.Get_size() - 1, _ToFirstFn.TAG)
         if ctx.last:
-            return None, recv_tensor(comm, ctx.shape, ctx.dtype, ctx.device, 0,
-                                     _ToFirstFn.TAG), None, None
+            return (
+                None,
+                recv_tensor(comm, ctx.shape, ctx.dtype, ctx.device, 0, _ToFirstFn.TAG),
+                None,
+                None,
+            )
         return None, torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device), None, None

@@ -7,21 +7,21 @@ exception into a nonzero return code: the core then stops computing, tells the o
 returns, and `_Core.solve` re-raises the original exception on this rank (Note [poisoned messages]
 in cbridge/src/comm.c).
 """
+
 import re
 import time
 
 import numpy as np
-
 from mpi4py import MPI as _MPI
 
-from ._states import (_as_state, _from_bytes, _header, _is_torch, _norm, _raw_bytes,
-                      _sum, _sum_into)
-from .errors import DivergenceError, MGRITError, RemoteRankError, StallError
-from ._timeouts import timeout, wait_sleep
 from ._comm import add_peers, barrier, bcast_obj, check_exits
 from ._schedule import configure, ffi, lib, trace_array, trace_entries
+from ._states import _as_state, _from_bytes, _header, _is_torch, _norm, _raw_bytes, _sum, _sum_into
+from ._timeouts import timeout, wait_sleep
+from .errors import DivergenceError, MGRITError, RemoteRankError, StallError
 
 __all__ = []
+
 
 # ---------------------------------------------------------------- the solver handle
 class _Core:
@@ -55,14 +55,33 @@ class _Core:
             [idle work] in cbridge/src/cycle.c); its time counts as step time.
     """
 
-    def __init__(self, comm, num_steps, t_start, t_stop, options, init, step, trace=False,
-                 mirror=False, coarsen=None, refine=None, store_all=True, real_ranks=None,
-                 owns_comm=False, step_interval=None, idle=None):
+    def __init__(
+        self,
+        comm,
+        num_steps,
+        t_start,
+        t_stop,
+        options,
+        init,
+        step,
+        trace=False,
+        mirror=False,
+        coarsen=None,
+        refine=None,
+        store_all=True,
+        real_ranks=None,
+        owns_comm=False,
+        step_interval=None,
+        idle=None,
+    ):
         MPI = _MPI
         # MPI_Comm_dup below is a blocking collective: every rank arrives first, with the
         # deadline, so that one that never builds this solver is reported, not waited for.
-        barrier(comm, "the construction of an MGRIT solver (every rank builds the same models "
-                "and solvers, in the same order)")
+        barrier(
+            comm,
+            "the construction of an MGRIT solver (every rank builds the same models "
+            "and solvers, in the same order)",
+        )
         add_peers(comm)
         self._init_fn, self._step_fn, self._interval_fn = init, step, step_interval
         self._idle_fn = idle
@@ -95,14 +114,17 @@ class _Core:
         self._cbs = cbs
         out = ffi.new("mgrit_core **")
         comm_ptr = ffi.cast("MPI_Comm *", MPI._addressof(comm))
-        rc = lib.mgrit_create(comm_ptr, int(num_steps), float(t_start), float(t_stop), cbs,
-                              self._handle, out)
+        rc = lib.mgrit_create(
+            comm_ptr, int(num_steps), float(t_start), float(t_stop), cbs, self._handle, out
+        )
         if rc != lib.MGRIT_OK:
             why = ffi.string(lib.mgrit_create_error()).decode()
             if rc == lib.MGRIT_ERR_MPI:
                 raise MGRITError(f"cannot create an MGRIT solver: {why}")
-            raise ValueError(f"cannot create an MGRIT solver for num_steps={num_steps!r}, "
-                             f"t_start={t_start!r}, t_stop={t_stop!r}: {why}")
+            raise ValueError(
+                f"cannot create an MGRIT solver for num_steps={num_steps!r}, "
+                f"t_start={t_start!r}, t_stop={t_stop!r}: {why}"
+            )
         self._core = out[0]
         self._set_options(options, trace)
         self._check(lib.mgrit_set_timeout(self._core, timeout()))
@@ -168,17 +190,24 @@ class _Core:
     def _fail(self, exc, where):
         if self._error is None:
             if hasattr(exc, "add_note"):
-                exc.add_note(f"(raised on rank {self._real[self.rank]} in the MGRIT {where} "
-                             "callback)")
+                exc.add_note(
+                    f"(raised on rank {self._real[self.rank]} in the MGRIT {where} callback)"
+                )
             self._error = exc
         return 1
 
     def _raise(self, rc):
         """Raise the error of status rc on this rank; with the failing rank's message on all."""
         # The core names ranks of its own communicator: say the ranks the user knows.
-        msg = re.sub(r"\brank (\d+)", lambda m: f"rank {self._real[int(m.group(1))]}"
-                     if int(m.group(1)) < len(self._real) else m.group(0),
-                     ffi.string(lib.mgrit_error_message(self._core)).decode())
+        msg = re.sub(
+            r"\brank (\d+)",
+            lambda m: (
+                f"rank {self._real[int(m.group(1))]}"
+                if int(m.group(1)) < len(self._real)
+                else m.group(0)
+            ),
+            ffi.string(lib.mgrit_error_message(self._core)).decode(),
+        )
         if _escaped and self._error is None:  # Note [callback errors]
             self._error = _escaped.pop()
         _escaped.clear()
@@ -186,8 +215,9 @@ class _Core:
             err, self._error = self._error, None
             raise err if err is not None else KeyboardInterrupt(msg)
         if rc == lib.MGRIT_ERR_TIMEOUT:
-            raise StallError(f"stalled: {msg}; LAYERBRAID_TIMEOUT or layerbraid.set_timeout "
-                             "sets the limit")
+            raise StallError(
+                f"stalled: {msg}; LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit"
+            )
         if rc == lib.MGRIT_ERR_MPI:
             raise MGRITError(msg)
         if rc == lib.MGRIT_ERR_NOMEM and self._error is None:
@@ -204,8 +234,11 @@ class _Core:
             if rc in (lib.MGRIT_ERR_CALLBACK, lib.MGRIT_ERR_NOMEM) and err is not None:
                 raise err
             real = self._real[failed] if 0 <= failed < len(self._real) else -1
-            msg = (f"a callback failed on rank {real}; rank {self._real[self.rank]} stopped"
-                   if real >= 0 else msg)
+            msg = (
+                f"a callback failed on rank {real}; rank {self._real[self.rank]} stopped"
+                if real >= 0
+                else msg
+            )
             raise RemoteRankError(f"{msg}: {text}" if text else msg, real)
         if rc == lib.MGRIT_ERR_NAN:
             raise DivergenceError(msg)
@@ -259,8 +292,7 @@ class _Core:
         r = lib.mgrit_final_residual(self._core)
         if r < 0:
             return None, None, None
-        return (r, lib.mgrit_final_residual_sum(self._core),
-                lib.mgrit_final_state_norm(self._core))
+        return (r, lib.mgrit_final_residual_sum(self._core), lib.mgrit_final_state_norm(self._core))
 
     def num_c_points(self):
         """The fine C-points from cfactor on (where residuals are measured); 0 with one level."""
@@ -315,7 +347,7 @@ class _Core:
 # exception that escapes the body (a KeyboardInterrupt delivered between two bytecodes of the
 # wrapper) reaches cffi's onerror, which stores it too; the declared error value is 1, so it can
 # never pass for success.
-_escaped = []
+_escaped: list[BaseException] = []
 
 
 def _on_escape(exc_type, exc, tb):
@@ -330,7 +362,9 @@ def _callback(name, where):
                 return body(self, *args)
             except BaseException as exc:
                 return self._fail(exc, where)
+
         return ffi.def_extern(name=name, error=1, onerror=_on_escape)(callback)
+
     return wrap
 
 
@@ -377,13 +411,17 @@ def _checked(x, y, level, index, tstart, tstop):
     """y as a state, after checking that the step from x to y kept x's shape and dtype."""
     y = _as_state(y)
     if y.shape != x.shape:
-        raise ValueError(f"the step at level {level}, fine index {index} (t={tstart:g} to "
-                         f"{tstop:g}) returned a state of shape {tuple(y.shape)}, but its "
-                         f"input has shape {tuple(x.shape)}: a step must keep the shape")
+        raise ValueError(
+            f"the step at level {level}, fine index {index} (t={tstart:g} to "
+            f"{tstop:g}) returned a state of shape {tuple(y.shape)}, but its "
+            f"input has shape {tuple(x.shape)}: a step must keep the shape"
+        )
     if y.dtype != x.dtype:
-        raise TypeError(f"the step at level {level}, fine index {index} returned dtype "
-                        f"{y.dtype}, but its input has dtype {x.dtype}: a step must keep "
-                        "the dtype")
+        raise TypeError(
+            f"the step at level {level}, fine index {index} returned dtype "
+            f"{y.dtype}, but its input has dtype {x.dtype}: a step must keep "
+            "the dtype"
+        )
     return y
 
 
@@ -402,20 +440,24 @@ def _step_interval_cb(self, u, t, level, index, stride, n, done, keep, out):
     x = self._handed(u)
     times = ffi.unpack(t, n + 1)
     t0 = time.perf_counter()
-    ys = list(self._interval_fn(self._app, x, times, level, index, stride, bool(done),
-                                bool(keep)))
+    ys = list(self._interval_fn(self._app, x, times, level, index, stride, bool(done), bool(keep)))
     self.step_seconds += time.perf_counter() - t0
     if len(ys) != n:
-        raise ValueError(f"the step_interval callback of level {level} from fine index {index} "
-                         f"returned {len(ys)} states for {n} steps")
+        raise ValueError(
+            f"the step_interval callback of level {level} from fine index {index} "
+            f"returned {len(ys)} states for {n} steps"
+        )
     states = []
     for k, y in enumerate(ys):
         if y is None and (keep or k == n - 1):
-            raise ValueError(f"the step_interval callback of level {level} returned no state "
-                             f"for its step from fine index {index + k * stride}, which the "
-                             "core keeps")
-        states.append(None if y is None else _checked(
-            x, y, level, index + k * stride, times[k], times[k + 1]))
+            raise ValueError(
+                f"the step_interval callback of level {level} returned no state "
+                f"for its step from fine index {index + k * stride}, which the "
+                "core keeps"
+            )
+        states.append(
+            None if y is None else _checked(x, y, level, index + k * stride, times[k], times[k + 1])
+        )
     for k, y in enumerate(states):
         out[k] = -1 if y is None else self._put(y)
     return 0
@@ -441,8 +483,8 @@ def _pack_cb(self, x, buf, nbytes):
     s = self._table[x]
     head = _header(s)
     dst = np.frombuffer(ffi.buffer(buf, nbytes), dtype=np.uint8)
-    dst[:len(head)] = np.frombuffer(head, dtype=np.uint8)
-    dst[len(head):] = _raw_bytes(s)
+    dst[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    dst[len(head) :] = _raw_bytes(s)
     return 0
 
 

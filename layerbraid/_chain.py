@@ -23,6 +23,7 @@ requires grad; on the other ranks that output is a dummy which feeds a broadcast
 every rank uses (``_autograd._BroadcastFn``), so whenever the loss depends on the model's output,
 autograd reaches ``_ChainFn.backward`` everywhere.
 """
+
 import math
 import threading
 import time
@@ -88,9 +89,22 @@ class Run:
     by the engine), and ``on_backward``, called with the backward's SolveStats when it is
     known (how a module hears of it)."""
 
-    __slots__ = ("steps", "shape", "dtype", "device", "record", "retain", "graphs", "grads",
-                 "forward_stats", "backward_stats", "owned", "adjoint_levels", "on_backward",
-                 "own")
+    __slots__ = (
+        "steps",
+        "shape",
+        "dtype",
+        "device",
+        "record",
+        "retain",
+        "graphs",
+        "grads",
+        "forward_stats",
+        "backward_stats",
+        "owned",
+        "adjoint_levels",
+        "on_backward",
+        "own",
+    )
 
     def __init__(self, steps, shape, dtype, device, record, retain=False, on_backward=None):
         self.steps = steps
@@ -188,8 +202,19 @@ class _Chain:
     chain iterated further (Note [gradient probe], audit.py).
     """
 
-    def __init__(self, comm, num_steps, t_final, forward_options, backward_options, *,
-                 spatial=None, warm_start=False, target_error=None, store_all=True):
+    def __init__(
+        self,
+        comm,
+        num_steps,
+        t_final,
+        forward_options,
+        backward_options,
+        *,
+        spatial=None,
+        warm_start=False,
+        target_error=None,
+        store_all=True,
+    ):
         self.comm = comm
         self.num_steps = num_steps
         self.t_final, self.store_all = t_final, store_all
@@ -202,11 +227,19 @@ class _Chain:
         self.spatial, self.target_error = spatial, target_error
         rank, size = comm.Get_rank(), comm.Get_size()
         self.fwd = self.bwd = None
-        self.fwd = _Core(comm, num_steps, 0.0, t_final, forward_options,
-                         init=self._fwd_init, step=self._fwd_step,
-                         step_interval=self._fwd_interval, store_all=store_all,
-                         coarsen=spatial.restrict if spatial else None,
-                         refine=spatial.interpolate if spatial else None)
+        self.fwd = _Core(
+            comm,
+            num_steps,
+            0.0,
+            t_final,
+            forward_options,
+            init=self._fwd_init,
+            step=self._fwd_step,
+            step_interval=self._fwd_interval,
+            store_all=store_all,
+            coarsen=spatial.restrict if spatial else None,
+            refine=spatial.interpolate if spatial else None,
+        )
         try:
             self.fwd.setup()  # collective: the options must agree across ranks
             self.levels = self.fwd.level_info()
@@ -216,13 +249,23 @@ class _Chain:
             # steps mirrored, so that each rank differentiates exactly its own steps.  It keeps
             # only the states its cycles read again: the gradients need the last point alone.
             rev = comm.Split(0, size - 1 - rank)
-            self.bwd = _Core(rev, num_steps, 0.0, t_final, backward_options,
-                             init=self._bwd_init, step=self._bwd_step, mirror=True,
-                             step_interval=self._bwd_interval, store_all=False,
-                             idle=lambda run: run.steps.adjoint_idle(run),
-                             real_ranks=list(range(size))[::-1], owns_comm=True,
-                             coarsen=spatial.restrict_adjoint if spatial else None,
-                             refine=spatial.interpolate_adjoint if spatial else None)
+            self.bwd = _Core(
+                rev,
+                num_steps,
+                0.0,
+                t_final,
+                backward_options,
+                init=self._bwd_init,
+                step=self._bwd_step,
+                mirror=True,
+                step_interval=self._bwd_interval,
+                store_all=False,
+                idle=lambda run: run.steps.adjoint_idle(run),
+                real_ranks=list(range(size))[::-1],
+                owns_comm=True,
+                coarsen=spatial.restrict_adjoint if spatial else None,
+                refine=spatial.interpolate_adjoint if spatial else None,
+            )
             self.bwd.setup()
         except BaseException:
             self.free()
@@ -239,7 +282,7 @@ class _Chain:
         self._zeros = None  # the cold guess of the solve running (_guess)
         self._options = {id(self.fwd): forward_options, id(self.bwd): backward_options}
         self._contraction = {}  # core -> the last measured contraction factor
-        self._alignment = {}    # core -> the last residual sum over the residual norm
+        self._alignment = {}  # core -> the last residual sum over the residual norm
         self.forward_stats, self.backward_stats = SolveStats(), SolveStats()
 
     def free(self):
@@ -263,8 +306,9 @@ class _Chain:
         Built on first use (collective), freed with this chain; no warm start, no target."""
         if self._exact is None:
             one = MGRITOptions(max_levels=1, final_fc_relax=True)
-            self._exact = _Chain(self.comm, self.num_steps, self.t_final, one, one,
-                                 store_all=self.store_all)
+            self._exact = _Chain(
+                self.comm, self.num_steps, self.t_final, one, one, store_all=self.store_all
+            )
         return self._exact
 
     def probe(self, fwd_iters, bwd_iters, cold=False):
@@ -281,8 +325,9 @@ class _Chain:
                 self._probes.pop(next(iter(self._probes))).free()  # the same on every rank
             probe = self._counted(fwd_iters, bwd_iters)
         self._probes[key] = probe
-        probe._warm_fwd, probe._warm_bwd = (({}, {}) if cold else
-                                            (dict(self._warm_fwd), dict(self._warm_bwd)))
+        probe._warm_fwd, probe._warm_bwd = (
+            ({}, {}) if cold else (dict(self._warm_fwd), dict(self._warm_bwd))
+        )
         return probe
 
     def tuned(self, fwd_iters, bwd_iters):
@@ -304,11 +349,23 @@ class _Chain:
         return tuned
 
     def _counted(self, fwd_iters, bwd_iters):
-        f, b = (replace(o, max_iters=k, tol=0.0, rtol=0.0) for o, k in
-                ((self._options[id(self.fwd)], fwd_iters),
-                 (self._options[id(self.bwd)], bwd_iters)))
-        return _Chain(self.comm, self.num_steps, self.t_final, f, b, spatial=self.spatial,
-                      warm_start=self.warm_start, store_all=self.store_all)
+        f, b = (
+            replace(o, max_iters=k, tol=0.0, rtol=0.0)
+            for o, k in (
+                (self._options[id(self.fwd)], fwd_iters),
+                (self._options[id(self.bwd)], bwd_iters),
+            )
+        )
+        return _Chain(
+            self.comm,
+            self.num_steps,
+            self.t_final,
+            f,
+            b,
+            spatial=self.spatial,
+            warm_start=self.warm_start,
+            store_all=self.store_all,
+        )
 
     @property
     def freed(self):
@@ -358,8 +415,10 @@ class _Chain:
         if self.warm_start:
             self._warm_bwd = {i: s for i, s in states.items() if i > 0}
         if self._parent is not None:
-            self._parent.backward_stats, self._parent._warm_bwd = (self.backward_stats,
-                                                                   self._warm_bwd)
+            self._parent.backward_stats, self._parent._warm_bwd = (
+                self.backward_stats,
+                self._warm_bwd,
+            )
         return run.steps.input_grads(run, states)
 
     def _solve(self, core, run, warm):
@@ -383,8 +442,9 @@ class _Chain:
             self._zeros = None
         states = core.states()
         core.release_states()  # what the solve returns is in states; the core would keep it
-        stats = SolveStats(iters, norms, time.perf_counter() - t0, core.step_seconds,
-                           core.comm_seconds())
+        stats = SolveStats(
+            iters, norms, time.perf_counter() - t0, core.step_seconds, core.comm_seconds()
+        )
         final, final_sum, unorm = core.final_residual()
         if final is not None:
             stats.final_residual, stats.state_norm = final, unorm
@@ -486,8 +546,7 @@ class _Chain:
         self._zeros = None  # the guesses are made: what the core keeps of them stays
         dts = [b - a for a, b in zip(times[:-1], times[1:])]
         ss = [self.adjoint_step_index(index + k * stride, level) for k in range(len(dts))]
-        out = run.steps.adjoint_interval(run, w, dts, level, ss, bool(level == 0 and done),
-                                         keep)
+        out = run.steps.adjoint_interval(run, w, dts, level, ss, bool(level == 0 and done), keep)
         if out is not None:
             return out
         return _one_by_one(self._bwd_step, run, w, times, level, index, stride, done, keep)
@@ -500,12 +559,17 @@ class _Chain:
         if graph.increment and not leaves:
             # The VJP is linear in w: scaling the result instead of w keeps one state less
             # alive while autograd runs.
-            gx, = torch.autograd.grad(graph.out, graph.x, w, allow_unused=True,
-                                      retain_graph=run.retain or not final)
+            (gx,) = torch.autograd.grad(
+                graph.out, graph.x, w, allow_unused=True, retain_graph=run.retain or not final
+            )
             return w.clone() if gx is None else torch.add(w, gx, alpha=scale)
-        grads = torch.autograd.grad(graph.out, [graph.x] + [t for _, t in leaves],
-                                    scale * w if graph.increment else w, allow_unused=True,
-                                    retain_graph=run.retain or not final)
+        grads = torch.autograd.grad(
+            graph.out,
+            [graph.x] + [t for _, t in leaves],
+            scale * w if graph.increment else w,
+            allow_unused=True,
+            retain_graph=run.retain or not final,
+        )
         for (key, _), g in zip(leaves, grads[1:]):
             if g is not None:
                 run.grads[key] = g if key not in run.grads else run.grads[key] + g
@@ -529,7 +593,10 @@ def _warn_if_reduced(num_steps, options, levels, solve):
         f"the {solve} solve asked for {options.max_levels} MGRIT levels with cfactor "
         f"{options.cfactor} over {num_steps} steps, but only {levels} level(s) form (a level is "
         f"coarsened while the coarser one keeps at least min_coarse={options.min_coarse} "
-        f"steps): it runs {what}", UserWarning, stacklevel=4)
+        f"steps): it runs {what}",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _one_by_one(step, run, u, times, level, index, stride, done, keep):
@@ -542,10 +609,12 @@ def _one_by_one(step, run, u, times, level, index, stride, done, keep):
     return out
 
 
-BACKWARD_TWICE = ("backward ran twice through the same layer-parallel forward: the forward's "
-                  "graphs are freed by the first backward (to save memory); set "
-                  "model.retain_graphs = True before the forward to backward through it again "
-                  "(retain_graph=True, gradcheck)")
+BACKWARD_TWICE = (
+    "backward ran twice through the same layer-parallel forward: the forward's "
+    "graphs are freed by the first backward (to save memory); set "
+    "model.retain_graphs = True before the forward to backward through it again "
+    "(retain_graph=True, gradcheck)"
+)
 
 
 class _ChainFn(torch.autograd.Function):
@@ -585,8 +654,9 @@ def _check_target(target):
     """``target_error``: None or a number in (0, 1)."""
     if target is None:
         return None
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or \
-            not 0 < target < 1:
-        raise ValueError(f"target_error must be a number in (0, 1) (a relative error, e.g. "
-                         f"1e-2), or None, got {target!r}")
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < 1:
+        raise ValueError(
+            f"target_error must be a number in (0, 1) (a relative error, e.g. "
+            f"1e-2), or None, got {target!r}"
+        )
     return float(target)

@@ -10,10 +10,12 @@ which polls: Ctrl-C gets through, a rank that waits longer than the stall timeou
 rank of the communicator exited (Note [exit notices]) raises :class:`RemoteRankError` saying so.
 Nothing here blocks in MPI.
 """
+
 import os
 import pickle
 import sys
 import time
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -68,8 +70,11 @@ def wait(requests, comm, what, statuses=None):
     spins, sleep, next_check = 0, None, t0 + 0.05
     while True:
         for _ in range(4):
-            done = MPI.Request.Testall(requests, statuses) if statuses is not None \
+            done = (
+                MPI.Request.Testall(requests, statuses)
+                if statuses is not None
                 else MPI.Request.Testall(requests)
+            )
             if done:
                 return
         spins += 1
@@ -90,7 +95,8 @@ def wait(requests, comm, what, statuses=None):
         if limit and waited > limit:
             raise StallError(
                 f"stalled: rank {comm.Get_rank()} waited {waited:.0f} s for {what}.  "
-                "LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit")
+                "LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit"
+            )
 
 
 def barrier(comm, what):
@@ -98,9 +104,12 @@ def barrier(comm, what):
     the deadline): after the timeout, :class:`layerbraid.StallError` names ``what``."""
     if comm.Get_size() == 1:
         return
-    wait([comm.Ibarrier()], comm,
-         f"every rank of its layer group to reach {what}; at least one never did (it stopped, "
-         "or called model(x) or backward() a different number of times, or with another batch)")
+    wait(
+        [comm.Ibarrier()],
+        comm,
+        f"every rank of its layer group to reach {what}; at least one never did (it stopped, "
+        "or called model(x) or backward() a different number of times, or with another batch)",
+    )
 
 
 _ARRIVE_TAG = 7602
@@ -130,7 +139,8 @@ def arrive(comm, what):
             f"stalled: rank {rank} waited {timeout():.0f} s for {who} to reach {what}; "
             f"{'it' if len(missing) == 1 else 'they'} never did (stopped, or called model(x) "
             "or backward() a different number of times, or with another batch).  "
-            "LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit") from exc
+            "LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit"
+        ) from exc
 
 
 # ---------------------------------------------------------------- reductions
@@ -175,8 +185,12 @@ def raise_on_every_rank(comm, error, what):
     failed = first_rank_where(comm, error is not None, f"the error check of {what}")
     if failed is None:
         return
-    text = bcast_obj(comm, None if error is None else f"{type(error).__name__}: {error}",
-                     failed, f"rank {failed}'s error in {what}")
+    text = bcast_obj(
+        comm,
+        None if error is None else f"{type(error).__name__}: {error}",
+        failed,
+        f"rank {failed}'s error in {what}",
+    )
     if error is not None:
         raise error
     raise RemoteRankError(f"{what} failed on rank {failed}: {text}", failed)
@@ -194,8 +208,8 @@ def check_same_settings(settings):
             raise ValueError(
                 f"the layer-parallel ranks disagree on {name}: rank 0 has {value!r}, rank {r} "
                 f"has {theirs!r}.  Every rank of a layer group runs the same solve: set it alike "
-                "on every rank")
-
+                "on every rank"
+            )
 
 
 def _dumps(obj):
@@ -209,8 +223,10 @@ def _loads(buf):
 def _check_counts(sizes, what):
     total = int(np.sum(sizes))
     if total > _INT_MAX:
-        raise ValueError(f"{what} would move {total} bytes in one MPI call, more than its 2 GiB "
-                         "limit (2**31 - 1 bytes)")
+        raise ValueError(
+            f"{what} would move {total} bytes in one MPI call, more than its 2 GiB "
+            "limit (2**31 - 1 bytes)"
+        )
 
 
 def allgather_obj(comm, obj, what):
@@ -220,14 +236,20 @@ def allgather_obj(comm, obj, what):
         return [obj]
     data = _dumps(obj)
     sizes = np.empty(size, dtype=np.int64)
-    wait([comm.Iallgather(np.array([data.size], dtype=np.int64), sizes)], comm,
-         f"every rank's part of {what}")
+    wait(
+        [comm.Iallgather(np.array([data.size], dtype=np.int64), sizes)],
+        comm,
+        f"every rank's part of {what}",
+    )
     _check_counts(sizes, what)
     displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     out = np.empty(int(sizes.sum()), dtype=np.uint8)
-    wait([comm.Iallgatherv(data, [out, (sizes.tolist(), displs.tolist()), MPI.BYTE])], comm,
-         f"every rank's part of {what}")
-    return [_loads(out[d:d + s]) for d, s in zip(displs, sizes)]
+    wait(
+        [comm.Iallgatherv(data, [out, (sizes.tolist(), displs.tolist()), MPI.BYTE])],
+        comm,
+        f"every rank's part of {what}",
+    )
+    return [_loads(out[d : d + s]) for d, s in zip(displs, sizes)]
 
 
 def gather_obj(comm, obj, root, what):
@@ -238,17 +260,27 @@ def gather_obj(comm, obj, root, what):
     data = _dumps(obj)
     is_root = comm.Get_rank() == root
     sizes = np.empty(size if is_root else 1, dtype=np.int64)
-    wait([comm.Igather(np.array([data.size], dtype=np.int64), sizes if is_root else None,
-                       root=root)], comm, f"every rank's part of {what}")
+    wait(
+        [
+            comm.Igather(
+                np.array([data.size], dtype=np.int64), sizes if is_root else None, root=root
+            )
+        ],
+        comm,
+        f"every rank's part of {what}",
+    )
     if not is_root:
         wait([comm.Igatherv(data, None, root=root)], comm, f"rank {root} to take {what}")
         return None
     _check_counts(sizes, what)
     displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     out = np.empty(int(sizes.sum()), dtype=np.uint8)
-    wait([comm.Igatherv(data, [out, (sizes.tolist(), displs.tolist()), MPI.BYTE], root=root)],
-         comm, f"every rank's part of {what}")
-    return [_loads(out[d:d + s]) for d, s in zip(displs, sizes)]
+    wait(
+        [comm.Igatherv(data, [out, (sizes.tolist(), displs.tolist()), MPI.BYTE], root=root)],
+        comm,
+        f"every rank's part of {what}",
+    )
+    return [_loads(out[d : d + s]) for d, s in zip(displs, sizes)]
 
 
 def bcast_obj(comm, obj, root, what):
@@ -270,8 +302,11 @@ def bcast_obj(comm, obj, root, what):
 def _check_received(status, expected, what):
     got = status.Get_count(MPI.BYTE)
     if got != expected:
-        raise RemoteRankError(f"{what} came with {got} bytes where {expected} were expected: the "
-                              "ranks disagree on its shape or dtype", status.Get_source())
+        raise RemoteRankError(
+            f"{what} came with {got} bytes where {expected} were expected: the "
+            "ranks disagree on its shape or dtype",
+            status.Get_source(),
+        )
 
 
 def exchange_bytes(comm, sends, recvs, tag, what):
@@ -287,7 +322,7 @@ def exchange_bytes(comm, sends, recvs, tag, what):
     statuses = [MPI.Status() for _ in reqs]
     if reqs:
         wait(reqs, comm, what, statuses)
-    for (src, size), status in zip(sizes, statuses[len(sends):]):
+    for (src, size), status in zip(sizes, statuses[len(sends) :]):
         _check_received(status, size, f"{what} (from rank {src})")
 
 
@@ -305,7 +340,7 @@ def exchange_bytes(comm, sends, recvs, tag, what):
 # the rank.
 _EXIT_TAG = 7601
 _EXIT_GRACE = 0.5
-_notices = {"comm": None, "peers": set(), "exit": None, "seen": {}}
+_notices: dict[str, Any] = {"comm": None, "peers": set(), "exit": None, "seen": {}}
 
 
 def _start_notices():
@@ -318,8 +353,12 @@ def _start_notices():
     # MPI_Comm_dup is collective: non-blocking here, with the deadline, so that a rank that
     # never builds anything of layerbraid's is reported instead of waited for.
     side, req = MPI.COMM_WORLD.Idup()
-    wait([req], MPI.COMM_WORLD, "every rank to build its first layer-parallel model, grid, "
-         "solver or loader (each rank builds the same ones, in the same order)")
+    wait(
+        [req],
+        MPI.COMM_WORLD,
+        "every rank to build its first layer-parallel model, grid, "
+        "solver or loader (each rank builds the same ones, in the same order)",
+    )
     _notices["comm"] = side
     side.Set_name("layerbraid notices")
     real_exit = sys.exit
@@ -390,8 +429,11 @@ def check_exits(comm, what, real=None):
             if real is not None:
                 local, me = real[local], real[me]
             name = f"rank {local}" if local == src else f"rank {local} (world rank {src})"
-            raise RemoteRankError(f"{name} exited ({text}) while rank {me} waited for {what}",
-                                  local, origin_raised=False)
+            raise RemoteRankError(
+                f"{name} exited ({text}) while rank {me} waited for {what}",
+                local,
+                origin_raised=False,
+            )
 
 
 def _describe_exit():
@@ -420,11 +462,16 @@ def _at_exit():
     peers = sorted(_notices["peers"])
     if _notices["exit"] not in (None, 0):  # a failure status: say it here too (a normal end
         # while rank 0 still writes its reports is not worth a line)
-        print(f"layerbraid: rank {MPI.COMM_WORLD.Get_rank()} is exiting ({text.decode()}) "
-              "while other ranks still run; ranks that wait for it will be told",
-              file=sys.stderr, flush=True)
-    sends = [side.Isend([np.frombuffer(text, dtype=np.uint8), MPI.BYTE], dest=r, tag=_EXIT_TAG)
-             for r in peers]
+        print(
+            f"layerbraid: rank {MPI.COMM_WORLD.Get_rank()} is exiting ({text.decode()}) "
+            "while other ranks still run; ranks that wait for it will be told",
+            file=sys.stderr,
+            flush=True,
+        )
+    sends = [
+        side.Isend([np.frombuffer(text, dtype=np.uint8), MPI.BYTE], dest=r, tag=_EXIT_TAG)
+        for r in peers
+    ]
     while not req.Test():
         time.sleep(1e-3)
     MPI.Request.Waitall(sends)

@@ -3,6 +3,7 @@
 The state enters on the first rank (the open layer's output) and leaves on the last (the close
 layer's input); each rank differentiates the layers it owns.
 """
+
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -21,12 +22,12 @@ __all__ = []
 class _LayerRun:
     """What the ResNet's provider keeps per run (``run.own``)."""
 
-    h0: Optional[torch.Tensor] = None           # the chain's input, on the first rank
+    h0: Optional[torch.Tensor] = None  # the chain's input, on the first rank
     h0_requires_grad: bool = False
     h0_shape: tuple = ()
     h0_dtype: Optional[torch.dtype] = None
     params: list = field(default_factory=list)  # the owned steps' parameters, in order
-    grad_out: Optional[torch.Tensor] = None     # the output's gradient, on the last rank
+    grad_out: Optional[torch.Tensor] = None  # the output's gradient, on the last rank
     coarse_x: dict = field(default_factory=dict)  # (step, level) -> R^k x, for mode "branch"
     # set by the module before the solve: each owned step's parameters that require a gradient
     # (step -> [(id, parameter)]), and whether runs of steps are fused (Note [fused runs])
@@ -42,13 +43,13 @@ class _LayerRun:
 
 class _LayerSteps(Steps):
     """Args:
-        comm: the layer group's communicator.
-        num_steps: N.
-        layers: a _StepLayers (owned layers and the copies coarse steps inject).
-        rule: ``rule(layer, x, dt, index) -> next state`` (the model's step_rule), or None for
-            forward Euler ``x + dt * layer(x)``, whose graphs are increments (Note [Euler graphs]).
-        spatial: a SpatialCoarsening, or None.
-        check_finite: check the gradients for NaN/Inf after the adjoint (collective).
+    comm: the layer group's communicator.
+    num_steps: N.
+    layers: a _StepLayers (owned layers and the copies coarse steps inject).
+    rule: ``rule(layer, x, dt, index) -> next state`` (the model's step_rule), or None for
+        forward Euler ``x + dt * layer(x)``, whose graphs are increments (Note [Euler graphs]).
+    spatial: a SpatialCoarsening, or None.
+    check_finite: check the gradients for NaN/Inf after the adjoint (collective).
     """
 
     def __init__(self, comm, num_steps, layers, rule, spatial, check_finite):
@@ -70,8 +71,9 @@ class _LayerSteps(Steps):
         """{step: [(id, parameter)]} for the owned steps: the parameters that require a
         gradient, walked once per forward (a run's graphs collect their gradients by id)."""
         layers = self.layers.layers
-        return {i: [(id(p), p) for p in _parameters(layers[str(i)]) if p.requires_grad]
-                for i in owned}
+        return {
+            i: [(id(p), p) for p in _parameters(layers[str(i)]) if p.requires_grad] for i in owned
+        }
 
     # ------------------------------------------------------------------ boundary
     def new_run_state(self):
@@ -127,7 +129,8 @@ class _LayerSteps(Steps):
             raise FloatingPointError(
                 f"the layer-parallel backward produced non-finite gradients (NaN or Inf) on rank "
                 f"{first}: the loss, the weights or the steps overflowed (check_finite=False "
-                "turns this check off)")
+                "turns this check off)"
+            )
 
     # ------------------------------------------------------------------ forward steps
     def _branch(self, level):
@@ -139,7 +142,8 @@ class _LayerSteps(Steps):
         layer = self.layers.layer(index)
         if level > 0 and self._branch(level):
             return self.spatial.branch_step(
-                lambda x: self.apply_rule(layer, x, dt, index), u, level)
+                lambda x: self.apply_rule(layer, x, dt, index), u, level
+            )
         return self.apply_rule(layer, u, dt, index)
 
     def record(self, run, u, dt, index):
@@ -238,12 +242,17 @@ class _LayerSteps(Steps):
         last adjoint state."""
         xs = [g.x for g in graphs] if keep else [graphs[-1].x]
         leaves = {} if defer else _run_leaves(graphs)
-        grads = torch.autograd.grad(graphs[0].y, xs + list(leaves.values()), w,
-                                    allow_unused=True, retain_graph=run.retain or defer)
+        grads = torch.autograd.grad(
+            graphs[0].y,
+            xs + list(leaves.values()),
+            w,
+            allow_unused=True,
+            retain_graph=run.retain or defer,
+        )
         if defer:
             run.own.deferred.append((graphs, w))
-        _accumulate(run.grads, leaves, grads[len(xs):])
-        states = [g if g is not None else torch.zeros_like(w) for g in grads[:len(xs)]]
+        _accumulate(run.grads, leaves, grads[len(xs) :])
+        states = [g if g is not None else torch.zeros_like(w) for g in grads[: len(xs)]]
         if not keep:
             states = [None] * (len(graphs) - 1) + states
         out.extend(states)
@@ -260,8 +269,13 @@ class _LayerSteps(Steps):
         for graphs, w in deferred:
             leaves = _run_leaves(graphs)
             if leaves:
-                grads = torch.autograd.grad(graphs[0].y, list(leaves.values()), w,
-                                            allow_unused=True, retain_graph=run.retain)
+                grads = torch.autograd.grad(
+                    graphs[0].y,
+                    list(leaves.values()),
+                    w,
+                    allow_unused=True,
+                    retain_graph=run.retain,
+                )
                 _accumulate(run.grads, leaves, grads)
 
     # ------------------------------------------------------------------ adjoint steps
@@ -274,8 +288,13 @@ class _LayerSteps(Steps):
         layer = self.layers.layers[str(s)]
         if self._branch(level):
             # The transpose of x + P^k (Phi(R^k x) - R^k x), linearized at the fine state.
-            return sp.branch_adjoint(lambda x: self.apply_rule(layer, x, dt, s), xg, w, level,
-                                     cache=run.own.coarse_x.setdefault((s, level), {}))
+            return sp.branch_adjoint(
+                lambda x: self.apply_rule(layer, x, dt, s),
+                xg,
+                w,
+                level,
+                cache=run.own.coarse_x.setdefault((s, level), {}),
+            )
         if sp is not None and sp.factor(level) > 0:
             # Mode "state", a grid coarse in space: linearize at the fine state restricted to it.
             xr = sp.to_level(xg.detach(), level)
@@ -288,7 +307,7 @@ class _LayerSteps(Steps):
         with torch.enable_grad():
             xr = xr.requires_grad_(True)
             yr = self.apply_rule(layer, xr, dt, s)
-            gx, = torch.autograd.grad(yr, xr, w, allow_unused=True)
+            (gx,) = torch.autograd.grad(yr, xr, w, allow_unused=True)
         return gx if gx is not None else torch.zeros_like(w)
 
 
@@ -340,11 +359,13 @@ def all_finite(tensors):
             small = [t for t in group if t.numel() <= _SMALL]
             sums = [t.sum() for t in group if t.numel() > _SMALL]
             if small:  # one C++ call flattens them (as torch's DistributedDataParallel does)
-                sums.append(_flatten_dense_tensors(small).sum() if len(small) > 1 else
-                            small[0].sum())
+                sums.append(
+                    _flatten_dense_tensors(small).sum() if len(small) > 1 else small[0].sum()
+                )
             total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
-            if not math.isfinite(float(total)) and \
-                    not all(bool(torch.isfinite(t).all()) for t in group):
+            if not math.isfinite(float(total)) and not all(
+                bool(torch.isfinite(t).all()) for t in group
+            ):
                 return False
     return True
 
@@ -373,8 +394,12 @@ def _parameters(module):
 
 def check_shape(fx, x, index):
     if not isinstance(fx, torch.Tensor):
-        raise TypeError(f"step layer {index} returned {type(fx).__name__}, not a tensor: a step "
-                        "layer must return a tensor of the state's shape")
+        raise TypeError(
+            f"step layer {index} returned {type(fx).__name__}, not a tensor: a step "
+            "layer must return a tensor of the state's shape"
+        )
     if fx.shape != x.shape:
-        raise ValueError(f"step layer {index} returned shape {tuple(fx.shape)} for a state of "
-                         f"shape {tuple(x.shape)}: a step layer must keep the state's shape")
+        raise ValueError(
+            f"step layer {index} returned shape {tuple(fx.shape)} for a state of "
+            f"shape {tuple(x.shape)}: a step layer must keep the state's shape"
+        )

@@ -6,6 +6,7 @@ ranks.  A coarse forward step injects the fine layer at its start, which can bel
 on the left: those layers are built here as frozen copies and refreshed from their owners once
 per forward (a static plan made at construction, from the ranges every rank reports).
 """
+
 import numpy as np
 import torch
 from torch import nn
@@ -24,8 +25,7 @@ def seeded_layer(factory, index, base, device=None):
         torch.manual_seed((base + 1000003 * index) % (2**63 - 1))
         layer = factory(index)
     if not isinstance(layer, nn.Module):
-        raise TypeError(f"step_layer({index}) must return an nn.Module, got "
-                        f"{type(layer).__name__}")
+        raise TypeError(f"step_layer({index}) must return an nn.Module, got {type(layer).__name__}")
     return layer.to(device) if device is not None else layer
 
 
@@ -57,13 +57,16 @@ class _StepLayers:
                 layers[str(i)] = seeded_layer(factory, i, base, device)
         except Exception as exc:  # every rank learns of it in the allgather below
             error = exc
-        needed = sorted({(i - 1) * m for (lo, hi, m) in levels[1:]
-                         for i in range(max(lo, 1), hi + 1)} - set(owned))
+        needed = sorted(
+            {(i - 1) * m for (lo, hi, m) in levels[1:] for i in range(max(lo, 1), hi + 1)}
+            - set(owned)
+        )
         report = None if error is None else f"{type(error).__name__}: {error}"
         mine = (owned[0], owned[-1]) if owned else None
         layout = None if error is not None else [_layout(layers[str(i)]) for i in owned]
-        everyone = allgather_obj(comm, (needed, report, mine, layout),
-                                 "the step layers' construction")
+        everyone = allgather_obj(
+            comm, (needed, report, mine, layout), "the step layers' construction"
+        )
         failed = [(r, msg) for r, (_, msg, _, _) in enumerate(everyone) if msg is not None]
         if failed:
             if error is not None:
@@ -71,11 +74,18 @@ class _StepLayers:
             r, msg = failed[0]
             raise RemoteRankError(f"building the step layers failed on rank {r}: {msg}", r)
         ranges = [rng for _, _, rng, _ in everyone]
-        layouts = {i: lay for (_, _, rng, lays) in everyone if rng is not None
-                   for i, lay in zip(range(rng[0], rng[1] + 1), lays)}
+        layouts = {
+            i: lay
+            for (_, _, rng, lays) in everyone
+            if rng is not None
+            for i, lay in zip(range(rng[0], rng[1] + 1), lays)
+        }
         have = set(owned)
-        self.sends = {r: [i for i in idx if i in have] for r, (idx, _, _, _) in enumerate(everyone)
-                      if r != rank and any(i in have for i in idx)}
+        self.sends = {
+            r: [i for i in idx if i in have]
+            for r, (idx, _, _, _) in enumerate(everyone)
+            if r != rank and any(i in have for i in idx)
+        }
         self.copies = {}
         self.recvs = {}
         mismatch = None
@@ -84,8 +94,9 @@ class _StepLayers:
             for p in layer.parameters():
                 p.requires_grad_(False)
             self.copies[i] = layer
-            owner = next(r for r, rng in enumerate(ranges)
-                         if rng is not None and rng[0] <= i <= rng[1])
+            owner = next(
+                r for r, rng in enumerate(ranges) if rng is not None and rng[0] <= i <= rng[1]
+            )
             self.recvs.setdefault(owner, []).append(i)
             if mismatch is None and _layout(layer) != layouts[i]:
                 mismatch = (i, owner, _layout(layer), layouts[i])
@@ -98,7 +109,8 @@ class _StepLayers:
             raise ValueError(
                 f"step_layer({i}) built a different layer on rank {r} than on rank {owner}, "
                 f"which owns step {i}: {_describe(here, there)}.  step_layer(index) must build "
-                "the same parameters and buffers for a given index on every rank")
+                "the same parameters and buffers for a given index on every rank"
+            )
 
     def layer(self, index):
         """The layer of step ``index``: the owned one, else the copy."""
@@ -111,8 +123,9 @@ class _StepLayers:
             return
         sends = {}
         for dest, idx in self.sends.items():
-            sends[dest] = np.concatenate([_bytes(t) for i in idx
-                                          for t in self.layers[str(i)].state_dict().values()])
+            sends[dest] = np.concatenate(
+                [_bytes(t) for i in idx for t in self.layers[str(i)].state_dict().values()]
+            )
         incoming, recvs = [], {}
         ref = next((p for m in self.layers.values() for p in m.parameters()), None)
         for src, idx in self.recvs.items():
@@ -123,13 +136,18 @@ class _StepLayers:
             buf = np.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=np.uint8)
             recvs[src] = buf
             incoming.append((buf, tensors))
-        exchange_bytes(self.comm, sends, recvs, _WEIGHT_TAG,
-                       "the weights of the step layers that coarse steps copy")
+        exchange_bytes(
+            self.comm,
+            sends,
+            recvs,
+            _WEIGHT_TAG,
+            "the weights of the step layers that coarse steps copy",
+        )
         for buf, tensors in incoming:
             off = 0
             for t in tensors:
                 n = t.numel() * t.element_size()
-                src = torch.from_numpy(buf[off:off + n].copy()).view(t.dtype).reshape(t.shape)
+                src = torch.from_numpy(buf[off : off + n].copy()).view(t.dtype).reshape(t.shape)
                 with torch.no_grad():
                     t.copy_(src)
                 off += n

@@ -33,8 +33,9 @@ def counted_parameters(model):
     for m in parts:
         inside.update(id(p) for p in m.parameters())
         counted.update(id(p) for p in m._counted_parameters())
-    params = [p for p in model.parameters()
-              if id(p) in counted or (id(p) not in inside and rank == 0)]
+    params = [
+        p for p in model.parameters() if id(p) in counted or (id(p) not in inside and rank == 0)
+    ]
     return comm, params
 
 

@@ -3,6 +3,7 @@ action of every level, per rank), and virtual ranks that produce a rank's trace 
 a step or sending a message.  The planner (plan.py) reads schedules from here; the live solver
 (_bridge.py) configures its cores and reads their traces through the same functions.
 """
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,13 +16,24 @@ from ._mgrit_core import ffi, lib
 
 del _comm  # imported for the load order only
 
-__all__ = ["OPS", "TRACE_DTYPE", "TraceEntry", "configure", "trace_array", "trace_entries",
-           "virtual_schedule"]
+__all__ = [
+    "OPS",
+    "TRACE_DTYPE",
+    "TraceEntry",
+    "configure",
+    "trace_array",
+    "trace_entries",
+    "virtual_schedule",
+]
 
 # The trace's operation names, indexed by the header's MGRIT_OP_* codes.
-OPS = tuple(name.lower() for name, code in sorted(
-    ((n[len("MGRIT_OP_"):], getattr(lib, n)) for n in dir(lib) if n.startswith("MGRIT_OP_")),
-    key=lambda item: item[1]))
+OPS = tuple(
+    name.lower()
+    for name, code in sorted(
+        ((n[len("MGRIT_OP_") :], getattr(lib, n)) for n in dir(lib) if n.startswith("MGRIT_OP_")),
+        key=lambda item: item[1],
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -35,8 +47,9 @@ class TraceEntry:
     done: bool
 
 
-TRACE_DTYPE = np.dtype([("level", "<i4"), ("op", "<i4"), ("index", "<i8"), ("peer", "<i4"),
-                        ("done", "<i4")])
+TRACE_DTYPE = np.dtype(
+    [("level", "<i4"), ("op", "<i4"), ("index", "<i8"), ("peer", "<i4"), ("done", "<i4")]
+)
 
 
 def trace_array(core):
@@ -53,8 +66,10 @@ def trace_array(core):
 
 def trace_entries(array):
     """TraceEntry objects (op by name) from a TRACE_DTYPE array."""
-    return [TraceEntry(int(e["level"]), OPS[e["op"]], int(e["index"]), int(e["peer"]),
-                       bool(e["done"])) for e in array]
+    return [
+        TraceEntry(int(e["level"]), OPS[e["op"]], int(e["index"]), int(e["peer"]), bool(e["done"]))
+        for e in array
+    ]
 
 
 def virtual_schedule(num_steps, size, options, mirror=False):
@@ -83,9 +98,11 @@ def virtual_schedule(num_steps, size, options, mirror=False):
 def configure(c, o, trace):
     """Sets the core ``c``'s options from the MGRITOptions ``o`` (ValueError with the core's
     message for a value it refuses); ``trace``: record the schedule."""
+
     def check(rc):
         if rc != lib.MGRIT_OK:
             raise ValueError(ffi.string(lib.mgrit_error_message(c)).decode())
+
     check(lib.mgrit_set_max_levels(c, o.max_levels))
     cfs, nrs = o.cfactors(), o.nrelaxes()
     check(lib.mgrit_set_cfactors(c, len(cfs), ffi.new("int[]", list(cfs))))

@@ -7,6 +7,7 @@ CUDA tensor is staged through host memory and unpacked onto the receiving core's
 module needs neither the compiled core nor torch (torch is used only when the program has
 imported it), so the format is tested on its own.
 """
+
 import struct
 import sys
 
@@ -14,10 +15,36 @@ import numpy as np
 
 __all__ = []
 
-_NP_DTYPES = [np.dtype(t) for t in ("float64", "float32", "float16", "complex128", "complex64",
-                                    "int64", "int32", "int16", "int8", "uint8", "bool")]
-_TORCH_DTYPE_NAMES = ["float64", "float32", "float16", "bfloat16", "complex128", "complex64",
-                      "int64", "int32", "int16", "int8", "uint8", "bool"]
+_NP_DTYPES = [
+    np.dtype(t)
+    for t in (
+        "float64",
+        "float32",
+        "float16",
+        "complex128",
+        "complex64",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+    )
+]
+_TORCH_DTYPE_NAMES = [
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "complex128",
+    "complex64",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+]
 
 
 def _torch():
@@ -37,7 +64,9 @@ def _as_state(x):
         return x
     if isinstance(x, (np.generic, int, float, complex)):
         return np.asarray(x)
-    raise TypeError(f"an MGRIT state must be a numpy array or a torch tensor, got {type(x).__name__}")
+    raise TypeError(
+        f"an MGRIT state must be a numpy array or a torch tensor, got {type(x).__name__}"
+    )
 
 
 # Note [norms in the state's precision]: a float32 norm reads the state once; converting it to
@@ -63,8 +92,11 @@ def _norm(x):
         if flat.is_complex():
             return float(torch.linalg.vector_norm(flat.to(torch.complex128)))
         return float(torch.linalg.vector_norm(flat.double()))
-    return float(np.linalg.norm(np.asarray(x, dtype=np.complex128 if np.iscomplexobj(x)
-                                          else np.float64).reshape(-1)))
+    return float(
+        np.linalg.norm(
+            np.asarray(x, dtype=np.complex128 if np.iscomplexobj(x) else np.float64).reshape(-1)
+        )
+    )
 
 
 def _sum(alpha, x, beta, y):
@@ -87,17 +119,28 @@ def _sum_into(alpha, x, beta, y):
     did.  Only for a state that nothing else refers to (Note [private states] in _bridge)."""
     if _is_torch(y):
         torch = _torch()
-        if not (_is_torch(x) and x.dtype == y.dtype and x.device == y.device and
-                x.shape == y.shape and (y.is_floating_point() or y.is_complex()) and
-                not y.requires_grad):
+        if not (
+            _is_torch(x)
+            and x.dtype == y.dtype
+            and x.device == y.device
+            and x.shape == y.shape
+            and (y.is_floating_point() or y.is_complex())
+            and not y.requires_grad
+        ):
             return False
         with torch.no_grad():
             if beta != 1.0:
                 y.mul_(beta)
             y.add_(x, alpha=alpha)
         return True
-    if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and x.dtype == y.dtype and
-            x.shape == y.shape and y.dtype.kind in "fc" and y.flags.writeable):
+    if not (
+        isinstance(x, np.ndarray)
+        and isinstance(y, np.ndarray)
+        and x.dtype == y.dtype
+        and x.shape == y.shape
+        and y.dtype.kind in "fc"
+        and y.flags.writeable
+    ):
         return False
     if beta != 1.0:
         y *= beta

@@ -1,11 +1,13 @@
 """The stall timeout that bounds every wait between ranks (Python's and the MGRIT core's), and
 how long the core's waits sleep between tests."""
+
 import os
+from typing import Optional
 
 __all__ = ["set_timeout", "timeout", "wait_sleep"]
 
 _DEFAULT_TIMEOUT = 600.0
-_timeout = [None]
+_timeout: list[Optional[float]] = [None]
 
 
 def set_timeout(seconds: float) -> None:
@@ -55,8 +57,10 @@ def wait_sleep() -> float:
         except ValueError:
             value = -1.0
         if not 0 <= value <= 1e-3:
-            raise ValueError(f"LAYERBRAID_WAIT_SLEEP must be a number of seconds between 0 and "
-                             f"0.001, got {text!r}")
+            raise ValueError(
+                f"LAYERBRAID_WAIT_SLEEP must be a number of seconds between 0 and "
+                f"0.001, got {text!r}"
+            )
         return value
     local = 1
     for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):

@@ -6,6 +6,7 @@ host memory (one copy each way) and arrives on the device the receiver names.  E
 travels as its bytes (bool as one byte each), so float64 stays float64 and bfloat16 needs no
 numpy type.
 """
+
 import torch
 from mpi4py import MPI
 
@@ -45,8 +46,9 @@ def allreduce_sum(comm, tensors, what):
         wait([start_allreduce_sum(comm, flat)], comm, f"every rank's part of {what}")
     out, off = [], 0
     for t in tensors:
-        out.append(torch.from_numpy(flat[off:off + t.numel()]).view(t.shape)
-                   .to(t.device, t.dtype))
+        out.append(
+            torch.from_numpy(flat[off : off + t.numel()]).view(t.shape).to(t.device, t.dtype)
+        )
         off += t.numel()
     return out
 
@@ -71,8 +73,7 @@ def send_tensor(comm, t, dest, tag, what="a tensor"):
 def recv_tensor(comm, shape, dtype, device, source, tag, what="a tensor"):
     host, buf = empty_bytes(shape, dtype)
     status = MPI.Status()
-    wait([comm.Irecv(buf, source=source, tag=tag)], comm, f"{what} from rank {source}",
-         [status])
+    wait([comm.Irecv(buf, source=source, tag=tag)], comm, f"{what} from rank {source}", [status])
     _check_received(status, buf.size, f"{what} from rank {source}")
     return host.reshape(shape).to(device)
 
@@ -89,7 +90,7 @@ def bcast_into(comm, tensors, root=0, what="the weights"):
     with torch.no_grad():
         for t in tensors:
             n = nbytes(t)
-            t.copy_(flat[off:off + n].view(t.dtype).view(t.shape).to(t.device))
+            t.copy_(flat[off : off + n].view(t.dtype).view(t.shape).to(t.device))
             off += n
 
 
@@ -116,8 +117,10 @@ def neighbour_exchange(comm, first, last, what):
         _check_received(statuses[k], n, f"rank {peer}'s layer for {what}")
     left = got.get(rank - 1)
     right = got.get(rank + 1)
-    return (None if left is None else left.reshape(first.shape).to(first.device),
-            None if right is None else right.reshape(last.shape).to(last.device))
+    return (
+        None if left is None else left.reshape(first.shape).to(first.device),
+        None if right is None else right.reshape(last.shape).to(last.device),
+    )
 
 
 def allgather_rows(comm, t, what="every rank's rows"):
@@ -132,12 +135,16 @@ def allgather_rows(comm, t, what="every rank's rows"):
         _, send = host_bytes(t)
     else:
         padded = torch.zeros((most,) + rest, dtype=t.dtype)
-        padded[:t.shape[0]] = t.detach().to("cpu")
+        padded[: t.shape[0]] = t.detach().to("cpu")
         _, send = host_bytes(padded)
     host, recv = empty_bytes((len(counts) * most,) + rest, t.dtype)
-    wait([comm.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])], comm,
-         f"every rank's part of {what}")
+    wait(
+        [comm.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])], comm, f"every rank's part of {what}"
+    )
     host = host.reshape((len(counts), most) + rest)
-    rows = host.reshape((-1,) + rest) if min(counts) == most else \
-        torch.cat([host[k, :c] for k, c in enumerate(counts)])
+    rows = (
+        host.reshape((-1,) + rest)
+        if min(counts) == most
+        else torch.cat([host[k, :c] for k, c in enumerate(counts)])
+    )
     return rows.to(t.device)

@@ -65,6 +65,7 @@ stopping rule).  The cost per probed batch: the probe, about (k + 1) / k times t
 solves, and at most one more solve at k - 1 iterations; a climb of j counts costs j solves
 more, at k + 2, ..., k + j + 1 iterations.
 """
+
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -72,11 +73,18 @@ from typing import Optional
 
 import torch
 
-from ._parts import counted_parameters, layer_parallel_parts
 from ._comm import allreduce_floats
+from ._parts import counted_parameters, layer_parallel_parts
 
-__all__ = ["GradientAudit", "GradientProbe", "IterationTuner", "Tuning", "audit_gradients",
-           "audit_due", "probe_gradients"]
+__all__ = [
+    "GradientAudit",
+    "GradientProbe",
+    "IterationTuner",
+    "Tuning",
+    "audit_gradients",
+    "audit_due",
+    "probe_gradients",
+]
 
 ROUNDOFF_EPSILONS = 10  # an audit's error at or below this many epsilons is round-off
 
@@ -190,7 +198,7 @@ def audit_gradients(model, closure, *, history: int = 3, calibrate: bool = True)
     num, den, eps = _difference(counted, exact)
     if comm is not None and comm.Get_size() > 1:
         num, den = allreduce_floats(comm, [num, den], "sum", "a gradient audit")
-        eps, = allreduce_floats(comm, [eps], "max", "a gradient audit")
+        (eps,) = allreduce_floats(comm, [eps], "max", "a gradient audit")
     # the same on every rank, bit for bit: each rank's adaptive stopping rule uses it
     error = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
     calibrated = bool(parts[0]._audit_ratios)
@@ -198,8 +206,7 @@ def audit_gradients(model, closure, *, history: int = 3, calibrate: bool = True)
         calibration = _calibrate(parts, error, raw, eps, history)
     else:
         calibration = _calibration(parts[0]._audit_ratios)
-    return GradientAudit(error, estimate, raw, calibration, calibrated,
-                         time.perf_counter() - t0)
+    return GradientAudit(error, estimate, raw, calibration, calibrated, time.perf_counter() - t0)
 
 
 def probe_gradients(model, closure) -> GradientProbe:
@@ -225,8 +232,9 @@ def _probe(model, closure):
     """``probe_gradients``, the probe's gradients ({id(p): gradient}) and what its solves
     left per part (``_solve_at``)."""
     parts = _parts(model, "probe_gradients")
-    probed = [None if its is None else (its[0] + 1, its[1] + 1)
-              for its in (_iterations(p) for p in parts)]
+    probed = [
+        None if its is None else (its[0] + 1, its[1] + 1) for its in (_iterations(p) for p in parts)
+    ]
     t0 = time.perf_counter()
     more, left = _solve_at(model, parts, closure, probed)
     now = {id(p): p.grad for p in model.parameters()}
@@ -295,8 +303,15 @@ class IterationTuner:
         margin: the tuner aims at ``target / margin`` (>= 1; 1 aims at the target itself).
     """
 
-    def __init__(self, model, target: float, *, every: int = 20, max_iterations: int = 10,
-                 margin: float = 2.0):
+    def __init__(
+        self,
+        model,
+        target: float,
+        *,
+        every: int = 20,
+        max_iterations: int = 10,
+        margin: float = 2.0,
+    ):
         from ._chain import _check_target
 
         self.parts = _parts(model, "IterationTuner")
@@ -308,14 +323,20 @@ class IterationTuner:
                 raise ValueError(f"IterationTuner's {name} must be an int >= 1, got {v!r}")
         for part in self.parts:
             if getattr(part, "target_error", None) is not None:
-                raise ValueError(f"IterationTuner replaces target_error, but a part of the model "
-                                 f"has target_error={part.target_error!r}: build it without")
-        if (isinstance(margin, bool) or not isinstance(margin, (int, float))
-                or not math.isfinite(margin) or margin < 1):
+                raise ValueError(
+                    f"IterationTuner replaces target_error, but a part of the model "
+                    f"has target_error={part.target_error!r}: build it without"
+                )
+        if (
+            isinstance(margin, bool)
+            or not isinstance(margin, (int, float))
+            or not math.isfinite(margin)
+            or margin < 1
+        ):
             raise ValueError(f"IterationTuner's margin must be a number >= 1, got {margin!r}")
         self.model, self.every, self.max_iterations = model, every, max_iterations
         self.margin = float(margin)
-        self.history = []  # every Tuning so far
+        self.history: list[Tuning] = []  # every Tuning so far
 
     @property
     def aim(self):
@@ -363,15 +384,18 @@ class IterationTuner:
                     counts = lower
         for part, its in zip(parts, counts):
             part._solve_iterations = its
-        tuning = Tuning(change, lower_change, ran, list(counts), time.perf_counter() - t0,
-                        aim, climb)
+        tuning = Tuning(
+            change, lower_change, ran, list(counts), time.perf_counter() - t0, aim, climb
+        )
         self.history.append(tuning)
         return tuning
 
     def _up(self, counts):
         """``counts`` with every count one higher, at most ``max_iterations``."""
-        return [None if its is None else tuple(min(k + 1, self.max_iterations) for k in its)
-                for its in counts]
+        return [
+            None if its is None else tuple(min(k + 1, self.max_iterations) for k in its)
+            for its in counts
+        ]
 
 
 def _solve_at(model, parts, closure, counts, cold=False):
@@ -384,12 +408,12 @@ def _solve_at(model, parts, closure, counts, cold=False):
 
     def at(on):
         for part, its in zip(parts, counts):
-            part._solve_probe = (((*its, True) if cold else tuple(its))
-                                 if on and its is not None else None)
+            part._solve_probe = (
+                ((*its, True) if cold else tuple(its)) if on and its is not None else None
+            )
 
     def keep():
-        left.extend(None if its is None else _solved(part, its)
-                    for part, its in zip(parts, counts))
+        left.extend(None if its is None else _solved(part, its) for part, its in zip(parts, counts))
 
     return _gradients_with(model, parts, closure, at, after=keep), left
 
@@ -459,8 +483,10 @@ def _iterations(part):
     fwd, bwd = part.forward_stats, part.backward_stats
     fwd, bwd = (s if isinstance(s, list) else [s] for s in (fwd, bwd))
     if not fwd or not bwd or any(s is None or not s.seconds for s in fwd + bwd):
-        raise ValueError("probe_gradients needs a backward first: it probes the gradients "
-                         "that the last backward left")
+        raise ValueError(
+            "probe_gradients needs a backward first: it probes the gradients "
+            "that the last backward left"
+        )
     its = max(s.iterations for s in fwd), max(s.iterations for s in bwd)
     return None if its == (0, 0) else its  # one level: no iterations
 
@@ -481,8 +507,10 @@ def _gradients_with(model, parts, closure, mode, after=None):
         try:
             loss = closure()
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise TypeError(f"the closure must return the loss, a 0-d tensor; got "
-                                f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
+                raise TypeError(
+                    f"the closure must return the loss, a 0-d tensor; got "
+                    f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
+                )
             loss.backward()
             if after is not None:
                 after()

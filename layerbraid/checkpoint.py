@@ -10,6 +10,7 @@ fsyncs the directory: a crash at any moment leaves the old checkpoint or the new
 torn file.  Loading checks the header and the checksum before unpickling, and unpickles with
 ``weights_only=True``, so a file can neither run code nor load silently corrupted.
 """
+
 import hashlib
 import io
 import os
@@ -20,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ._parts import sharded_parts
 from ._comm import gather_obj, raise_on_every_rank
+from ._parts import sharded_parts
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "CheckpointError"]
 
@@ -49,7 +50,7 @@ def _under(key, prefix):
 
 
 def _strip(key, prefix):
-    return key if prefix == "" else key[len(prefix) + 1:]
+    return key if prefix == "" else key[len(prefix) + 1 :]
 
 
 def _local_keys(model, keys, parts, rank):
@@ -101,8 +102,10 @@ def save_checkpoint(model, path, optimizer=None, extra=None):
             for p in group["params"]:
                 name = names.get(id(p))
                 if name in local_params and p in optimizer.state:
-                    opt_state[name] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
-                                       for k, v in optimizer.state[p].items()}
+                    opt_state[name] = {
+                        k: (v.detach().cpu() if torch.is_tensor(v) else v)
+                        for k, v in optimizer.state[p].items()
+                    }
     if comm is not None and comm.Get_size() > 1:
         gathered = gather_obj(comm, (mine, opt_state), 0, f"the state to save in {path}")
     else:
@@ -122,8 +125,11 @@ def save_checkpoint(model, path, optimizer=None, extra=None):
                 ckpt["optimizer"] = {
                     "type": type(optimizer).__name__,
                     "state": merged,
-                    "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                     for g in optimizer.param_groups]}
+                    "param_groups": [
+                        {k: v for k, v in g.items() if k != "params"}
+                        for g in optimizer.param_groups
+                    ],
+                }
             _write_atomic(path, _encode(ckpt))
         except Exception as exc:  # every rank learns of it below
             error = exc
@@ -161,8 +167,7 @@ def _write_atomic(path, data):
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot write checkpoint {path}: {exc.strerror or exc}") \
-            from exc
+        raise OSError(exc.errno, f"cannot write checkpoint {path}: {exc.strerror or exc}") from exc
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -175,8 +180,9 @@ def _write_atomic(path, data):
         except OSError:
             pass
         if isinstance(exc, OSError):  # ENOSPC, EDQUOT, EIO...: say which file
-            raise OSError(exc.errno, f"writing checkpoint {path} failed: "
-                                     f"{exc.strerror or exc}") from exc
+            raise OSError(
+                exc.errno, f"writing checkpoint {path} failed: {exc.strerror or exc}"
+            ) from exc
         raise
     try:  # the rename itself is durable once the directory is synced
         dfd = os.open(directory, os.O_RDONLY)
@@ -203,37 +209,51 @@ def read_checkpoint(path):
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from exc
     except MemoryError as exc:
-        raise CheckpointError(f"checkpoint {path} ({info.st_size} bytes) does not fit in this "
-                              "process's memory") from exc
+        raise CheckpointError(
+            f"checkpoint {path} ({info.st_size} bytes) does not fit in this process's memory"
+        ) from exc
     stale = _temp_files(path)
     if stale:
-        warnings.warn(f"beside checkpoint {path} lie {len(stale)} temporary file(s) of a save "
-                      f"that did not finish ({', '.join(p.name for p in stale[:3])}); the next "
-                      "save removes them", stacklevel=3)
+        warnings.warn(
+            f"beside checkpoint {path} lie {len(stale)} temporary file(s) of a save "
+            f"that did not finish ({', '.join(p.name for p in stale[:3])}); the next "
+            "save removes them",
+            stacklevel=3,
+        )
     if not data:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes): its write did not finish")
     if not data.startswith(_MAGIC):
         hint = ""
         if data[:2] == b"PK" or data[:1] == b"\x80":  # a torch.save file (zip or pickle)
-            hint = (": it looks like a torch.save file; a plain state_dict loads with "
-                    "model.load_state_dict(torch.load(path, weights_only=True)) on every rank")
-        raise CheckpointError(f"{path} is not a layerbraid checkpoint (it does not start with "
-                              f"{_MAGIC.strip().decode()!r}; {len(data)} bytes){hint}")
-    rest = data[len(_MAGIC):]
+            hint = (
+                ": it looks like a torch.save file; a plain state_dict loads with "
+                "model.load_state_dict(torch.load(path, weights_only=True)) on every rank"
+            )
+        raise CheckpointError(
+            f"{path} is not a layerbraid checkpoint (it does not start with "
+            f"{_MAGIC.strip().decode()!r}; {len(data)} bytes){hint}"
+        )
+    rest = data[len(_MAGIC) :]
     digest, sep, payload = rest.partition(b"\n")
     if not sep or len(digest) != 64:
         raise CheckpointError(f"checkpoint {path} is truncated: its header is incomplete")
     if hashlib.sha256(payload).hexdigest().encode() != digest:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: the SHA-256 of its "
-                              f"{len(payload)}-byte payload does not match the one stored in it")
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated: the SHA-256 of its "
+            f"{len(payload)}-byte payload does not match the one stored in it"
+        )
     try:
         ckpt = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {path} holds something other than tensors and plain "
-                              f"containers, which layerbraid does not load: {exc}") from exc
+        raise CheckpointError(
+            f"checkpoint {path} holds something other than tensors and plain "
+            f"containers, which layerbraid does not load: {exc}"
+        ) from exc
     if not isinstance(ckpt, dict) or ckpt.get("format") != _FORMAT:
-        raise CheckpointError(f"checkpoint {path} has an unknown format "
-                              f"{ckpt.get('format') if isinstance(ckpt, dict) else type(ckpt)}")
+        raise CheckpointError(
+            f"checkpoint {path} has an unknown format "
+            f"{ckpt.get('format') if isinstance(ckpt, dict) else type(ckpt)}"
+        )
     return ckpt
 
 
@@ -247,8 +267,10 @@ def load_checkpoint(model, path, optimizer=None):
     parts, _ = _parts(model)
     for _, m in parts[:1]:
         if ckpt.get("num_steps") is not None and ckpt["num_steps"] != m.num_steps:
-            raise ValueError(f"{path} holds a network of {ckpt['num_steps']} steps; this model "
-                             f"has num_steps={m.num_steps}")
+            raise ValueError(
+                f"{path} holds a network of {ckpt['num_steps']} steps; this model "
+                f"has num_steps={m.num_steps}"
+            )
     full = ckpt["model"]
     for prefix, m in parts:
         try:
@@ -260,8 +282,10 @@ def load_checkpoint(model, path, optimizer=None):
         result = model.load_state_dict(rest, strict=False)
         missing = [k for k in result.missing_keys if not any(_under(k, p) for p, _ in parts)]
         if missing or result.unexpected_keys:
-            raise CheckpointError(f"{path} does not match this model: missing {missing[:5]}, "
-                                  f"unexpected {result.unexpected_keys[:5]}")
+            raise CheckpointError(
+                f"{path} does not match this model: missing {missing[:5]}, "
+                f"unexpected {result.unexpected_keys[:5]}"
+            )
     if opt_state is not None:
         optimizer.load_state_dict(opt_state)
     return ckpt.get("extra")
@@ -272,17 +296,23 @@ def _optimizer_state(model, optimizer, ckpt, path):
     otherwise); nothing is modified here."""
     saved_opt = ckpt.get("optimizer")
     if saved_opt is None:
-        raise CheckpointError(f"checkpoint {path} holds no optimizer state (it was saved without "
-                              "an optimizer): load it with optimizer=None, or save the "
-                              "optimizer with it")
+        raise CheckpointError(
+            f"checkpoint {path} holds no optimizer state (it was saved without "
+            "an optimizer): load it with optimizer=None, or save the "
+            "optimizer with it"
+        )
     kind = saved_opt.get("type")
     if kind is not None and kind != type(optimizer).__name__:
-        raise CheckpointError(f"checkpoint {path} holds the state of a {kind} optimizer, not of "
-                              f"this {type(optimizer).__name__}")
+        raise CheckpointError(
+            f"checkpoint {path} holds the state of a {kind} optimizer, not of "
+            f"this {type(optimizer).__name__}"
+        )
     if len(saved_opt["param_groups"]) != len(optimizer.param_groups):
-        raise CheckpointError(f"checkpoint {path} holds {len(saved_opt['param_groups'])} "
-                              f"optimizer parameter group(s); this optimizer has "
-                              f"{len(optimizer.param_groups)}")
+        raise CheckpointError(
+            f"checkpoint {path} holds {len(saved_opt['param_groups'])} "
+            f"optimizer parameter group(s); this optimizer has "
+            f"{len(optimizer.param_groups)}"
+        )
     names = {id(p): k for k, p in model.named_parameters()}
     saved = saved_opt["state"]
     flat = [p for g in optimizer.param_groups for p in g["params"]]
@@ -290,15 +320,20 @@ def _optimizer_state(model, optimizer, ckpt, path):
     for pid, p in enumerate(flat):
         name = names.get(id(p))
         if name is not None and name in saved:
-            state[pid] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
-                          for k, v in saved[name].items()}
+            state[pid] = {
+                k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
+                for k, v in saved[name].items()
+            }
     for pid, values in state.items():
         p = flat[pid]
         for k, v in values.items():
             if torch.is_tensor(v) and v.dim() > 0 and v.shape != p.shape:
                 raise CheckpointError(
                     f"checkpoint {path}: the optimizer state {k!r} of {names[id(p)]} has "
-                    f"shape {tuple(v.shape)}, the parameter {tuple(p.shape)}")
-    groups = [{**s, "params": g["params"]} for g, s in
-              zip(optimizer.state_dict()["param_groups"], saved_opt["param_groups"])]
+                    f"shape {tuple(v.shape)}, the parameter {tuple(p.shape)}"
+                )
+    groups = [
+        {**s, "params": g["params"]}
+        for g, s in zip(optimizer.state_dict()["param_groups"], saved_opt["param_groups"])
+    ]
     return {"state": state, "param_groups": groups}

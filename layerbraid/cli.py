@@ -8,18 +8,29 @@
 
 Every rank parses the same argv, so a bad value stops every rank with the same message.
 """
+
 import argparse
 
 from ._comm import world
 from .options import MGRITOptions
 
-__all__ = ["add_lp_arguments", "add_training_arguments", "parse_args", "mgrit_options",
-           "check_run", "positive_int", "nonneg_int", "positive_float", "nonneg_float",
-           "int_at_least"]
+__all__ = [
+    "add_lp_arguments",
+    "add_training_arguments",
+    "parse_args",
+    "mgrit_options",
+    "check_run",
+    "positive_int",
+    "nonneg_int",
+    "positive_float",
+    "nonneg_float",
+    "int_at_least",
+]
 
 
 def _number(convert, ok, what):
     """An argparse type: convert the text, then check it, naming the bad value."""
+
     def parse(text):
         try:
             v = convert(text)
@@ -28,6 +39,7 @@ def _number(convert, ok, what):
         if v is None or not ok(v):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return v
+
     return parse
 
 
@@ -65,124 +77,271 @@ def _levels(text):
 _DEFAULT = MGRITOptions()
 
 
-def add_lp_arguments(parser, *, levels=_DEFAULT.max_levels, cfactor=_DEFAULT.cfactor,
-                     fwd_iters=2, bwd_iters=1,
-                     relax="FCF" if _DEFAULT.nrelax else "F",
-                     skip=_DEFAULT.skip_first_downcycle, audit_every=50):
+def add_lp_arguments(
+    parser,
+    *,
+    levels=_DEFAULT.max_levels,
+    cfactor=_DEFAULT.cfactor,
+    fwd_iters=2,
+    bwd_iters=1,
+    relax="FCF" if _DEFAULT.nrelax else "F",
+    skip=_DEFAULT.skip_first_downcycle,
+    audit_every=50,
+):
     """Adds the ``--lp-*`` MGRIT flags.  The defaults are MGRITOptions' (levels, cfactor,
     relaxation, skip, cycle), with 2 forward / 1 adjoint iterations and no residual tolerance;
     a script may change them."""
     g = parser.add_argument_group("layer-parallel MGRIT")
-    g.add_argument("--lp-levels", type=_levels, default=levels, metavar="L",
-                   help="MGRIT levels; 1 = exact sequential stepping across ranks; auto = the "
-                        "levels (1-4) whose schedule the planner predicts fastest on this many "
-                        f"ranks with these flags (default {levels})")
-    g.add_argument("--lp-cfactor", type=_cfactor, nargs="+", default=[cfactor], metavar="CF",
-                   help="coarsening factor, or one per coarsened level (levels - 1 values) "
-                        f"(default {cfactor})")
-    g.add_argument("--lp-fwd-iters", type=_positive_int, default=fwd_iters, metavar="N",
-                   help=f"most MGRIT iterations of the forward solve (default {fwd_iters})")
-    g.add_argument("--lp-bwd-iters", type=_positive_int, default=bwd_iters, metavar="N",
-                   help=f"most MGRIT iterations of the adjoint solve (default {bwd_iters})")
-    g.add_argument("--lp-tol", type=_nonneg_float, default=0.0, metavar="TOL",
-                   help="stop a solve early when its residual norm is below TOL; 0 = always run "
-                        "the set iterations (default 0)")
-    g.add_argument("--lp-relax", choices=["F", "FCF"], nargs="+", default=[relax],
-                   help=f"relaxation, or one per coarsened level (default {relax})")
-    g.add_argument("--lp-skip-downcycle", action=argparse.BooleanOptionalAction, default=skip,
-                   help="skip the work of the first down-cycle (default: "
-                        f"{'on' if skip else 'off'})")
-    g.add_argument("--lp-cycle", choices=["V", "F"], default=_DEFAULT.cycle,
-                   help=f"cycle type (default {_DEFAULT.cycle})")
-    g.add_argument("--lp-warm-start", action=argparse.BooleanOptionalAction, default=False,
-                   help="start each solve from the previous batch's states (default: off)")
-    g.add_argument("--lp-target-error", type=_fraction, default=None, metavar="E",
-                   help="adaptive iterations: each solve iterates until its estimated relative "
-                        "error meets its share of E (e.g. 1e-2), at most --lp-fwd-iters / "
-                        "--lp-bwd-iters times (raise those, e.g. to 10); default: off")
-    g.add_argument("--lp-tune-error", type=_fraction, default=None, metavar="E",
-                   help="adaptive iterations aimed with the gradient probe, to keep the true "
-                        "gradient error below E: at --lp-probe-every's batches (default 20 with "
-                        "this flag), probe the gradients and move every solve's iterations "
-                        "to the fewest whose probed error is at most E / --lp-tune-margin: "
-                        "down by one, or up within the batch until one more iteration changes "
-                        "the gradients by no more than that (layerbraid.IterationTuner); "
-                        "starts at --lp-fwd-iters / "
-                        "--lp-bwd-iters, at most 10; default: off")
-    g.add_argument("--lp-tune-margin", type=_number(float, lambda v: 1 <= v < _finite,
-                                                    "a number >= 1"),
-                   default=2.0, metavar="M",
-                   help="with --lp-tune-error E, aim the probed error at E / M, room for the "
-                        "error to drift between probes (default 2; 1 aims at E itself)")
-    g.add_argument("--lp-smoothness", type=_nonneg_float, default=0.0, metavar="GAMMA",
-                   help="add GAMMA times the depth-smoothness penalty (the squared change of "
-                        "the weights from layer to layer, LayerParallelModule.depth_smoothness) "
-                        "to the loss, which keeps MGRIT's coarse steps close to the fine ones "
-                        "as the network trains; the serial network gets the same (default 0)")
-    g.add_argument("--lp-audit-every", type=_nonneg_int, default=audit_every, metavar="K",
-                   help="at batches 0, 1, 2, 4, ... below K and then every K-th batch of "
-                        "the run, compute the exact gradient of the batch as well (one exact "
-                        "forward and backward) and report the true gradient error; the audits "
-                        "calibrate the error estimate and adaptive iterations "
-                        "(layerbraid.audit_gradients, layerbraid.audit_due); 0 = never "
-                        f"(default {audit_every})")
-    g.add_argument("--lp-probe-every", type=_nonneg_int, default=None, metavar="K",
-                   help="at the same schedule of batches (0, 1, 2, 4, ... below K, then every "
-                        "K-th), solve the batch again with one more MGRIT iteration in each "
-                        "solve and report how much the gradients change: an estimate of their "
-                        "true error that needs no exact solve and no calibration, at about one "
-                        "more layer-parallel forward and backward (layerbraid.probe_gradients), "
-                        "the gradient error the epoch lines show; 0 = never, and the epoch "
-                        "lines show the residuals' calibrated estimate instead (default: 20 "
-                        "where MGRIT runs more than one level, never with one: it is exact)")
+    g.add_argument(
+        "--lp-levels",
+        type=_levels,
+        default=levels,
+        metavar="L",
+        help="MGRIT levels; 1 = exact sequential stepping across ranks; auto = the "
+        "levels (1-4) whose schedule the planner predicts fastest on this many "
+        f"ranks with these flags (default {levels})",
+    )
+    g.add_argument(
+        "--lp-cfactor",
+        type=_cfactor,
+        nargs="+",
+        default=[cfactor],
+        metavar="CF",
+        help="coarsening factor, or one per coarsened level (levels - 1 values) "
+        f"(default {cfactor})",
+    )
+    g.add_argument(
+        "--lp-fwd-iters",
+        type=_positive_int,
+        default=fwd_iters,
+        metavar="N",
+        help=f"most MGRIT iterations of the forward solve (default {fwd_iters})",
+    )
+    g.add_argument(
+        "--lp-bwd-iters",
+        type=_positive_int,
+        default=bwd_iters,
+        metavar="N",
+        help=f"most MGRIT iterations of the adjoint solve (default {bwd_iters})",
+    )
+    g.add_argument(
+        "--lp-tol",
+        type=_nonneg_float,
+        default=0.0,
+        metavar="TOL",
+        help="stop a solve early when its residual norm is below TOL; 0 = always run "
+        "the set iterations (default 0)",
+    )
+    g.add_argument(
+        "--lp-relax",
+        choices=["F", "FCF"],
+        nargs="+",
+        default=[relax],
+        help=f"relaxation, or one per coarsened level (default {relax})",
+    )
+    g.add_argument(
+        "--lp-skip-downcycle",
+        action=argparse.BooleanOptionalAction,
+        default=skip,
+        help=f"skip the work of the first down-cycle (default: {'on' if skip else 'off'})",
+    )
+    g.add_argument(
+        "--lp-cycle",
+        choices=["V", "F"],
+        default=_DEFAULT.cycle,
+        help=f"cycle type (default {_DEFAULT.cycle})",
+    )
+    g.add_argument(
+        "--lp-warm-start",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="start each solve from the previous batch's states (default: off)",
+    )
+    g.add_argument(
+        "--lp-target-error",
+        type=_fraction,
+        default=None,
+        metavar="E",
+        help="adaptive iterations: each solve iterates until its estimated relative "
+        "error meets its share of E (e.g. 1e-2), at most --lp-fwd-iters / "
+        "--lp-bwd-iters times (raise those, e.g. to 10); default: off",
+    )
+    g.add_argument(
+        "--lp-tune-error",
+        type=_fraction,
+        default=None,
+        metavar="E",
+        help="adaptive iterations aimed with the gradient probe, to keep the true "
+        "gradient error below E: at --lp-probe-every's batches (default 20 with "
+        "this flag), probe the gradients and move every solve's iterations "
+        "to the fewest whose probed error is at most E / --lp-tune-margin: "
+        "down by one, or up within the batch until one more iteration changes "
+        "the gradients by no more than that (layerbraid.IterationTuner); "
+        "starts at --lp-fwd-iters / "
+        "--lp-bwd-iters, at most 10; default: off",
+    )
+    g.add_argument(
+        "--lp-tune-margin",
+        type=_number(float, lambda v: 1 <= v < _finite, "a number >= 1"),
+        default=2.0,
+        metavar="M",
+        help="with --lp-tune-error E, aim the probed error at E / M, room for the "
+        "error to drift between probes (default 2; 1 aims at E itself)",
+    )
+    g.add_argument(
+        "--lp-smoothness",
+        type=_nonneg_float,
+        default=0.0,
+        metavar="GAMMA",
+        help="add GAMMA times the depth-smoothness penalty (the squared change of "
+        "the weights from layer to layer, LayerParallelModule.depth_smoothness) "
+        "to the loss, which keeps MGRIT's coarse steps close to the fine ones "
+        "as the network trains; the serial network gets the same (default 0)",
+    )
+    g.add_argument(
+        "--lp-audit-every",
+        type=_nonneg_int,
+        default=audit_every,
+        metavar="K",
+        help="at batches 0, 1, 2, 4, ... below K and then every K-th batch of "
+        "the run, compute the exact gradient of the batch as well (one exact "
+        "forward and backward) and report the true gradient error; the audits "
+        "calibrate the error estimate and adaptive iterations "
+        "(layerbraid.audit_gradients, layerbraid.audit_due); 0 = never "
+        f"(default {audit_every})",
+    )
+    g.add_argument(
+        "--lp-probe-every",
+        type=_nonneg_int,
+        default=None,
+        metavar="K",
+        help="at the same schedule of batches (0, 1, 2, 4, ... below K, then every "
+        "K-th), solve the batch again with one more MGRIT iteration in each "
+        "solve and report how much the gradients change: an estimate of their "
+        "true error that needs no exact solve and no calibration, at about one "
+        "more layer-parallel forward and backward (layerbraid.probe_gradients), "
+        "the gradient error the epoch lines show; 0 = never, and the epoch "
+        "lines show the residuals' calibrated estimate instead (default: 20 "
+        "where MGRIT runs more than one level, never with one: it is exact)",
+    )
     return g
 
 
-def add_training_arguments(parser, *, steps=8, channels=8, t_final=1.0, batch_size=64,
-                           epochs=1, lr=0.05, optimizer="sgd", seed=0, log_interval=50,
-                           ode=True):
+def add_training_arguments(
+    parser,
+    *,
+    steps=8,
+    channels=8,
+    t_final=1.0,
+    batch_size=64,
+    epochs=1,
+    lr=0.05,
+    optimizer="sgd",
+    seed=0,
+    log_interval=50,
+    ode=True,
+):
     """Adds the network, training, data and checkpoint flags.  ``ode=False`` leaves out the
     ODE-network flags (``--steps``, ``--channels``, ``--t-final``), e.g. for an RNN script."""
     g = parser.add_argument_group("network and training")
     if ode:
-        g.add_argument("--steps", type=_positive_int, default=steps,
-                       help=f"residual steps (layers) of the ODE network (default {steps})")
-        g.add_argument("--channels", type=_positive_int, default=channels,
-                       help=f"channels of the state (default {channels})")
-        g.add_argument("--t-final", type=_positive_float, default=t_final,
-                       help=f"final time T; the step size is T / steps (default {t_final})")
-    g.add_argument("--batch-size", type=_positive_int, default=batch_size,
-                   help=f"training batch size (default {batch_size})")
-    g.add_argument("--epochs", type=_positive_int, default=epochs,
-                   help=f"epochs (default {epochs})")
+        g.add_argument(
+            "--steps",
+            type=_positive_int,
+            default=steps,
+            help=f"residual steps (layers) of the ODE network (default {steps})",
+        )
+        g.add_argument(
+            "--channels",
+            type=_positive_int,
+            default=channels,
+            help=f"channels of the state (default {channels})",
+        )
+        g.add_argument(
+            "--t-final",
+            type=_positive_float,
+            default=t_final,
+            help=f"final time T; the step size is T / steps (default {t_final})",
+        )
+    g.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=batch_size,
+        help=f"training batch size (default {batch_size})",
+    )
+    g.add_argument(
+        "--epochs", type=_positive_int, default=epochs, help=f"epochs (default {epochs})"
+    )
     g.add_argument("--lr", type=_positive_float, default=lr, help=f"learning rate (default {lr})")
-    g.add_argument("--optimizer", choices=["sgd", "adam"], default=optimizer,
-                   help=f"optimizer; sgd uses momentum 0.9 (default {optimizer})")
-    g.add_argument("--dp-size", type=_positive_int, default=1, metavar="D",
-                   help="data-parallel groups: the ranks split into D groups of ranks/D "
-                        "layer-parallel ranks, each reading its shard of every batch (default 1)")
+    g.add_argument(
+        "--optimizer",
+        choices=["sgd", "adam"],
+        default=optimizer,
+        help=f"optimizer; sgd uses momentum 0.9 (default {optimizer})",
+    )
+    g.add_argument(
+        "--dp-size",
+        type=_positive_int,
+        default=1,
+        metavar="D",
+        help="data-parallel groups: the ranks split into D groups of ranks/D "
+        "layer-parallel ranks, each reading its shard of every batch (default 1)",
+    )
     g.add_argument("--seed", type=_nonneg_int, default=seed, help=f"random seed (default {seed})")
-    g.add_argument("--device", default="cpu",
-                   help="torch device, e.g. cpu or cuda; with cuda, rank r uses cuda:r %% "
-                        "(GPUs) (default cpu)")
-    g.add_argument("--serial", action="store_true",
-                   help="train the plain serial PyTorch network instead (one process, no MPI "
-                        "solve), for comparison")
-    g.add_argument("--max-batches", type=_positive_int, default=None, metavar="N",
-                   help="stop each epoch after N batches (default: the whole epoch)")
-    g.add_argument("--test-limit", type=_positive_int, default=None, metavar="N",
-                   help="evaluate on the first N test images only (default: all)")
-    g.add_argument("--log-interval", type=_positive_int, default=log_interval, metavar="N",
-                   help=f"update the progress line every N batches (default {log_interval})")
+    g.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device, e.g. cpu or cuda; with cuda, rank r uses cuda:r %% "
+        "(GPUs) (default cpu)",
+    )
+    g.add_argument(
+        "--serial",
+        action="store_true",
+        help="train the plain serial PyTorch network instead (one process, no MPI "
+        "solve), for comparison",
+    )
+    g.add_argument(
+        "--max-batches",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="stop each epoch after N batches (default: the whole epoch)",
+    )
+    g.add_argument(
+        "--test-limit",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="evaluate on the first N test images only (default: all)",
+    )
+    g.add_argument(
+        "--log-interval",
+        type=_positive_int,
+        default=log_interval,
+        metavar="N",
+        help=f"update the progress line every N batches (default {log_interval})",
+    )
     d = parser.add_argument_group("data and output")
-    d.add_argument("--data-dir", default=None,
-                   help="folder with the data set's files (default: data that ships in a package)")
-    d.add_argument("--out-dir", default=None,
-                   help="where the metrics JSON and the training-curve PNG go")
-    d.add_argument("--checkpoint", default=None, metavar="PATH",
-                   help="save a checkpoint (any rank count can resume it) after every epoch")
-    d.add_argument("--resume", default=None, metavar="PATH",
-                   help="resume from a checkpoint written by --checkpoint")
+    d.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder with the data set's files (default: data that ships in a package)",
+    )
+    d.add_argument(
+        "--out-dir", default=None, help="where the metrics JSON and the training-curve PNG go"
+    )
+    d.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="PATH",
+        help="save a checkpoint (any rank count can resume it) after every epoch",
+    )
+    d.add_argument(
+        "--resume",
+        default=None,
+        metavar="PATH",
+        help="resume from a checkpoint written by --checkpoint",
+    )
     return g
 
 
@@ -195,22 +354,30 @@ def parse_args(parser, argv=None):
     if getattr(args, "lp_levels", None) == "auto":
         for flag, values in (("--lp-cfactor", args.lp_cfactor), ("--lp-relax", args.lp_relax)):
             if len(values) > 1:
-                parser.error(f"--lp-levels auto takes one {flag} value for every level, got "
-                             f"{' '.join(map(str, values))}")
+                parser.error(
+                    f"--lp-levels auto takes one {flag} value for every level, got "
+                    f"{' '.join(map(str, values))}"
+                )
     elif hasattr(args, "lp_levels"):
         coarsened = max(args.lp_levels - 1, 1)
         if len(args.lp_cfactor) not in (1, coarsened):
-            parser.error(f"--lp-cfactor takes one value or one per coarsened level "
-                         f"({coarsened} for --lp-levels {args.lp_levels}), got "
-                         f"{' '.join(map(str, args.lp_cfactor))}")
+            parser.error(
+                f"--lp-cfactor takes one value or one per coarsened level "
+                f"({coarsened} for --lp-levels {args.lp_levels}), got "
+                f"{' '.join(map(str, args.lp_cfactor))}"
+            )
         if len(args.lp_relax) not in (1, coarsened):
-            parser.error(f"--lp-relax takes one value or one per coarsened level "
-                         f"({coarsened} for --lp-levels {args.lp_levels}), got "
-                         f"{' '.join(args.lp_relax)}")
+            parser.error(
+                f"--lp-relax takes one value or one per coarsened level "
+                f"({coarsened} for --lp-levels {args.lp_levels}), got "
+                f"{' '.join(args.lp_relax)}"
+            )
     if getattr(args, "lp_tune_error", None) is not None:
         if args.lp_target_error is not None:
-            parser.error("--lp-tune-error and --lp-target-error are two kinds of adaptive "
-                         "iterations: give one")
+            parser.error(
+                "--lp-tune-error and --lp-target-error are two kinds of adaptive "
+                "iterations: give one"
+            )
         if not getattr(args, "lp_probe_every", None):
             args.lp_probe_every = 20
     if getattr(args, "dp_size", 1) > 1:
@@ -218,8 +385,10 @@ def parse_args(parser, argv=None):
         if size % args.dp_size:
             parser.error(f"--dp-size {args.dp_size} does not divide the {size} ranks")
         if args.batch_size < args.dp_size:
-            parser.error(f"--batch-size {args.batch_size} is smaller than --dp-size "
-                         f"{args.dp_size}: every data group needs part of each batch")
+            parser.error(
+                f"--batch-size {args.batch_size} is smaller than --dp-size "
+                f"{args.dp_size}: every data group needs part of each batch"
+            )
     if getattr(args, "resume", None):
         import os
 
@@ -255,18 +424,24 @@ def check_run(parser, args, comm=None, *, steps=None, steps_flag="--steps"):
     if serial and dp > 1:
         parser.error("--serial and --dp-size > 1 do not go together")
     if hasattr(args, "batch_size") and args.batch_size % dp:
-        parser.error(f"--batch-size {args.batch_size} does not split evenly over --dp-size "
-                     f"{dp} data groups")
+        parser.error(
+            f"--batch-size {args.batch_size} does not split evenly over --dp-size {dp} data groups"
+        )
     steps = getattr(args, "steps", None) if steps is None else steps
     layer_ranks = comm.Get_size() // dp
     if not serial and steps is not None and steps < layer_ranks:
-        parser.error(f"{steps_flag} {steps} is smaller than the number of layer-parallel ranks "
-                     f"({layer_ranks})")
+        parser.error(
+            f"{steps_flag} {steps} is smaller than the number of layer-parallel ranks "
+            f"({layer_ranks})"
+        )
     if getattr(args, "lp_levels", None) == "auto":
         args.lp_levels = 1 if serial or steps is None else auto_levels(args, steps, layer_ranks)
         if comm.Get_rank() == 0:
-            print(f"--lp-levels auto: {args.lp_levels} level(s) for {steps} steps on "
-                  f"{layer_ranks} layer-parallel rank(s)", flush=True)
+            print(
+                f"--lp-levels auto: {args.lp_levels} level(s) for {steps} steps on "
+                f"{layer_ranks} layer-parallel rank(s)",
+                flush=True,
+            )
     device = getattr(args, "device", "cpu")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -307,12 +482,19 @@ def _with_levels(args, levels):
 
 def mgrit_options(args):
     """(forward, backward) MGRITOptions from parsed ``--lp-*`` flags."""
+
     def per_level(values):
         return values[0] if len(values) == 1 else tuple(values)
 
-    common = dict(max_levels=args.lp_levels, cfactor=per_level(args.lp_cfactor),
-                  nrelax=per_level([1 if r == "FCF" else 0 for r in args.lp_relax]),
-                  tol=args.lp_tol, skip_first_downcycle=args.lp_skip_downcycle,
-                  cycle=args.lp_cycle)
-    return (MGRITOptions(max_iters=args.lp_fwd_iters, **common),
-            MGRITOptions(max_iters=args.lp_bwd_iters, **common))
+    common = dict(
+        max_levels=args.lp_levels,
+        cfactor=per_level(args.lp_cfactor),
+        nrelax=per_level([1 if r == "FCF" else 0 for r in args.lp_relax]),
+        tol=args.lp_tol,
+        skip_first_downcycle=args.lp_skip_downcycle,
+        cycle=args.lp_cycle,
+    )
+    return (
+        MGRITOptions(max_iters=args.lp_fwd_iters, **common),
+        MGRITOptions(max_iters=args.lp_bwd_iters, **common),
+    )

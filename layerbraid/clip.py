@@ -1,16 +1,18 @@
 """Gradient clipping over the whole layer-parallel network, as serial PyTorch clips it."""
+
 import math
 
 import torch
 
-from ._parts import counted_parameters
 from ._comm import allreduce_floats
+from ._parts import counted_parameters
 
 __all__ = ["clip_grad_norm_"]
 
 
-def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+def clip_grad_norm_(
+    model, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a model that holds layer-parallel parts.
 
     Collective over the layer group.  The total norm is that of every gradient of the whole
@@ -45,17 +47,21 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
         if math.isinf(norm_type):
             total = allreduce_floats(comm, [local], "max", what)[0]
         else:
-            total = allreduce_floats(comm, [local ** norm_type], "sum", what)[0] \
-                ** (1.0 / norm_type)
+            total = allreduce_floats(comm, [local**norm_type], "sum", what)[0] ** (1.0 / norm_type)
     else:
         total = local
     ref = params[0].grad if params else None
-    total = torch.tensor(total, dtype=torch.float64 if ref is None else ref.dtype,
-                         device=None if ref is None else ref.device)
+    total = torch.tensor(
+        total,
+        dtype=torch.float64 if ref is None else ref.dtype,
+        device=None if ref is None else ref.device,
+    )
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
-                           f"{total.item()}: clip_grad_norm_ cannot clip them "
-                           "(error_if_nonfinite=True)")
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is "
+            f"{total.item()}: clip_grad_norm_ cannot clip them "
+            "(error_if_nonfinite=True)"
+        )
     if params:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

@@ -31,7 +31,9 @@ The adjoint (backward) solve uses the transposes: in mode "state", P^T to restri
 R^T to interpolate their corrections (by autograd, so that user functions work too); in mode
 "branch", the transpose of the coarse step (see :meth:`SpatialCoarsening.branch_adjoint`).
 """
-from typing import Callable, Iterable, Union
+
+from collections.abc import Iterable
+from typing import Callable, Union
 
 import torch
 import torch.nn.functional as F
@@ -55,18 +57,27 @@ class SpatialCoarsening:
             docstring.
     """
 
-    def __init__(self, levels: Iterable[int], restrict: Union[str, Callable] = "full-weighting",
-                 interpolate: Union[str, Callable] = "linear", mode: str = "branch"):
+    def __init__(
+        self,
+        levels: Iterable[int],
+        restrict: Union[str, Callable] = "full-weighting",
+        interpolate: Union[str, Callable] = "linear",
+        mode: str = "branch",
+    ):
         levels = tuple(sorted(set(levels)))
-        if not levels or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
-                             for v in levels):
+        if not levels or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in levels
+        ):
             raise ValueError(f"SpatialCoarsening levels must be MGRIT levels >= 1, got {levels!r}")
         if not callable(restrict) and restrict not in ("full-weighting", "average", "inject"):
-            raise ValueError(f"restrict must be 'full-weighting', 'average', 'inject' or a "
-                             f"function, got {restrict!r}")
+            raise ValueError(
+                f"restrict must be 'full-weighting', 'average', 'inject' or a "
+                f"function, got {restrict!r}"
+            )
         if not callable(interpolate) and interpolate not in ("linear", "nearest"):
-            raise ValueError(f"interpolate must be 'linear', 'nearest' or a function, got "
-                             f"{interpolate!r}")
+            raise ValueError(
+                f"interpolate must be 'linear', 'nearest' or a function, got {interpolate!r}"
+            )
         if mode not in ("state", "branch"):
             raise ValueError(f"mode must be 'state' or 'branch', got {mode!r}")
         self.levels = levels
@@ -74,8 +85,10 @@ class SpatialCoarsening:
         self._restrict, self._interpolate = restrict, interpolate
 
     def __repr__(self):
-        return (f"SpatialCoarsening(levels={self.levels}, restrict={self._restrict!r}, "
-                f"interpolate={self._interpolate!r}, mode={self.mode!r})")
+        return (
+            f"SpatialCoarsening(levels={self.levels}, restrict={self._restrict!r}, "
+            f"interpolate={self._interpolate!r}, mode={self.mode!r})"
+        )
 
     # ------------------------------------------------------------------ checks
     def factor(self, level: int) -> int:
@@ -87,15 +100,18 @@ class SpatialCoarsening:
         halvings = self.factor(num_levels - 1)
         spatial = tuple(shape[2:])
         if len(shape) < 3 or len(spatial) > 3:
-            raise ValueError(f"spatial coarsening needs states of shape (batch, channels, 1 to 3 "
-                             f"spatial dims), got {tuple(shape)}")
+            raise ValueError(
+                f"spatial coarsening needs states of shape (batch, channels, 1 to 3 "
+                f"spatial dims), got {tuple(shape)}"
+            )
         need = 2 ** (halvings + 1)
-        bad = [n for n in spatial if n % (2 ** halvings) or n < need]
+        bad = [n for n in spatial if n % (2**halvings) or n < need]
         if halvings and bad:
             raise ValueError(
                 f"spatial coarsening on levels {[v for v in self.levels if v < num_levels]} halves "
                 f"the grid {halvings} time(s): every spatial size must be a multiple of "
-                f"{2 ** halvings} and at least {need}, but the state has spatial shape {spatial}")
+                f"{2**halvings} and at least {need}, but the state has spatial shape {spatial}"
+            )
 
     # ------------------------------------------------------------------ transfers
     def _P(self, e):
@@ -160,13 +176,15 @@ class SpatialCoarsening:
         ``w + P^k (J(R^k x)^T R^k w - R^k w)`` with J the step's Jacobian on `level`'s grid: only
         the step is differentiated.  Other transfers are differentiated by autograd too.
         ``cache``: a dict kept with x, to restrict x only once over an adjoint solve."""
-        pair = (self._restrict, self._interpolate) in (("full-weighting", "linear"),
-                                                       ("average", "nearest"))
+        pair = (self._restrict, self._interpolate) in (
+            ("full-weighting", "linear"),
+            ("average", "nearest"),
+        )
         with torch.enable_grad():
             if self.factor(level) == 0 or not pair:
                 xr = x.detach().requires_grad_(True)
                 y = self.branch_step(step, xr, level)
-                g, = torch.autograd.grad(y, xr, w, allow_unused=True)
+                (g,) = torch.autograd.grad(y, xr, w, allow_unused=True)
                 return g if g is not None else torch.zeros_like(w)
             xc = cache.get("x") if cache is not None else None
             if xc is None:
@@ -175,9 +193,10 @@ class SpatialCoarsening:
                     cache["x"] = xc
             xc = xc.detach().requires_grad_(True)
             wc = self.to_level(w, level)
-            g, = torch.autograd.grad(step(xc), xc, wc, allow_unused=True)
-        return w + self.from_level(g - wc, level) if g is not None else \
-            w - self.from_level(wc, level)
+            (g,) = torch.autograd.grad(step(xc), xc, wc, allow_unused=True)
+        return (
+            w + self.from_level(g - wc, level) if g is not None else w - self.from_level(wc, level)
+        )
 
     def branch_step(self, step, x, level):
         """Mode "branch": ``x + P^k (step(R^k x) - R^k x)``, a coarse step whose increment is
@@ -198,10 +217,8 @@ def _full_weighting(x):
         a = torch.cat([x.narrow(dim, 0, 1), x, x.narrow(dim, n - 1, 1)], dim)
         every_other = (slice(None),) * dim + (slice(0, None, 2),)
 
-        def tap(k):
-            return a.narrow(dim, k, n - 1)[every_other]
-
-        x = 0.125 * (tap(0) + tap(3)) + 0.375 * (tap(1) + tap(2))
+        taps = [a.narrow(dim, k, n - 1)[every_other] for k in range(4)]
+        x = 0.125 * (taps[0] + taps[3]) + 0.375 * (taps[1] + taps[2])
     return x
 
 
@@ -215,5 +232,5 @@ def _transpose(linear_map, y, in_shape):
         z = torch.zeros(in_shape, dtype=y.dtype, device=y.device, requires_grad=True)
         out = linear_map(z)
         # create_graph when y itself is being differentiated (a transpose of a transpose)
-        g, = torch.autograd.grad(out, z, y, create_graph=y.requires_grad)
+        (g,) = torch.autograd.grad(out, z, y, create_graph=y.requires_grad)
     return g

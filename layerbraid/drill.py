@@ -16,6 +16,7 @@ fault it raises itself, by a waiting rank where a collective caught it, by the l
 killed process.  The test suite and the reliability report (docs/reliability.md) run these
 same scenarios.
 """
+
 import argparse
 import os
 import re
@@ -53,8 +54,10 @@ class _Net(layerbraid.LayerParallelModule):
 
 def _batch(n):
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float64),
-            torch.randint(0, 3, (n,), generator=g))
+    return (
+        torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float64),
+        torch.randint(0, 3, (n,), generator=g),
+    )
 
 
 class InjectedFault(RuntimeError):
@@ -91,56 +94,121 @@ class BadStep(_Net):
 # that printed FAULT), "waiting" (another rank, which caught the fault in a collective) or "job"
 # (the launcher's output))
 SCENARIOS = {
-    "loader": ("rank 1 raises before the loader's seed agreement",
-               "InjectedFault: injected fault on rank 1", "faulty"),
-    "forward": ("rank 1 raises before a forward", "InjectedFault: injected fault on rank 1",
-                "faulty"),
-    "backward": ("rank 1 raises between forward and backward",
-                 "InjectedFault: injected fault on rank 1", "faulty"),
-    "clip": ("rank 1 raises before clip_grad_norm_", "InjectedFault: injected fault on rank 1",
-             "faulty"),
-    "checkpoint": ("rank 1 raises before save_checkpoint",
-                   "InjectedFault: injected fault on rank 1", "faulty"),
-    "close-layer": ("the close layer raises on the last rank",
-                    "InjectedFault: injected fault in the close layer", "faulty"),
-    "step-layer": ("step_layer raises on the last rank while the model is built",
-                   "InjectedFault: injected fault in step_layer", "faulty"),
-    "nan": ("the input holds Inf: named as bad input on every rank, before any step",
-            "the input holds 256 NaN or Inf value(s)", "faulty"),
-    "skip-forward": ("rank 1 skips the last forward: a stall in the forward's barrier",
-                     "for rank 1 to reach the forward of model(x); it never did", "waiting"),
-    "skip-backward": ("rank 1 skips the last backward: a stall in the MGRIT core",
-                      "from rank 1 (level", "waiting"),
+    "loader": (
+        "rank 1 raises before the loader's seed agreement",
+        "InjectedFault: injected fault on rank 1",
+        "faulty",
+    ),
+    "forward": (
+        "rank 1 raises before a forward",
+        "InjectedFault: injected fault on rank 1",
+        "faulty",
+    ),
+    "backward": (
+        "rank 1 raises between forward and backward",
+        "InjectedFault: injected fault on rank 1",
+        "faulty",
+    ),
+    "clip": (
+        "rank 1 raises before clip_grad_norm_",
+        "InjectedFault: injected fault on rank 1",
+        "faulty",
+    ),
+    "checkpoint": (
+        "rank 1 raises before save_checkpoint",
+        "InjectedFault: injected fault on rank 1",
+        "faulty",
+    ),
+    "close-layer": (
+        "the close layer raises on the last rank",
+        "InjectedFault: injected fault in the close layer",
+        "faulty",
+    ),
+    "step-layer": (
+        "step_layer raises on the last rank while the model is built",
+        "InjectedFault: injected fault in step_layer",
+        "faulty",
+    ),
+    "nan": (
+        "the input holds Inf: named as bad input on every rank, before any step",
+        "the input holds 256 NaN or Inf value(s)",
+        "faulty",
+    ),
+    "skip-forward": (
+        "rank 1 skips the last forward: a stall in the forward's barrier",
+        "for rank 1 to reach the forward of model(x); it never did",
+        "waiting",
+    ),
+    "skip-backward": (
+        "rank 1 skips the last backward: a stall in the MGRIT core",
+        "from rank 1 (level",
+        "waiting",
+    ),
     "sigint": ("Ctrl-C: SIGINT to mpiexec while training", "KeyboardInterrupt", "faulty"),
     "kill": ("rank 1 is killed (SIGKILL) while training", "signal 9", "job"),
-    "rnn": ("rank 1 raises before a layer-parallel GRU forward",
-            "InjectedFault: injected fault on rank 1", "faulty"),
-    "grid": ("rank 1 raises before a data-parallel model broadcasts its weights",
-             "InjectedFault: injected fault on rank 1", "faulty"),
+    "rnn": (
+        "rank 1 raises before a layer-parallel GRU forward",
+        "InjectedFault: injected fault on rank 1",
+        "faulty",
+    ),
+    "grid": (
+        "rank 1 raises before a data-parallel model broadcasts its weights",
+        "InjectedFault: injected fault on rank 1",
+        "faulty",
+    ),
     # the named collective itself sees the fault: rank 1 never arrives, or exits
-    "stall-start": ("rank 1 never builds anything of layerbraid's",
-                    "every rank to build its first layer-parallel model", "waiting"),
-    "stall-construction": ("rank 1 never builds a second model",
-                           "the construction of an MGRIT solver", "waiting"),
-    "stall-grid": ("rank 1 never builds the ProcessGrid", "the construction of a ProcessGrid",
-                   "waiting"),
+    "stall-start": (
+        "rank 1 never builds anything of layerbraid's",
+        "every rank to build its first layer-parallel model",
+        "waiting",
+    ),
+    "stall-construction": (
+        "rank 1 never builds a second model",
+        "the construction of an MGRIT solver",
+        "waiting",
+    ),
+    "stall-grid": (
+        "rank 1 never builds the ProcessGrid",
+        "the construction of a ProcessGrid",
+        "waiting",
+    ),
     "stall-loader": ("rank 1 never builds the loader", "the loader's seed", "waiting"),
-    "stall-close": ("the close layer never returns on the last rank",
-                    "close layer's status at the end of model(x)", "waiting"),
-    "stall-clip": ("rank 1 never calls clip_grad_norm_", "the gradient norm of clip_grad_norm_",
-                   "waiting"),
-    "stall-checkpoint": ("rank 1 never calls save_checkpoint",
-                         "every rank's part of the state to save in", "waiting"),
-    "stall-to-serial": ("to_serial() called on rank 0 only",
-                        "every rank's part of the weights of every step layer", "waiting"),
-    "exit-forward": ("rank 1 calls sys.exit(3) before a forward",
-                     "rank 1 exited (SystemExit 3) while rank 0 waited for its neighbours to "
-                     "reach the forward of model(x)", "waiting"),
-    "exit-backward": ("rank 1 calls sys.exit(0) between forward and backward",
-                      "rank 1 exited (SystemExit 0) while rank 0 waited for a message of an "
-                      "MGRIT solve", "waiting"),
-    "exit-end": ("rank 1's script ends before the checkpoint",
-                 "rank 1 exited (the end of its script) while rank 0 waited", "waiting"),
+    "stall-close": (
+        "the close layer never returns on the last rank",
+        "close layer's status at the end of model(x)",
+        "waiting",
+    ),
+    "stall-clip": (
+        "rank 1 never calls clip_grad_norm_",
+        "the gradient norm of clip_grad_norm_",
+        "waiting",
+    ),
+    "stall-checkpoint": (
+        "rank 1 never calls save_checkpoint",
+        "every rank's part of the state to save in",
+        "waiting",
+    ),
+    "stall-to-serial": (
+        "to_serial() called on rank 0 only",
+        "every rank's part of the weights of every step layer",
+        "waiting",
+    ),
+    "exit-forward": (
+        "rank 1 calls sys.exit(3) before a forward",
+        "rank 1 exited (SystemExit 3) while rank 0 waited for its neighbours to "
+        "reach the forward of model(x)",
+        "waiting",
+    ),
+    "exit-backward": (
+        "rank 1 calls sys.exit(0) between forward and backward",
+        "rank 1 exited (SystemExit 0) while rank 0 waited for a message of an MGRIT solve",
+        "waiting",
+    ),
+    "exit-end": (
+        "rank 1's script ends before the checkpoint",
+        "rank 1 exited (the end of its script) while rank 0 waited",
+        "waiting",
+    ),
 }
 TIMEOUT = 3  # LAYERBRAID_TIMEOUT (seconds) for every scenario
 
@@ -152,13 +220,30 @@ def run(scenario, ranks=2, limit=60, mpiexec="mpiexec"):
     no rank printed), "cause_on" (the ranks that printed the cause), "cause" (the cause
     printed where the scenario says), "output" (everything)}."""
     # Not the calling process's MPI job: a fresh one (no PMI variables of a singleton).
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA", "_PYTEST_MPI"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA", "_PYTEST_MPI"))
+    }
     env.update(PYTHONUNBUFFERED="1", LAYERBRAID_TIMEOUT=str(TIMEOUT))
-    proc = subprocess.Popen([mpiexec, "-l", "-n", str(ranks), sys.executable, "-m",
-                             "layerbraid.drill", "--job", scenario], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            mpiexec,
+            "-l",
+            "-n",
+            str(ranks),
+            sys.executable,
+            "-m",
+            "layerbraid.drill",
+            "--job",
+            scenario,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     lines, state = [], {"fault": None, "faulty": None}
 
     def read():
@@ -202,9 +287,17 @@ def run(scenario, ranks=2, limit=60, mpiexec="mpiexec"):
         shown = any(r != faulty for r in cause_on)
     else:
         shown = cause in job or bool(cause_on)
-    return {"rc": rc, "hung": hung, "faulty": faulty, "outputs": outputs, "job": job,
-            "seconds": None if state["fault"] is None else end - state["fault"],
-            "cause_on": cause_on, "cause": shown, "output": "".join(lines)}
+    return {
+        "rc": rc,
+        "hung": hung,
+        "faulty": faulty,
+        "outputs": outputs,
+        "job": job,
+        "seconds": None if state["fault"] is None else end - state["fault"],
+        "cause_on": cause_on,
+        "cause": shown,
+        "output": "".join(lines),
+    }
 
 
 def sleep_forever():
@@ -299,9 +392,12 @@ def job(scenario):
             sleep_forever()
         layerbraid.clip_grad_norm_(model, 1.0)
         opt.step()
-    path = bcast_obj(WORLD, os.path.join(tempfile.gettempdir(),
-                                         f"layerbraid-drill-{os.getpid()}.ckpt"), 0,
-                     "the checkpoint's path")
+    path = bcast_obj(
+        WORLD,
+        os.path.join(tempfile.gettempdir(), f"layerbraid-drill-{os.getpid()}.ckpt"),
+        0,
+        "the checkpoint's path",
+    )
     if scenario == "stall-to-serial":
         if WORLD.rank == 0:
             model.to_serial()  # the "on rank 0 only" habit
@@ -340,11 +436,18 @@ def problems(scenario, result, limit):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ranks", type=int, default=2, help="ranks per job (at least 2)")
-    p.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), metavar="SCENARIO",
-                   default=list(SCENARIOS), help="default: all of " + ", ".join(SCENARIOS))
+    p.add_argument(
+        "--scenarios",
+        nargs="+",
+        choices=sorted(SCENARIOS),
+        metavar="SCENARIO",
+        default=list(SCENARIOS),
+        help="default: all of " + ", ".join(SCENARIOS),
+    )
     p.add_argument("--limit", type=float, default=60, help="seconds before a job is a hang")
     p.add_argument("--mpiexec", default="mpiexec", help="an MPICH (Hydra) mpiexec")
     p.add_argument("--job", metavar="SCENARIO", help=argparse.SUPPRESS)
@@ -360,12 +463,17 @@ def main(argv=None):
         wrong = problems(scenario, result, a.limit)
         failed += bool(wrong)
         took = "-" if result["seconds"] is None else f"{result['seconds']:.1f} s after the fault"
-        print(f"{'FAILED' if wrong else 'ok':6} {scenario}: {SCENARIOS[scenario][0]}; ended "
-              f"{took}; cause printed by rank(s) {result['cause_on'] or '-'}", flush=True)
+        print(
+            f"{'FAILED' if wrong else 'ok':6} {scenario}: {SCENARIOS[scenario][0]}; ended "
+            f"{took}; cause printed by rank(s) {result['cause_on'] or '-'}",
+            flush=True,
+        )
         for line in wrong:
             print(f"       {line}", flush=True)
-    print(f"{len(a.scenarios) - failed} of {len(a.scenarios)} scenarios ended every rank with "
-          "their cause")
+    print(
+        f"{len(a.scenarios) - failed} of {len(a.scenarios)} scenarios ended every rank with "
+        "their cause"
+    )
     return 1 if failed else 0
 
 

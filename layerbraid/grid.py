@@ -1,8 +1,9 @@
 """ProcessGrid: data parallel x layer parallel, and gradient averaging across data groups."""
+
 import torch
 
-from ._parts import FreedOnExit
 from ._comm import finalized, is_null, split, start_allreduce_sum, wait, world
+from ._parts import FreedOnExit
 from .launch import _enter
 from .options import check_int
 
@@ -31,9 +32,11 @@ class ProcessGrid(FreedOnExit):
         size = comm.Get_size()
         check_int("data_parallel", data_parallel)
         if size % data_parallel:
-            raise ValueError(f"data_parallel={data_parallel} does not divide the {size} ranks of "
-                             f"the communicator: each data group needs {size}/{data_parallel} "
-                             "ranks")
+            raise ValueError(
+                f"data_parallel={data_parallel} does not divide the {size} ranks of "
+                f"the communicator: each data group needs {size}/{data_parallel} "
+                "ranks"
+            )
         rank = comm.Get_rank()
         layers = size // data_parallel
         self.world = comm
@@ -51,8 +54,10 @@ class ProcessGrid(FreedOnExit):
                     c.Free()
 
     def __repr__(self):
-        return (f"ProcessGrid(data_parallel={self.data_size}, layer_parallel={self.layer_size}, "
-                f"data_rank={self.data_rank}, layer_rank={self.layer_rank})")
+        return (
+            f"ProcessGrid(data_parallel={self.data_size}, layer_parallel={self.layer_size}, "
+            f"data_rank={self.data_rank}, layer_rank={self.layer_rank})"
+        )
 
 
 class _GradAverager:
@@ -94,8 +99,9 @@ class _GradAverager:
             self.queued = True
         k = self.where[id(p)]
         self.ready[k] += 1
-        while self.launched < len(self.buckets) and \
-                self.ready[self.launched] == len(self.buckets[self.launched]):
+        while self.launched < len(self.buckets) and self.ready[self.launched] == len(
+            self.buckets[self.launched]
+        ):
             self._launch(self.launched)
             self.launched += 1
 
@@ -106,8 +112,11 @@ class _GradAverager:
             return
         grads = [p.grad.detach() for p in params]
         dtypes = {g.dtype for g in grads}
-        dtype = dtypes.pop() if len(dtypes) == 1 and grads[0].dtype in (
-            torch.float32, torch.float64) else torch.float64
+        dtype = (
+            dtypes.pop()
+            if len(dtypes) == 1 and grads[0].dtype in (torch.float32, torch.float64)
+            else torch.float64
+        )
         flat = torch.cat([g.reshape(-1).to("cpu", dtype) for g in grads]).numpy()
         req = start_allreduce_sum(self.comm, flat)
         self.pending.append((req, params, flat))
@@ -116,14 +125,16 @@ class _GradAverager:
         while self.launched < len(self.buckets):  # buckets some of whose params got no grad
             self._launch(self.launched)
             self.launched += 1
-        wait([r for r, _, _ in self.pending if r is not None], self.comm,
-             "every data group's gradients (the data-parallel average after backward)")
-        for req, params, flat in self.pending:
+        wait(
+            [r for r, _, _ in self.pending if r is not None],
+            self.comm,
+            "every data group's gradients (the data-parallel average after backward)",
+        )
+        for _req, params, flat in self.pending:
             off = 0
             for p in params:
                 n = p.grad.numel()
-                avg = torch.from_numpy(flat[off:off + n] / self.size).view(p.grad.shape)
+                avg = torch.from_numpy(flat[off : off + n] / self.size).view(p.grad.shape)
                 p.grad.copy_(avg.to(p.grad.device, p.grad.dtype))
                 off += n
         self._reset()
-

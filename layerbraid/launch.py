@@ -5,10 +5,12 @@ The launch check and the abort hook run by themselves when a layer-parallel mode
 ProcessGrid, an MGRIT solver or a LayerParallelLoader is built; call them directly to get
 them earlier.
 """
+
 import os
 import sys
 import threading
 import time
+from typing import Any
 
 from mpi4py import MPI
 
@@ -68,7 +70,8 @@ def check_launch(world=None):
             f"rank(s): the processes are not one MPI job and would each train alone.  Launch "
             f"with the MPI that mpi4py uses, e.g. `mpiexec -n {n} python script.py` (with the "
             f"pip mpich wheel: `.venv/bin/mpiexec`), or `srun --mpi=pmi2 ...` on Slurm; not "
-            f"with torchrun.")
+            f"with torchrun."
+        )
     _checked = True
 
 
@@ -97,7 +100,7 @@ def abort_on_exception(enabled: bool = True):
     _hook_installed = True
 
 
-_previous = {}
+_previous: dict[str, Any] = {}
 _switched_off = False
 
 
@@ -116,8 +119,11 @@ def _abort(code=1):
 def _abort_hook(exc_type, exc, tb):
     rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() and not MPI.Is_finalized() else "?"
     _previous["sys"](exc_type, exc, tb)
-    print(f"layerbraid: uncaught {exc_type.__name__} on rank {rank}: aborting every rank of the "
-          f"job", file=sys.stderr, flush=True)
+    print(
+        f"layerbraid: uncaught {exc_type.__name__} on rank {rank}: aborting every rank of the job",
+        file=sys.stderr,
+        flush=True,
+    )
     if getattr(exc, "origin_raised", False):
         # This rank only relays another rank's exception, whose own hook aborts the job with
         # its traceback: let that abort come first, so that no rank's traceback is cut short.
@@ -139,7 +145,11 @@ def _enter():
     abort hook in a job of 2+ ranks (unless switched off)."""
     if not _checked:
         check_launch(MPI.COMM_WORLD)
-    if (MPI.COMM_WORLD.Get_size() > 1 and os.environ.get(_ENV_ABORT, "1") != "0"
-            and not _hook_installed and not _switched_off):
+    if (
+        MPI.COMM_WORLD.Get_size() > 1
+        and os.environ.get(_ENV_ABORT, "1") != "0"
+        and not _hook_installed
+        and not _switched_off
+    ):
         abort_on_exception(True)
         _comm._start_notices()  # Note [exit notices]

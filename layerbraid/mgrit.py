@@ -1,6 +1,7 @@
 """MGRIT: a parallel-in-time solver for any one-step propagator."""
+
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Optional
 
 from ._comm import world
 from .launch import _enter
@@ -22,8 +23,8 @@ class MGRITResult:
     """
 
     iterations: int
-    residual_norms: List[float]
-    states: Dict[int, Any]
+    residual_norms: list[float]
+    states: dict[int, Any]
     num_levels: int
     trace: list = field(default_factory=list)
 
@@ -62,10 +63,22 @@ class MGRIT:
     bytes, so float64 stays float64.
     """
 
-    def __init__(self, step: Callable, init: Callable, num_steps: int, t_start: float = 0.0,
-                 t_stop: float = 1.0, *, options: MGRITOptions = None, comm=None,
-                 trace: bool = False, coarsen: Callable = None, refine: Callable = None,
-                 store_all: bool = True, step_interval: Callable = None):
+    def __init__(
+        self,
+        step: Callable,
+        init: Callable,
+        num_steps: int,
+        t_start: float = 0.0,
+        t_stop: float = 1.0,
+        *,
+        options: Optional[MGRITOptions] = None,
+        comm=None,
+        trace: bool = False,
+        coarsen: Optional[Callable] = None,
+        refine: Optional[Callable] = None,
+        store_all: bool = True,
+        step_interval: Optional[Callable] = None,
+    ):
         _enter()
 
         # here, not at the top: `import layerbraid` does not load the compiled core (the
@@ -75,30 +88,49 @@ class MGRIT:
         if not callable(step) or not callable(init):
             raise TypeError("MGRIT needs callable step and init")
         if step_interval is not None and not callable(step_interval):
-            raise TypeError(f"MGRIT step_interval must be callable or None, got "
-                            f"{type(step_interval).__name__}")
+            raise TypeError(
+                f"MGRIT step_interval must be callable or None, got {type(step_interval).__name__}"
+            )
         check_int("MGRIT num_steps", num_steps, 1, 2**62, "2**62")  # the core's int64 counts
         if not float(t_stop) > float(t_start):
-            raise ValueError(f"MGRIT needs t_stop > t_start, got t_start={t_start!r}, "
-                             f"t_stop={t_stop!r}")
+            raise ValueError(
+                f"MGRIT needs t_stop > t_start, got t_start={t_start!r}, t_stop={t_stop!r}"
+            )
         options = MGRITOptions() if options is None else options
         if not isinstance(options, MGRITOptions):
             raise TypeError(f"options must be an MGRITOptions, got {type(options).__name__}")
         self.options = options
         self.comm = world() if comm is None else comm
         self.num_steps = num_steps
-        self._core = _Core(self.comm, num_steps, t_start, t_stop, options,
-                           init=lambda app, t, index: init(t),
-                           step=lambda app, u, t0, t1, level, index, done: step(u, t0, t1, level),
-                           trace=trace, coarsen=coarsen, refine=refine, store_all=store_all,
-                           step_interval=None if step_interval is None else (
-                               lambda app, u, times, level, index, stride, done, keep:
-                               step_interval(u, times, level, keep)))
+        self._core = _Core(
+            self.comm,
+            num_steps,
+            t_start,
+            t_stop,
+            options,
+            init=lambda app, t, index: init(t),
+            step=lambda app, u, t0, t1, level, index, done: step(u, t0, t1, level),
+            trace=trace,
+            coarsen=coarsen,
+            refine=refine,
+            store_all=store_all,
+            step_interval=None
+            if step_interval is None
+            else (
+                lambda app, u, times, level, index, stride, done, keep: step_interval(
+                    u, times, level, keep
+                )
+            ),
+        )
         self._trace = trace
 
     def solve(self) -> MGRITResult:
         """Runs MGRIT on every rank.  Raises the same kind of error on every rank on failure."""
         iterations, norms = self._core.solve()
-        return MGRITResult(iterations=iterations, residual_norms=norms,
-                           states=self._core.states(), num_levels=self._core.num_levels(),
-                           trace=self._core.trace() if self._trace else [])
+        return MGRITResult(
+            iterations=iterations,
+            residual_norms=norms,
+            states=self._core.states(),
+            num_levels=self._core.num_levels(),
+            trace=self._core.trace() if self._trace else [],
+        )

@@ -1,4 +1,5 @@
 """LayerParallelModule: a ResNet-like chain of layers as MGRIT time steps, trained with autograd."""
+
 import dataclasses
 import logging
 import re
@@ -11,13 +12,28 @@ from torch import nn
 
 from . import checkpoint
 from ._autograd import _BroadcastFn, _ToFirstFn
-from ._chain import BACKWARD_TWICE, Run, _Chain, _ChainFn, _check_target, _gradient_estimate, \
-    _solve_state
+from ._chain import (
+    BACKWARD_TWICE,
+    Run,
+    _Chain,
+    _ChainFn,
+    _check_target,
+    _gradient_estimate,
+    _solve_state,
+)
+from ._comm import (
+    allgather_obj,
+    allreduce_floats,
+    arrive,
+    bcast_obj,
+    check_same_settings,
+    gather_obj,
+    is_comm,
+    world,
+)
 from ._layer_steps import _LayerSteps, all_finite, check_shape
 from ._ownership import _StepLayers, draw_seed, seeded_layer
 from ._parts import FreedOnExit
-from ._comm import allgather_obj, allreduce_floats, arrive, bcast_obj, check_same_settings, \
-    gather_obj, is_comm, world
 from ._transport import bcast_into, neighbour_exchange
 from .coarsening import SpatialCoarsening
 from .errors import RemoteRankError
@@ -35,15 +51,17 @@ _LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
 _MAX_STEPS = 2**62  # the C core counts steps in int64
 
 
-class _BuildStepsAfterInit(type(nn.Module)):
+class _BuildStepsAfterInit(type):  # nn.Module's metaclass is type
     """Builds the step layers when the subclass's __init__ has returned, so that ``step_layer``
     may use attributes the subclass sets after ``super().__init__()``."""
 
     def __call__(cls, *args, **kwargs):
         obj = super().__call__(*args, **kwargs)
         if "_comm" not in obj.__dict__:
-            raise TypeError(f"{cls.__name__}.__init__ must call super().__init__(num_steps, ...) "
-                            "(LayerParallelModule's), before setting any layer")
+            raise TypeError(
+                f"{cls.__name__}.__init__ must call super().__init__(num_steps, ...) "
+                "(LayerParallelModule's), before setting any layer"
+            )
         obj._build_steps()
         return obj
 
@@ -106,42 +124,67 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
     when each layer runs once more to record the graph that backward differentiates.
     """
 
-    def __init__(self, num_steps: int, t_final: float = 1.0, comm=None, *,
-                 forward_options: Optional[MGRITOptions] = None,
-                 backward_options: Optional[MGRITOptions] = None,
-                 warm_start: bool = False, output: str = "all", spatial=None,
-                 check_inputs: bool = True, check_finite: bool = True,
-                 target_error: Optional[float] = None, fused: bool = True):
+    def __init__(
+        self,
+        num_steps: int,
+        t_final: float = 1.0,
+        comm=None,
+        *,
+        forward_options: Optional[MGRITOptions] = None,
+        backward_options: Optional[MGRITOptions] = None,
+        warm_start: bool = False,
+        output: str = "all",
+        spatial=None,
+        check_inputs: bool = True,
+        check_finite: bool = True,
+        target_error: Optional[float] = None,
+        fused: bool = True,
+    ):
         super().__init__()
         _enter()
 
         check_int("num_steps", num_steps, 1, _MAX_STEPS, "2**62")
-        for name, flag in (("warm_start", warm_start), ("check_inputs", check_inputs),
-                           ("check_finite", check_finite), ("fused", fused)):
+        for name, flag in (
+            ("warm_start", warm_start),
+            ("check_inputs", check_inputs),
+            ("check_finite", check_finite),
+            ("fused", fused),
+        ):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
-        if isinstance(t_final, bool) or not isinstance(t_final, (int, float)) or \
-                not 0 < t_final < float("inf"):
+        if (
+            isinstance(t_final, bool)
+            or not isinstance(t_final, (int, float))
+            or not 0 < t_final < float("inf")
+        ):
             raise ValueError(f"t_final must be a finite number > 0, got {t_final!r}")
         comm = world() if comm is None else comm
         grid = comm if hasattr(comm, "layer_comm") else None  # a ProcessGrid
         comm = grid.layer_comm if grid is not None else comm
         if not is_comm(comm):
-            raise TypeError(f"comm must be an mpi4py communicator or a ProcessGrid, got "
-                            f"{type(comm).__name__}")
+            raise TypeError(
+                f"comm must be an mpi4py communicator or a ProcessGrid, got {type(comm).__name__}"
+            )
         if num_steps < comm.Get_size():
-            raise ValueError(f"num_steps={num_steps} is smaller than the number of layer-parallel "
-                             f"ranks ({comm.Get_size()}): every rank needs at least one step")
-        for name, o in (("forward_options", forward_options), ("backward_options", backward_options)):
+            raise ValueError(
+                f"num_steps={num_steps} is smaller than the number of layer-parallel "
+                f"ranks ({comm.Get_size()}): every rank needs at least one step"
+            )
+        for name, o in (
+            ("forward_options", forward_options),
+            ("backward_options", backward_options),
+        ):
             if o is not None and not isinstance(o, MGRITOptions):
                 raise TypeError(f"{name} must be an MGRITOptions, got {type(o).__name__}")
         self.num_steps = num_steps
         self.t_final = float(t_final)
         self.dt = self.t_final / num_steps
         self.forward_options = dataclasses.replace(
-            forward_options or MGRITOptions(max_levels=1), final_fc_relax=True)
+            forward_options or MGRITOptions(max_levels=1), final_fc_relax=True
+        )
         self.backward_options = dataclasses.replace(
-            backward_options or MGRITOptions(max_levels=1), final_fc_relax=True)
+            backward_options or MGRITOptions(max_levels=1), final_fc_relax=True
+        )
         self.warm_start = bool(warm_start)
         self.target_error = _check_target(target_error)
         self.check_inputs = bool(check_inputs)
@@ -163,7 +206,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         self._solve_exactly = False  # set by audit_gradients
         self._solve_probe = None  # (forward, adjoint iterations[, cold]), set by probe_gradients
         self._solve_iterations = None  # (forward, adjoint iterations), set by IterationTuner
-        self._audit_ratios = []
+        self._audit_ratios: list[float] = []
 
     # ------------------------------------------------------------------ what subclasses define
     def step_layer(self, index: int) -> nn.Module:
@@ -187,22 +230,40 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         comm = self._comm
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         sp = self.spatial
-        self._chain = _Chain(comm, self.num_steps, self.t_final, self.forward_options,
-                             self.backward_options, warm_start=self.warm_start,
-                             target_error=self.target_error,
-                             spatial=sp if sp is not None and sp.mode == "state" else None)
+        self._chain = _Chain(
+            comm,
+            self.num_steps,
+            self.t_final,
+            self.forward_options,
+            self.backward_options,
+            warm_start=self.warm_start,
+            target_error=self.target_error,
+            spatial=sp if sp is not None and sp.mode == "state" else None,
+        )
         ref = next(self._ref_tensors(), None)
         self._layer_seed = draw_seed()
         try:
-            self._step_layers = _StepLayers(comm, self._chain.levels, self._chain.owned,
-                                            self.step_layer, self._layer_seed,
-                                            ref.device if ref is not None else None, self.layers)
+            self._step_layers = _StepLayers(
+                comm,
+                self._chain.levels,
+                self._chain.owned,
+                self.step_layer,
+                self._layer_seed,
+                ref.device if ref is not None else None,
+                self.layers,
+            )
         except BaseException:
             self._release()
             raise
         custom = type(self).step_rule is not LayerParallelModule.step_rule
-        self._steps = _LayerSteps(comm, self.num_steps, self._step_layers,
-                                  self.step_rule if custom else None, sp, self.check_finite)
+        self._steps = _LayerSteps(
+            comm,
+            self.num_steps,
+            self._step_layers,
+            self.step_rule if custom else None,
+            sp,
+            self.check_finite,
+        )
         self._averager = None
         if self._grid is not None and self._grid.data_size > 1:
             # The replicas in a data group start from rank 0's weights (as DDP does), then
@@ -290,17 +351,20 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         respect to the layers this rank owns (each gets exactly its gradient); needs step
         layers whose parameters have the same shapes."""
         owned = self._chain.owned
-        params = [[p for p in self.layers[str(i)].parameters() if p.requires_grad]
-                  for i in owned]
+        params = [[p for p in self.layers[str(i)].parameters() if p.requires_grad] for i in owned]
         shapes = [tuple(tuple(p.shape) for p in ps) for ps in params]
         if any(s != shapes[0] for s in shapes):
-            raise ValueError("depth_smoothness needs step layers whose parameters have the "
-                             f"same shapes; steps {owned[0]}..{owned[-1]} have {set(shapes)}")
+            raise ValueError(
+                "depth_smoothness needs step layers whose parameters have the "
+                f"same shapes; steps {owned[0]}..{owned[-1]} have {set(shapes)}"
+            )
         flat = [torch.cat([p.reshape(-1) for p in ps]) for ps in params]
-        left, right = neighbour_exchange(self._comm, flat[0].detach(), flat[-1].detach(),
-                                         "the depth-smoothness penalty")
-        inner = sum(((b - a).pow(2).sum() for a, b in zip(flat[:-1], flat[1:])),
-                    flat[0].new_zeros(()))
+        left, right = neighbour_exchange(
+            self._comm, flat[0].detach(), flat[-1].detach(), "the depth-smoothness penalty"
+        )
+        inner = sum(
+            ((b - a).pow(2).sum() for a, b in zip(flat[:-1], flat[1:])), flat[0].new_zeros(())
+        )
         graph = inner
         if left is not None:
             graph = graph + (flat[0] - left).pow(2).sum()
@@ -308,7 +372,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             right_pair = (right - flat[-1]).pow(2).sum()
             graph = graph + right_pair
         mine = float(inner.detach()) + (float(right_pair.detach()) if right is not None else 0.0)
-        total, = allreduce_floats(self._comm, [mine], "sum", "the depth-smoothness penalty")
+        (total,) = allreduce_floats(self._comm, [mine], "sum", "the depth-smoothness penalty")
         return (graph + (total - graph).detach()) / (2 * self.dt)
 
     def set_trace(self, on: bool = True):
@@ -332,10 +396,12 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             raise RuntimeError(
                 f"model(x) was called before {type(self).__name__} finished building (from "
                 "__init__ or step_layer?): the step layers and the MGRIT solvers are built "
-                "after __init__ returns; call the model afterwards")
+                "after __init__ returns; call the model afterwards"
+            )
         if self._chain.freed:
-            raise RuntimeError("this layer-parallel model was freed (model.free()): build a "
-                               "new one")
+            raise RuntimeError(
+                "this layer-parallel model was freed (model.free()): build a new one"
+            )
         h0, meta, error = None, None, None
         if first:
             try:
@@ -350,19 +416,27 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         if self._size > 1:
             arrive(comm, "the forward of model(x)")
             mine = _fingerprint(x) if self.check_inputs else None
-            gathered = allgather_obj(comm, (meta if first else None, mine, self._settings()),
-                                     "the input's fingerprints in model(x)")
+            gathered = allgather_obj(
+                comm,
+                (meta if first else None, mine, self._settings()),
+                "the input's fingerprints in model(x)",
+            )
             meta, ref = gathered[0][0], gathered[0][1]
         if meta[0] == "error":
             if error is not None:
                 raise error
-            raise ValueError(f"the layer-parallel forward failed on rank 0, where the input of "
-                             f"shape {meta[2]} went through the open layer: {meta[1]}")
+            raise ValueError(
+                f"the layer-parallel forward failed on rank 0, where the input of "
+                f"shape {meta[2]} went through the open layer: {meta[1]}"
+            )
         if self._size > 1:
             check_same_settings([g[2] for g in gathered])
         if self._size > 1 and self.check_inputs and ref is not None:
-            bad = [(r, g[1]) for r, g in enumerate(gathered[1:], 1)
-                   if g[1] is not None and not _same_input(g[1], ref)]
+            bad = [
+                (r, g[1])
+                for r, g in enumerate(gathered[1:], 1)
+                if g[1] is not None and not _same_input(g[1], ref)
+            ]
             if bad:
                 r, fp = bad[0]
                 raise ValueError(
@@ -372,7 +446,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                     f"{[b[0] for b in bad]}.  Every rank of a layer group must be fed the same "
                     "batch (the first rank reads the input, the last the labels): use "
                     "layerbraid.data.LayerParallelLoader, or seed every rank's shuffling alike. "
-                    "(check_inputs=False turns this check off.)")
+                    "(check_inputs=False turns this check off.)"
+                )
         shape, dtype, device = meta
         device = torch.device(device)
         if self.spatial is not None:  # the same check, and error, on every rank
@@ -381,8 +456,11 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         if h0 is None:
             # Not used by the solve; but when x comes from an earlier stage it must stay in the
             # graph, so that that stage's backward (collective) runs on this rank too.
-            h0 = x if isinstance(x, torch.Tensor) and x.requires_grad else \
-                torch.zeros((), dtype=dtype, device=device)
+            h0 = (
+                x
+                if isinstance(x, torch.Tensor) and x.requires_grad
+                else torch.zeros((), dtype=dtype, device=device)
+            )
         self._step_layers.exchange()
         if self._size == 1 and self._serial_path():
             out = made = self._serial_forward(h0, record)
@@ -400,26 +478,30 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                 if self.close is not None:
                     out = self.close(out)
                 if not isinstance(out, torch.Tensor):
-                    raise TypeError(f"the close layer must return a tensor, got "
-                                    f"{type(out).__name__}")
+                    raise TypeError(
+                        f"the close layer must return a tensor, got {type(out).__name__}"
+                    )
                 status = ("ok", tuple(out.shape), out.dtype)
                 if self.check_finite and not all_finite([out.detach()]):
                     status = ("nonfinite", tuple(out.shape), out.dtype)
             except Exception as exc:  # tell every rank, then raise here
                 error, status = exc, ("error", f"{type(exc).__name__}: {exc}")
         if self._size > 1:
-            status = bcast_obj(comm, status, self._size - 1,
-                               "close layer's status at the end of model(x)")
+            status = bcast_obj(
+                comm, status, self._size - 1, "close layer's status at the end of model(x)"
+            )
         if status[0] == "error":
             if error is not None:
                 raise error
-            raise RemoteRankError(f"the close layer failed on rank {self._size - 1}: "
-                                  f"{status[1]}", self._size - 1)
+            raise RemoteRankError(
+                f"the close layer failed on rank {self._size - 1}: {status[1]}", self._size - 1
+            )
         if status[0] == "nonfinite":
             raise FloatingPointError(
                 f"the layer-parallel forward produced a non-finite output (NaN or Inf) on rank "
                 f"{self._size - 1}, shape {status[1]}: the input, the weights or the steps "
-                "overflowed (check_finite=False turns this check off)")
+                "overflowed (check_finite=False turns this check off)"
+            )
         if self._size == 1 and out is not made:
             return out  # a new tensor of the close layer: nothing to move, nothing to copy
         if self.output == "next":
@@ -448,8 +530,7 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
     # the two paths agree bit for bit (tested).  A trace needs the core, which records it.
     def _serial_path(self):
         chain = self._chain
-        exact = self._solve_exactly or (chain.fwd.num_levels() == 1 and
-                                        chain.bwd.num_levels() == 1)
+        exact = self._solve_exactly or (chain.fwd.num_levels() == 1 and chain.bwd.num_levels() == 1)
         return exact and not self.__dict__.get("_tracing", False)
 
     def _serial_forward(self, h0, record):
@@ -467,13 +548,15 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
                     if y.dtype != x.dtype:
                         raise TypeError(
                             f"the step at level 0, fine index {i} returned dtype {y.dtype}, "
-                            f"but its input has dtype {x.dtype}: a step must keep the dtype")
+                            f"but its input has dtype {x.dtype}: a step must keep the dtype"
+                        )
                     x = y
         finally:
             _solve_state.in_solve = _solve_state.final = False
         seconds = time.perf_counter() - t0
-        chain.forward_stats = SolveStats(0, [], seconds, seconds, 0.0, error_estimate=0.0,
-                                         raw_error_estimate=0.0)
+        chain.forward_stats = SolveStats(
+            0, [], seconds, seconds, 0.0, error_estimate=0.0, raw_error_estimate=0.0
+        )
         if x is h0:
             x = x.clone()
         if record and x.requires_grad:
@@ -491,13 +574,15 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             raise RuntimeError(BACKWARD_TWICE)
         done.append(True)
         t0 = time.perf_counter()
-        owned = [p for leaves in self._steps.step_params(self._chain.owned).values()
-                 for _, p in leaves]
+        owned = [
+            p for leaves in self._steps.step_params(self._chain.owned).values() for _, p in leaves
+        ]
 
         def finished():
             seconds = time.perf_counter() - t0
-            chain.backward_stats = SolveStats(0, [], seconds, seconds, 0.0,
-                                              error_estimate=0.0, raw_error_estimate=0.0)
+            chain.backward_stats = SolveStats(
+                0, [], seconds, seconds, 0.0, error_estimate=0.0, raw_error_estimate=0.0
+            )
             if self.check_finite:
                 grads = [p.grad for p in owned if p.grad is not None]
                 if h0.is_leaf and h0.grad is not None:
@@ -521,27 +606,31 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         settings that change a solve's schedule or stopping, and what the step layers do."""
         modes = [m.training for m in self.modules()]
         chain = self._chain
-        return {"training mode (model.train() / model.eval())": (all(modes), any(modes)),
-                "target_error": chain.target_error,
-                "the calibration of the error estimate": chain.calibration,
-                "warm_start": chain.warm_start,
-                "output": self.output,
-                "check_finite": (self.check_finite, self._steps.check_finite),
-                "check_inputs": self.check_inputs,
-                "an exact solve (audit_gradients)": self._solve_exactly,
-                "a probe's iterations (probe_gradients)": self._solve_probe,
-                "tuned iterations (IterationTuner)": self._solve_iterations}
+        return {
+            "training mode (model.train() / model.eval())": (all(modes), any(modes)),
+            "target_error": chain.target_error,
+            "the calibration of the error estimate": chain.calibration,
+            "warm_start": chain.warm_start,
+            "output": self.output,
+            "check_finite": (self.check_finite, self._steps.check_finite),
+            "check_inputs": self.check_inputs,
+            "an exact solve (audit_gradients)": self._solve_exactly,
+            "a probe's iterations (probe_gradients)": self._solve_probe,
+            "tuned iterations (IterationTuner)": self._solve_iterations,
+        }
 
     # ------------------------------------------------------------------ serial view, state
     def _gather_state(self, root=None):
         """{serial state_dict key: CPU tensor} of the whole network, on every rank (or root)."""
-        mine = {k: v.detach().cpu() for k, v in super().state_dict().items()
-                if self._holds_key(k)}
+        mine = {k: v.detach().cpu() for k, v in super().state_dict().items() if self._holds_key(k)}
         if self._size == 1:
             return mine
         what = "the weights of every step layer"
-        parts = allgather_obj(self._comm, mine, what) if root is None else \
-            gather_obj(self._comm, mine, root, what)
+        parts = (
+            allgather_obj(self._comm, mine, what)
+            if root is None
+            else gather_obj(self._comm, mine, root, what)
+        )
         if parts is None:
             return None
         full = {}
@@ -558,12 +647,17 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
         same state.  A custom ``step_rule`` is called with the serial network as ``self``: it
         should depend only on its arguments."""
         full = self._gather_state()
-        layers = nn.ModuleList(seeded_layer(self.step_layer, i, self._layer_seed)
-                               for i in range(self.num_steps))
+        layers = nn.ModuleList(
+            seeded_layer(self.step_layer, i, self._layer_seed) for i in range(self.num_steps)
+        )
         rule = type(self).step_rule
-        serial = _SerialChain(_plain_copy(self.open), plain_modules(layers),
-                              _plain_copy(self.close), self.dt,
-                              None if rule is LayerParallelModule.step_rule else rule)
+        serial = _SerialChain(
+            _plain_copy(self.open),
+            plain_modules(layers),
+            _plain_copy(self.close),
+            self.dt,
+            None if rule is LayerParallelModule.step_rule else rule,
+        )
         # assign: each tensor keeps the dtype the model has (after .double(), say), not the
         # fresh layers' default; then the device of this rank's own tensors.
         # (Copies: on one rank the gathered tensors share the model's memory.)
@@ -616,10 +710,13 @@ class _SerialChain(nn.Module):
 
     def depth_smoothness(self):
         """LayerParallelModule.depth_smoothness of the same layers."""
-        flat = [torch.cat([p.reshape(-1) for p in layer.parameters() if p.requires_grad])
-                for layer in self.layers]
-        return sum(((b - a).pow(2).sum() for a, b in zip(flat[:-1], flat[1:])),
-                   flat[0].new_zeros(())) / (2 * self.dt)
+        flat = [
+            torch.cat([p.reshape(-1) for p in layer.parameters() if p.requires_grad])
+            for layer in self.layers
+        ]
+        return sum(
+            ((b - a).pow(2).sum() for a, b in zip(flat[:-1], flat[1:])), flat[0].new_zeros(())
+        ) / (2 * self.dt)
 
     def forward(self, x):
         if self.open is not None:
@@ -642,9 +739,11 @@ def _check_input(x, check_finite):
         raise ValueError(f"the batch is empty: an input of shape {tuple(x.shape)}")
     if check_finite and x.is_floating_point() and not all_finite([x.detach()]):
         bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(f"the input holds {bad} NaN or Inf value(s) (shape {tuple(x.shape)}): "
-                         "bad input, before any step ran (check_finite=False turns this check "
-                         "off)")
+        raise ValueError(
+            f"the input holds {bad} NaN or Inf value(s) (shape {tuple(x.shape)}): "
+            "bad input, before any step ran (check_finite=False turns this check "
+            "off)"
+        )
 
 
 def _fingerprint(x):
@@ -666,5 +765,7 @@ def _same_input(a, b):
     if a[0] != b[0] or a[1] != b[1]:
         return False
     scale = 1e-9 * max(1, int(np.prod(a[0])))
-    return all(u == v or (u != u and v != v) or abs(u - v) <= 1e-7 * (abs(u) + abs(v)) + scale
-               for u, v in zip(a[2:], b[2:]))  # equal, both NaN, or round-off apart
+    return all(
+        u == v or (u != u and v != v) or abs(u - v) <= 1e-7 * (abs(u) + abs(v)) + scale
+        for u, v in zip(a[2:], b[2:])
+    )  # equal, both NaN, or round-off apart

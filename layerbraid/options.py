@@ -1,11 +1,12 @@
 """MGRITOptions: the settings of one MGRIT solve, validated when constructed."""
+
 import math
 from dataclasses import dataclass
-from typing import Tuple, Union
+from typing import Union
 
 __all__ = ["MGRITOptions", "check_int"]
 
-IntOrPerLevel = Union[int, Tuple[int, ...]]
+IntOrPerLevel = Union[int, tuple[int, ...]]
 
 
 def _is_int(x):
@@ -29,19 +30,23 @@ def _per_level(name, value, minimum, max_levels):
     """An int, or one int per coarsened level (max_levels - 1 of them), each >= minimum."""
     if _is_int(value):
         if not minimum <= value <= _C_INT_MAX:
-            raise ValueError(f"MGRITOptions.{name} must be in {minimum}..{_C_INT_MAX}, got "
-                             f"{value!r}")
+            raise ValueError(
+                f"MGRITOptions.{name} must be in {minimum}..{_C_INT_MAX}, got {value!r}"
+            )
         return value
     if isinstance(value, (list, tuple)):
         value = tuple(value)
         if len(value) != max(max_levels - 1, 1) or not all(_is_int(v) for v in value):
             raise ValueError(
                 f"MGRITOptions.{name} must be an int or {max(max_levels - 1, 1)} ints (one per "
-                f"level that has a coarser level, max_levels={max_levels}), got {value!r}")
+                f"level that has a coarser level, max_levels={max_levels}), got {value!r}"
+            )
         for k, v in enumerate(value):
             if not minimum <= v <= _C_INT_MAX:
-                raise ValueError(f"MGRITOptions.{name}[{k}] must be in {minimum}..{_C_INT_MAX}, "
-                                 f"got {v!r} in {value!r}")
+                raise ValueError(
+                    f"MGRITOptions.{name}[{k}] must be in {minimum}..{_C_INT_MAX}, "
+                    f"got {v!r} in {value!r}"
+                )
         return value
     raise ValueError(f"MGRITOptions.{name} must be an int or a tuple of ints, got {value!r}")
 
@@ -89,29 +94,42 @@ class MGRITOptions:
     def __post_init__(self):
         if not _is_int(self.max_levels) or not 1 <= self.max_levels <= 64:
             raise ValueError(
-                f"MGRITOptions.max_levels must be an int in 1..64, got {self.max_levels!r}")
+                f"MGRITOptions.max_levels must be an int in 1..64, got {self.max_levels!r}"
+            )
         object.__setattr__(self, "cfactor", _per_level("cfactor", self.cfactor, 2, self.max_levels))
         object.__setattr__(self, "nrelax", _per_level("nrelax", self.nrelax, 0, self.max_levels))
         if not _is_int(self.max_iters) or not 1 <= self.max_iters <= _C_INT_MAX:
-            raise ValueError(f"MGRITOptions.max_iters must be an int in 1..{_C_INT_MAX}, got "
-                             f"{self.max_iters!r}")
-        if (isinstance(self.tol, bool) or not isinstance(self.tol, (int, float))
-                or not math.isfinite(self.tol) or self.tol < 0):
+            raise ValueError(
+                f"MGRITOptions.max_iters must be an int in 1..{_C_INT_MAX}, got {self.max_iters!r}"
+            )
+        if (
+            isinstance(self.tol, bool)
+            or not isinstance(self.tol, (int, float))
+            or not math.isfinite(self.tol)
+            or self.tol < 0
+        ):
             raise ValueError(f"MGRITOptions.tol must be a finite number >= 0, got {self.tol!r}")
         object.__setattr__(self, "tol", float(self.tol))
-        if (isinstance(self.rtol, bool) or not isinstance(self.rtol, (int, float))
-                or not math.isfinite(self.rtol) or self.rtol < 0):
+        if (
+            isinstance(self.rtol, bool)
+            or not isinstance(self.rtol, (int, float))
+            or not math.isfinite(self.rtol)
+            or self.rtol < 0
+        ):
             raise ValueError(f"MGRITOptions.rtol must be a finite number >= 0, got {self.rtol!r}")
         object.__setattr__(self, "rtol", float(self.rtol))
         if self.cycle not in ("V", "F"):
             raise ValueError(f"MGRITOptions.cycle must be 'V' or 'F', got {self.cycle!r}")
         if not _is_int(self.min_coarse) or not 1 <= self.min_coarse <= _C_INT_MAX:
-            raise ValueError(f"MGRITOptions.min_coarse must be an int in 1..{_C_INT_MAX}, got "
-                             f"{self.min_coarse!r}")
+            raise ValueError(
+                f"MGRITOptions.min_coarse must be an int in 1..{_C_INT_MAX}, got "
+                f"{self.min_coarse!r}"
+            )
         for name in ("skip_first_downcycle", "final_fc_relax"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MGRITOptions.{name} must be True or False, "
-                                 f"got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"MGRITOptions.{name} must be True or False, got {getattr(self, name)!r}"
+                )
 
     def cfactors(self):
         """The coarsening factors as a tuple, one per coarsened level."""

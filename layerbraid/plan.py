@@ -13,22 +13,34 @@ a receive waits for its message; an allreduce waits for every rank, plus log2(P)
 Forward and adjoint solves are simulated separately (the adjoint on the mirrored distribution)
 and added.  A planned solve runs a fixed number of iterations, with no stopping test, as the
 examples' solves do (``--lp-tol 0``): a solve with a residual tolerance also waits for every
-rank in an allreduce after each iteration but its last.  MGRIT's own bookkeeping (vector sums) is not modelled: it is small next to the layers
-(see docs/bench_grid.md).
+rank in an allreduce after each iteration but its last.  MGRIT's own bookkeeping (vector sums)
+is not modelled: it is small next to the layers (see docs/bench_grid.md).
 """
+
 import argparse
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
 from ._schedule import OPS, virtual_schedule
 from .options import MGRITOptions, check_int
 
-__all__ = ["Costs", "Prediction", "schedule", "step_counts", "simulate", "predict", "sweep",
-           "recommend", "measure_step", "spatial_scale"]
+__all__ = [
+    "Costs",
+    "Prediction",
+    "schedule",
+    "step_counts",
+    "simulate",
+    "predict",
+    "sweep",
+    "recommend",
+    "measure_step",
+    "spatial_scale",
+]
 
 _STEP_OPS = ("fstep", "cstep", "rstep", "gstep", "seqstep")
 
@@ -78,19 +90,35 @@ class Costs:
                 object.__setattr__(self, name, scale)
         if self.message_scale is None:
             object.__setattr__(self, "message_scale", self.level_scale)
-        for name in ("step_seconds", "vjp_seconds", "message_bytes", "latency", "param_bytes",
-                     "overhead_seconds"):
+        for name in (
+            "step_seconds",
+            "vjp_seconds",
+            "message_bytes",
+            "latency",
+            "param_bytes",
+            "overhead_seconds",
+        ):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 \
-                    or math.isinf(v):
+            if (
+                not isinstance(v, (int, float))
+                or isinstance(v, bool)
+                or not v >= 0
+                or math.isinf(v)
+            ):
                 raise ValueError(f"Costs.{name} must be a finite number >= 0, got {v!r}")
         if not isinstance(self.bandwidth, (int, float)) or not self.bandwidth > 0:
             raise ValueError(f"Costs.bandwidth must be > 0, got {self.bandwidth!r}")
         if self.vjp_param_seconds is None:
             object.__setattr__(self, "vjp_param_seconds", 1.5 * self.vjp_seconds)
         elif not self.vjp_param_seconds >= 0:
-            raise ValueError(f"Costs.vjp_param_seconds must be >= 0, got "
-                             f"{self.vjp_param_seconds!r}")
+            raise ValueError(
+                f"Costs.vjp_param_seconds must be >= 0, got {self.vjp_param_seconds!r}"
+            )
+
+    def vjp_param(self) -> float:
+        """Seconds of a VJP with parameter gradients (filled in by ``__post_init__``)."""
+        assert self.vjp_param_seconds is not None
+        return self.vjp_param_seconds
 
     def message_seconds(self):
         return self.latency + self.message_bytes / self.bandwidth
@@ -106,7 +134,7 @@ class Prediction:
     serial_seconds: float
     forward_seconds: float
     backward_seconds: float
-    steps_per_rank: List[int] = field(default_factory=list)
+    steps_per_rank: list[int] = field(default_factory=list)
 
     @property
     def speedup(self):
@@ -121,8 +149,9 @@ def _check(num_steps, ranks):
     check_int("num_steps", num_steps)
     check_int("ranks", ranks)
     if ranks > num_steps:
-        raise ValueError(f"ranks={ranks} is more than num_steps={num_steps}: every rank needs a "
-                         "step")
+        raise ValueError(
+            f"ranks={ranks} is more than num_steps={num_steps}: every rank needs a step"
+        )
 
 
 def _training(options):
@@ -139,7 +168,7 @@ def schedule(num_steps: int, ranks: int, options: MGRITOptions, adjoint: bool = 
     return virtual_schedule(num_steps, ranks, _training(options), mirror=adjoint)
 
 
-def step_counts(traces) -> List[Dict[int, int]]:
+def step_counts(traces) -> list[dict[int, int]]:
     """Per rank, {level: steps run} (all step kinds), from schedule()'s traces."""
     codes = [OPS.index(op) for op in _STEP_OPS]
     out = []
@@ -156,13 +185,21 @@ def spatial_scale(levels, dims, num_levels=16):
     out, f = [], 1.0
     for lv in range(num_levels):
         if lv in set(levels):
-            f /= 2 ** dims
+            f /= 2**dims
         out.append(f)
     return tuple(out)
 
 
-def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale=None,
-             message_scale=None, critical_path=False):
+def simulate(
+    traces,
+    step_cost,
+    done_cost,
+    message_seconds,
+    latency,
+    level_scale=None,
+    message_scale=None,
+    critical_path=False,
+):
     """The time at which the last rank finishes, walking every rank's actions (seconds).
     `message_scale` defaults to `level_scale`.
 
@@ -178,12 +215,13 @@ def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale
     p = len(traces)
     clock = [0.0] * p
     pos = [0] * p
-    arrivals: Dict[tuple, list] = {}
+    arrivals: dict[tuple, list] = {}
     path = [{} for _ in range(p)] if critical_path else None
 
     def add(r, what, seconds):
         if path is not None:
             path[r][what] = path[r].get(what, 0.0) + seconds
+
     allreduce = latency * max(1.0, math.ceil(math.log2(p))) if p > 1 else 0.0
     # Messages only go from lower to higher ranks (docs/ARCHITECTURE.md), so walking the ranks in
     # order up to each allreduce resolves every receive.
@@ -191,27 +229,42 @@ def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale
         reached = 0
         for r in range(p):
             t, a, ops = clock[r], pos[r], traces[r]
-            op, level, index, peer, done = (ops["op"], ops["level"], ops["index"], ops["peer"],
-                                            ops["done"])
+            op, level, index, peer, done = (
+                ops["op"],
+                ops["level"],
+                ops["index"],
+                ops["peer"],
+                ops["done"],
+            )
             n = len(ops)
             while a < n:
                 o = op[a]
                 if o in step_codes:
-                    f = 1.0 if level_scale is None else \
-                        level_scale[min(int(level[a]), len(level_scale) - 1)]
+                    f = (
+                        1.0
+                        if level_scale is None
+                        else level_scale[min(int(level[a]), len(level_scale) - 1)]
+                    )
                     cost = done_cost if done[a] else f * step_cost
                     t += cost
-                    add(r, "final relaxation" if done[a] else f"level {int(level[a])} steps",
-                        cost)
+                    add(r, "final relaxation" if done[a] else f"level {int(level[a])} steps", cost)
                 elif o == send:
                     t += latency
                     add(r, "messages", latency)
-                    f = 1.0 if message_scale is None else \
-                        message_scale[min(int(level[a]), len(message_scale) - 1)]
+                    f = (
+                        1.0
+                        if message_scale is None
+                        else message_scale[min(int(level[a]), len(message_scale) - 1)]
+                    )
                     flight = latency + f * (message_seconds - latency)
                     arrivals.setdefault((r, int(peer[a]), int(level[a]), int(index[a])), []).append(
-                        (t + flight, None if path is None else
-                         {**path[r], "messages": path[r].get("messages", 0.0) + flight}))
+                        (
+                            t + flight,
+                            None
+                            if path is None
+                            else {**path[r], "messages": path[r].get("messages", 0.0) + flight},
+                        )
+                    )
                 elif o == recv:
                     key = (int(peer[a]), r, int(level[a]), int(index[a]))
                     arrival, route = arrivals[key].pop(0)
@@ -241,8 +294,14 @@ def simulate(traces, step_cost, done_cost, message_seconds, latency, level_scale
         pos = [a + 1 for a in pos]
 
 
-def predict(num_steps: int, ranks: int, forward: MGRITOptions, backward: MGRITOptions,
-            costs: Costs, data_parallel: int = 1) -> Prediction:
+def predict(
+    num_steps: int,
+    ranks: int,
+    forward: MGRITOptions,
+    backward: MGRITOptions,
+    costs: Costs,
+    data_parallel: int = 1,
+) -> Prediction:
     """Predicted seconds per batch on `ranks` layer-parallel ranks (x `data_parallel` groups,
     each with 1 / data_parallel of the batch, and a gradient allreduce)."""
     check_int("data_parallel", data_parallel)
@@ -253,30 +312,56 @@ def predict(num_steps: int, ranks: int, forward: MGRITOptions, backward: MGRITOp
     fwd_traces = schedule(num_steps, ranks, forward)
     bwd_traces = schedule(num_steps, ranks, backward, adjoint=True)
     over = costs.overhead_seconds
-    tf = simulate(fwd_traces, share * costs.step_seconds + over,
-                  share * costs.step_seconds + over, msg, costs.latency, costs.level_scale,
-                  costs.message_scale)
-    tb = simulate(bwd_traces, share * costs.vjp_seconds + over,
-                  share * costs.vjp_param_seconds + over, msg, costs.latency, costs.level_scale,
-                  costs.message_scale)
+    tf = simulate(
+        fwd_traces,
+        share * costs.step_seconds + over,
+        share * costs.step_seconds + over,
+        msg,
+        costs.latency,
+        costs.level_scale,
+        costs.message_scale,
+    )
+    tb = simulate(
+        bwd_traces,
+        share * costs.vjp_seconds + over,
+        share * costs.vjp_param() + over,
+        msg,
+        costs.latency,
+        costs.level_scale,
+        costs.message_scale,
+    )
     total = tf + tb
     if data_parallel > 1:  # ring allreduce of the gradients of one rank's layers
         per_rank_bytes = costs.param_bytes / ranks
-        total += 2 * (data_parallel - 1) * (costs.latency + per_rank_bytes / data_parallel
-                                            / costs.bandwidth)
-    serial = num_steps * (costs.step_seconds + costs.vjp_param_seconds)
+        total += (
+            2
+            * (data_parallel - 1)
+            * (costs.latency + per_rank_bytes / data_parallel / costs.bandwidth)
+        )
+    serial = num_steps * (costs.step_seconds + costs.vjp_param())
     counts = [sum(c.values()) for c in step_counts(fwd_traces)]
     return Prediction(ranks, data_parallel, total, serial, tf, tb, counts)
 
 
 def sweep(num_steps, ranks_list: Sequence[int], forward, backward, costs, data_parallel=1):
     """predict() for each rank count that has at least one step per rank."""
-    return [predict(num_steps, p, forward, backward, costs, data_parallel)
-            for p in ranks_list if p <= num_steps]
+    return [
+        predict(num_steps, p, forward, backward, costs, data_parallel)
+        for p in ranks_list
+        if p <= num_steps
+    ]
 
 
-def recommend(num_steps, ranks, costs, *, min_fwd_iters=2, min_bwd_iters=1,
-              levels=(2, 3, 4), cfactors=(2, 4, 8)):
+def recommend(
+    num_steps,
+    ranks,
+    costs,
+    *,
+    min_fwd_iters=2,
+    min_bwd_iters=1,
+    levels=(2, 3, 4),
+    cfactors=(2, 4, 8),
+):
     """The fastest predicted settings with at least the given iterations (skip on, F-relaxation
     on the fine level and FCF below, as TorchBraid's examples run).  Accuracy is not modelled:
     check the gradient error of the chosen settings on your network (bench/workers/resnet.py)."""
@@ -284,8 +369,13 @@ def recommend(num_steps, ranks, costs, *, min_fwd_iters=2, min_bwd_iters=1,
     for lv in levels:
         for cf in cfactors:
             nrelax = tuple([0] + [1] * (lv - 2)) if lv > 2 else 0
-            fwd = MGRITOptions(max_levels=lv, cfactor=cf, nrelax=nrelax,
-                               max_iters=min_fwd_iters, skip_first_downcycle=True)
+            fwd = MGRITOptions(
+                max_levels=lv,
+                cfactor=cf,
+                nrelax=nrelax,
+                max_iters=min_fwd_iters,
+                skip_first_downcycle=True,
+            )
             bwd = replace(fwd, max_iters=min_bwd_iters)
             p = predict(num_steps, ranks, fwd, bwd, costs)
             if best is None or p.seconds < best[0].seconds:
@@ -318,31 +408,53 @@ def measure_step(layer, x, repeats=20, dt=0.1):
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(prog="python -m layerbraid.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m layerbraid.plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--steps", type=int, required=True, help="layers (MGRIT fine steps) N")
-    p.add_argument("--ranks", type=int, nargs="+",
-                   default=[2 ** k for k in range(13)], help="layer-parallel rank counts")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        default=[2**k for k in range(13)],
+        help="layer-parallel rank counts",
+    )
     p.add_argument("--data-parallel", type=int, default=1, help="data-parallel groups")
     p.add_argument("--levels", type=int, default=3)
     p.add_argument("--cfactor", type=int, nargs="+", default=[4])
     p.add_argument("--fwd-iters", type=int, default=2)
     p.add_argument("--bwd-iters", type=int, default=1)
-    p.add_argument("--relax", choices=["F", "FCF"], default="F", help="fine-level relaxation "
-                   "(coarse levels use FCF)")
+    p.add_argument(
+        "--relax",
+        choices=["F", "FCF"],
+        default="F",
+        help="fine-level relaxation (coarse levels use FCF)",
+    )
     p.add_argument("--no-skip", action="store_true", help="do not skip the first down-cycle")
     p.add_argument("--step-seconds", type=float, help="seconds of one layer step forward")
     p.add_argument("--vjp-seconds", type=float, help="seconds of one VJP")
-    p.add_argument("--measure-conv", metavar="B,C,H,W",
-                   help="measure the costs on this machine with a ConvBlock on a B x C x H x W "
-                        "float32 state instead")
-    p.add_argument("--message-bytes", type=float, default=None,
-                   help="bytes of one state (default: from --measure-conv, else 0)")
+    p.add_argument(
+        "--measure-conv",
+        metavar="B,C,H,W",
+        help="measure the costs on this machine with a ConvBlock on a B x C x H x W "
+        "float32 state instead",
+    )
+    p.add_argument(
+        "--message-bytes",
+        type=float,
+        default=None,
+        help="bytes of one state (default: from --measure-conv, else 0)",
+    )
     p.add_argument("--param-bytes", type=float, default=0.0, help="bytes of all parameters")
     p.add_argument("--latency", type=float, default=5e-6, help="seconds per message")
     p.add_argument("--bandwidth", type=float, default=10e9, help="bytes per second")
-    p.add_argument("--recommend", action="store_true",
-                   help="also print the fastest settings for each rank count")
+    p.add_argument(
+        "--recommend",
+        action="store_true",
+        help="also print the fastest settings for each rank count",
+    )
     args = p.parse_args(argv)
     if args.measure_conv is None and (args.step_seconds is None or args.vjp_seconds is None):
         p.error("give --step-seconds and --vjp-seconds, or --measure-conv B,C,H,W")
@@ -373,37 +485,62 @@ def main(argv=None):
         x = torch.randn(b, c, h, w)
         step, vjp, vjp_p = measure_step(layer, x)
         message_bytes = args.message_bytes or x.numel() * 4
-        param_bytes = args.param_bytes or args.steps * sum(p.numel() * 4 for p in layer.parameters())
-        print(f"measured: step {1e3 * step:.3f} ms, VJP {1e3 * vjp:.3f} ms, VJP with parameter "
-              f"gradients {1e3 * vjp_p:.3f} ms")
+        param_bytes = args.param_bytes or args.steps * sum(
+            p.numel() * 4 for p in layer.parameters()
+        )
+        print(
+            f"measured: step {1e3 * step:.3f} ms, VJP {1e3 * vjp:.3f} ms, VJP with parameter "
+            f"gradients {1e3 * vjp_p:.3f} ms"
+        )
     else:
         step, vjp, vjp_p = args.step_seconds, args.vjp_seconds, None
         param_bytes = args.param_bytes
     try:
         costs = Costs(step, vjp, vjp_p, message_bytes, args.latency, args.bandwidth, param_bytes)
         cf = args.cfactor[0] if len(args.cfactor) == 1 else tuple(args.cfactor)
-        nrelax = 1 if args.relax == "FCF" else (
-            tuple([0] + [1] * (args.levels - 2)) if args.levels > 2 else 0)
-        fwd = MGRITOptions(max_levels=args.levels, cfactor=cf, nrelax=nrelax,
-                           max_iters=args.fwd_iters, skip_first_downcycle=not args.no_skip)
+        nrelax = (
+            1
+            if args.relax == "FCF"
+            else (tuple([0] + [1] * (args.levels - 2)) if args.levels > 2 else 0)
+        )
+        fwd = MGRITOptions(
+            max_levels=args.levels,
+            cfactor=cf,
+            nrelax=nrelax,
+            max_iters=args.fwd_iters,
+            skip_first_downcycle=not args.no_skip,
+        )
         bwd = replace(fwd, max_iters=args.bwd_iters)
     except ValueError as exc:
         parser.error(str(exc))
-    print(f"N = {args.steps} steps, {args.levels} levels, cfactor {args.cfactor}, "
-          f"{args.fwd_iters} forward / {args.bwd_iters} backward iterations, "
-          f"{args.data_parallel} data-parallel group(s)")
-    print(f"network assumed: {1e6 * args.latency:g} us per message, "
-          f"{args.bandwidth / 1e9:g} GB/s per link (--latency, --bandwidth); "
-          f"messages of {message_bytes / 1e6:.3g} MB")
+    print(
+        f"N = {args.steps} steps, {args.levels} levels, cfactor {args.cfactor}, "
+        f"{args.fwd_iters} forward / {args.bwd_iters} backward iterations, "
+        f"{args.data_parallel} data-parallel group(s)"
+    )
+    print(
+        f"network assumed: {1e6 * args.latency:g} us per message, "
+        f"{args.bandwidth / 1e9:g} GB/s per link (--latency, --bandwidth); "
+        f"messages of {message_bytes / 1e6:.3g} MB"
+    )
     print(f"{'ranks':>6} {'s/batch':>10} {'speedup':>8} {'efficiency':>10} {'steps/rank':>11}")
     for pr in sweep(args.steps, args.ranks, fwd, bwd, costs, args.data_parallel):
-        print(f"{pr.ranks:>6} {pr.seconds:>10.4f} {pr.speedup:>8.2f} {pr.efficiency:>10.2f} "
-              f"{max(pr.steps_per_rank):>11}")
+        print(
+            f"{pr.ranks:>6} {pr.seconds:>10.4f} {pr.speedup:>8.2f} {pr.efficiency:>10.2f} "
+            f"{max(pr.steps_per_rank):>11}"
+        )
         if args.recommend and pr.ranks > 1:
-            best, bf, bb = recommend(args.steps, pr.ranks, costs, min_fwd_iters=args.fwd_iters,
-                                     min_bwd_iters=args.bwd_iters)
-            print(f"{'':>6} best: {bf.max_levels} levels, cfactor {bf.cfactor}: "
-                  f"{best.seconds:.4f} s/batch, speedup {best.speedup:.2f}")
+            best, bf, bb = recommend(
+                args.steps,
+                pr.ranks,
+                costs,
+                min_fwd_iters=args.fwd_iters,
+                min_bwd_iters=args.bwd_iters,
+            )
+            print(
+                f"{'':>6} best: {bf.max_levels} levels, cfactor {bf.cfactor}: "
+                f"{best.seconds:.4f} s/batch, speedup {best.speedup:.2f}"
+            )
 
 
 if __name__ == "__main__":

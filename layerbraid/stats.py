@@ -1,7 +1,8 @@
 """SolveStats: what one MGRIT solve of a layer-parallel model did, and how accurate it is."""
+
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Optional
 
 __all__ = ["SolveStats"]
 
@@ -32,7 +33,7 @@ class SolveStats:
     """
 
     iterations: int = 0
-    residual_norms: List[float] = field(default_factory=list)
+    residual_norms: list[float] = field(default_factory=list)
     seconds: float = 0.0
     step_seconds: float = 0.0
     comm_seconds: float = 0.0

@@ -6,6 +6,7 @@ Each rank must therefore be handed the same batch, and under data parallelism ea
 own shard of the epoch.  A plain shuffled ``DataLoader`` draws a different order on every rank
 and trains silently on mismatched inputs and labels.
 """
+
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -30,8 +31,10 @@ def _group_of(comm):
     if inner is not None and not is_comm(comm):
         comm = inner
     if not is_comm(comm):
-        raise TypeError(f"comm must be an mpi4py communicator, a ProcessGrid or a layer-parallel "
-                        f"module, got {type(comm).__name__}")
+        raise TypeError(
+            f"comm must be an mpi4py communicator, a ProcessGrid or a layer-parallel "
+            f"module, got {type(comm).__name__}"
+        )
     return comm, 0, 1
 
 
@@ -44,12 +47,17 @@ def _agree_seed(world, seed):
         return int(torch.empty((), dtype=torch.int64).random_().item()) if seed is None else seed
     seeds = allgather_obj(world, seed, "the loader's seed")
     if seed is None and all(s is None for s in seeds):
-        drawn = int(torch.empty((), dtype=torch.int64).random_().item()) \
-            if world.Get_rank() == 0 else None
+        drawn = (
+            int(torch.empty((), dtype=torch.int64).random_().item())
+            if world.Get_rank() == 0
+            else None
+        )
         return bcast_obj(world, drawn, 0, "the loader's drawn seed")
     if len(set(seeds)) != 1:
-        raise ValueError(f"the ranks were given different loader seeds {seeds}: pass the same "
-                         "seed on every rank, or seed=None everywhere to draw one")
+        raise ValueError(
+            f"the ranks were given different loader seeds {seeds}: pass the same "
+            "seed on every rank, or seed=None everywhere to draw one"
+        )
     return seeds[0]
 
 
@@ -62,10 +70,15 @@ class GroupSampler(DistributedSampler):
     repeat the first epoch's order.
     """
 
-    def __init__(self, dataset, data_rank=0, data_size=1, *, shuffle=True, seed=0,
-                 drop_last=False):
-        super().__init__(dataset, num_replicas=data_size, rank=data_rank, shuffle=shuffle,
-                         seed=seed, drop_last=drop_last)
+    def __init__(self, dataset, data_rank=0, data_size=1, *, shuffle=True, seed=0, drop_last=False):
+        super().__init__(
+            dataset,
+            num_replicas=data_size,
+            rank=data_rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
         self._next_epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -98,8 +111,17 @@ class LayerParallelLoader(DataLoader):
     Each ``iter(loader)`` starts the next epoch's order; ``loader.set_epoch(e)`` sets it.
     """
 
-    def __init__(self, dataset, batch_size=1, *, comm=None, shuffle=True, seed=None,
-                 drop_last=False, **kwargs):
+    def __init__(
+        self,
+        dataset,
+        batch_size=1,
+        *,
+        comm=None,
+        shuffle=True,
+        seed=None,
+        drop_last=False,
+        **kwargs,
+    ):
         for bad in ("sampler", "batch_sampler"):
             if kwargs.get(bad) is not None:
                 raise ValueError(f"LayerParallelLoader chooses its own sampler; got {bad}=")
@@ -107,12 +129,16 @@ class LayerParallelLoader(DataLoader):
         world, data_rank, data_size = _group_of(comm)
         _enter()
         seed = _agree_seed(world, seed)
-        sampler = GroupSampler(dataset, data_rank, data_size, shuffle=shuffle, seed=seed,
-                               drop_last=drop_last)
-        super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
-                         **kwargs)
+        sampler = GroupSampler(
+            dataset, data_rank, data_size, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
+        super().__init__(
+            dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs
+        )
         self.seed = seed
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch whose order the next iteration yields."""
-        self.sampler.set_epoch(epoch)
+        sampler = self.sampler
+        assert isinstance(sampler, GroupSampler)
+        sampler.set_epoch(epoch)

@@ -1,4 +1,5 @@
 """Tiny-ImageNet (200 classes, 64x64 RGB) from the standard `tiny-imagenet-200` folder."""
+
 from pathlib import Path
 
 import numpy as np
@@ -33,15 +34,19 @@ class TinyImageNet(torch.utils.data.Dataset):
     """
 
     def __init__(self, root, split="train", max_per_class=None):
-        if max_per_class is not None and (isinstance(max_per_class, bool) or
-                                          not isinstance(max_per_class, int) or max_per_class < 1):
+        if max_per_class is not None and (
+            isinstance(max_per_class, bool)
+            or not isinstance(max_per_class, int)
+            or max_per_class < 1
+        ):
             raise ValueError(f"max_per_class must be an int >= 1 or None, got {max_per_class!r}")
         root = Path(root)
         wnids_file = root / "wnids.txt"
         if not wnids_file.exists():
             raise FileNotFoundError(
                 f"{root} is not a tiny-imagenet-200 folder (no wnids.txt). Tiny-ImageNet ships "
-                "with no package: download and unpack it yourself and pass its folder as root")
+                "with no package: download and unpack it yourself and pass its folder as root"
+            )
         self.root, self.split = root, split
         self.wnids = [w.strip() for w in wnids_file.read_text().split() if w.strip()]
         index = {w: k for k, w in enumerate(self.wnids)}
@@ -89,6 +94,9 @@ def load_tiny_imagenet(root, split="train", max_per_class=None):
         and the list of class ids in label order.
     """
     ds = TinyImageNet(root, split, max_per_class)
-    x = torch.stack([ds[i][0] for i in range(len(ds))]) if len(ds) else \
-        torch.zeros((0, 3, 64, 64), dtype=torch.uint8)
+    x = (
+        torch.stack([ds[i][0] for i in range(len(ds))])
+        if len(ds)
+        else torch.zeros((0, 3, 64, 64), dtype=torch.uint8)
+    )
     return x, ds.labels.clone(), ds.wnids

@@ -1,9 +1,17 @@
 """Building blocks for layer-parallel networks."""
+
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ConvBlock", "LPBatchNorm1d", "LPBatchNorm2d", "LPBatchNorm3d", "LayerParallelGRU",
-           "LayerParallelLSTM", "plain_modules"]
+__all__ = [
+    "ConvBlock",
+    "LPBatchNorm1d",
+    "LPBatchNorm2d",
+    "LPBatchNorm3d",
+    "LayerParallelGRU",
+    "LayerParallelLSTM",
+    "plain_modules",
+]
 
 
 from .batchnorm import LPBatchNorm1d, LPBatchNorm2d, LPBatchNorm3d, plain_modules
@@ -32,4 +40,3 @@ class ConvBlock(nn.Module):
 
     def forward(self, x):
         return F.relu(self.conv2(F.relu(self.conv1(x))))
-

@@ -1,8 +1,9 @@
 """The step providers of layer-parallel RNNs on the engine (``_chain.py``): a cell's steps, their
 runs through the fused kernels, the adjoint with its output-gradient sources (Note [rnn adjoint]
 in rnn.py), and the weights' gradients summed over the ranks."""
+
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -17,23 +18,23 @@ __all__ = []
 class _CellRun:
     """What a cell provider keeps per run (``run.own``)."""
 
-    x: Optional[torch.Tensor] = None     # the layer's input (batch, seq, input), detached
+    x: Optional[torch.Tensor] = None  # the layer's input (batch, seq, input), detached
     x_requires_grad: bool = False
     h0: Optional[torch.Tensor] = None
     params: list = field(default_factory=list)
     # fused: first step of a run of the final relaxation -> its steps' input states, where the
     # adjoint linearizes (n, *state)
     inputs: dict = field(default_factory=dict)
-    blocks: dict = field(default_factory=dict)   # fused, exact mode: first step -> (steps,
+    blocks: dict = field(default_factory=dict)  # fused, exact mode: first step -> (steps,
     #                                              state leaf, input leaf, outputs)
     final_h: dict = field(default_factory=dict)  # first point of a run -> its h's from the
     #                                              final relaxation (batch, n, H)
-    g: Optional[torch.Tensor] = None             # the output's gradient
-    jac: Any = None                              # Note [fused cells]: the linearized gates
+    g: Optional[torch.Tensor] = None  # the output's gradient
+    jac: Any = None  # Note [fused cells]: the linearized gates
     jac_lo: int = 0
-    sp: Optional[torch.Tensor] = None            # the owned steps' input states (n, *state)
-    xs: Optional[torch.Tensor] = None            # the owned steps' inputs (n, batch, input)
-    dgi: Optional[torch.Tensor] = None           # the owned steps' gate gradients
+    sp: Optional[torch.Tensor] = None  # the owned steps' input states (n, *state)
+    xs: Optional[torch.Tensor] = None  # the owned steps' inputs (n, batch, input)
+    dgi: Optional[torch.Tensor] = None  # the owned steps' gate gradients
     dgh: Optional[torch.Tensor] = None
     final_steps: set = field(default_factory=set)  # steps whose (dgi, dgh) the adjoint's final
     #                                               relaxation wrote
@@ -45,7 +46,8 @@ class _CellSteps(Steps):
     is ``h <- h + theta(dt) * (cell(x_t, h) - h)``.  Subclasses supply the cell, its parameters'
     reference module and how their state sits in the output sequence."""
 
-    reference = None  # nn.GRU or nn.LSTM: the parameters' names and initialization
+    # nn.GRU or nn.LSTM: the parameters' names and initialization
+    reference: ClassVar[Optional[type[torch.nn.RNNBase]]] = None
 
     def __init__(self, comm, bias, coarse_rule, fused=True):
         self.comm, self.bias, self.coarse_rule = comm, bias, coarse_rule
@@ -170,8 +172,10 @@ class _CellSteps(Steps):
             lo, hi = run.owned[0], run.owned[-1]
             run.own.jac_lo = lo
             run.own.sp = torch.cat([run.own.inputs[s] for s in sorted(run.own.inputs)])
-            assert run.own.sp.shape[0] == len(run.owned), "the final relaxation missed an owned step"
-            run.own.xs = run.own.x[:, lo:hi + 1].transpose(0, 1)
+            assert run.own.sp.shape[0] == len(run.owned), (
+                "the final relaxation missed an owned step"
+            )
+            run.own.xs = run.own.x[:, lo : hi + 1].transpose(0, 1)
             run.own.jac = self.linearize(run.own.xs, run.own.sp, run.own.params)
             run.own.dgi, run.own.dgh = self.gate_buffers(len(run.owned), run.own.sp[0])
         return run.own.jac
@@ -186,7 +190,9 @@ class _CellSteps(Steps):
         # gradient for h0: the adjoint at forward point 0, on rank 0
         gh0 = states.get(run.own.x.shape[1]) if comm.Get_rank() == 0 else None
         if comm.Get_size() > 1:
-            gh0 = bcast_tensor(comm, gh0, tuple(run.own.h0.shape), run.own.h0.dtype, run.own.h0.device, 0)
+            gh0 = bcast_tensor(
+                comm, gh0, tuple(run.own.h0.shape), run.own.h0.dtype, run.own.h0.device, 0
+            )
         if self.fused:
             gx, gp = self._fused_grads(run)
         else:
@@ -217,13 +223,18 @@ class _CellSteps(Steps):
         gp = [run.grads.get(id(p), torch.zeros_like(p)) for p in run.own.params]  # from blocks
         gx = torch.zeros_like(run.own.x) if run.own.x_requires_grad else None
         for first, g in run.own.block_gx.items():
-            gx[:, first:first + g.shape[1]] = g
+            gx[:, first : first + g.shape[1]] = g
         if steps:
             k = [s - run.own.jac_lo for s in steps]
             if len(k) == len(run.owned):  # (n, batch, gates) and the steps' inputs
                 dgi, dgh, xs, hp = run.own.dgi, run.own.dgh, run.own.xs, self.previous_h(run.own.sp)
             else:
-                dgi, dgh, xs, hp = run.own.dgi[k], run.own.dgh[k], run.own.xs[k], self.previous_h(run.own.sp)[k]
+                dgi, dgh, xs, hp = (
+                    run.own.dgi[k],
+                    run.own.dgh[k],
+                    run.own.xs[k],
+                    self.previous_h(run.own.sp)[k],
+                )
             gp[0] = gp[0] + _flat(dgi).t() @ _flat(xs)
             gp[1] = gp[1] + _flat(dgh).t() @ _flat(hp)
             if self.bias:
@@ -249,7 +260,7 @@ class _CellSteps(Steps):
         # stride-th input
         if not self.fused or any(self.scale(dt) != 1.0 for dt in dts):
             return None
-        xs = run.own.x[:, index:index + len(dts) * stride:stride]
+        xs = run.own.x[:, index : index + len(dts) * stride : stride]
         if final and run.record and run.adjoint_levels == 1 and self._block_graph(xs):
             return self._record_block(run, u, xs, index)
         linearize = final and run.record  # the adjoint linearizes at every step's input
@@ -276,11 +287,12 @@ class _CellSteps(Steps):
         at its end, by torch's backward of the kernel; the sources of the points inside enter as
         the cotangents of the kernel's outputs there."""
         _, ug, xg, raw = run.own.blocks[first]
-        cot = self.cotangents(raw, run.own.g[:, first:first + n - 1], w)
+        cot = self.cotangents(raw, run.own.g[:, first : first + n - 1], w)
         params = [p for p in run.own.params if p.requires_grad]
         leaves = [ug] + ([xg] if xg.requires_grad else []) + params
-        grads = list(torch.autograd.grad(raw, leaves, cot, allow_unused=True,
-                                         retain_graph=run.retain))
+        grads = list(
+            torch.autograd.grad(raw, leaves, cot, allow_unused=True, retain_graph=run.retain)
+        )
         w0 = grads.pop(0)
         if xg.requires_grad:
             run.own.block_gx[first] = grads.pop(0)
@@ -300,7 +312,9 @@ class _CellSteps(Steps):
         k = s - run.own.jac_lo
         theta = self.scale(dt)
         src = run.own.g[:, s - 1] if s >= 1 and theta == 1.0 else None
-        dh = self.vjp(jac, k, w, run.own.params, (run.own.dgi[k], run.own.dgh[k]) if final else None, src)
+        dh = self.vjp(
+            jac, k, w, run.own.params, (run.own.dgi[k], run.own.dgh[k]) if final else None, src
+        )
         if final:
             run.own.final_steps.add(s)
         if theta == 1.0:

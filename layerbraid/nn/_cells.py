@@ -1,6 +1,9 @@
 """The cell math of layer-parallel GRUs and LSTMs: updates, multi-step kernels, linearized gates
 and their closed-form VJPs (Note [fused cells] in rnn.py).  Mixed into the step providers of
 _cell_steps.py; they read only ``self.bias``."""
+
+from typing import ClassVar, Optional
+
 import torch
 from torch import nn
 
@@ -14,12 +17,16 @@ def _gates(xs, hp, params, bias):
     """The gates' input and hidden pre-activations at n steps at once: xs (n, batch, input),
     hp (n, batch, hidden).  Two 2D products with the bias added in them (addmm): faster than
     batched 3D products for long runs, with the same bits."""
+
     def product(v, w, b):
         flat = v.reshape(-1, v.shape[-1])
         out = torch.addmm(b, flat, w.t()) if bias else flat @ w.t()
         return out.view(*v.shape[:-1], w.shape[0])
-    return (product(xs, params[0], params[2] if bias else None),
-            product(hp, params[1], params[3] if bias else None))
+
+    return (
+        product(xs, params[0], params[2] if bias else None),
+        product(hp, params[1], params[3] if bias else None),
+    )
 
 
 def _flat(t):
@@ -44,15 +51,24 @@ class GRUMath:
     """The GRU cell: its update, torch's multi-step kernel, the linearized gates and the
     closed-form VJP (Note [fused cells] in rnn.py)."""
 
-    reference = nn.GRU
+    reference: ClassVar[Optional[type[nn.RNNBase]]] = nn.GRU
 
     def cell(self, x, s, params):
         b_ih, b_hh = (params[2], params[3]) if self.bias else (None, None)
         return torch.gru_cell(x, s, params[0], params[1], b_ih, b_hh)
 
     def kernel(self, xs, s, params, keep):
-        out, _ = torch._VF.gru(xs.contiguous(), s.unsqueeze(0), list(params), self.bias, 1, 0.0,
-                               _train(xs), False, True)
+        out, _ = torch._VF.gru(
+            xs.contiguous(),
+            s.unsqueeze(0),
+            list(params),
+            self.bias,
+            1,
+            0.0,
+            _train(xs),
+            False,
+            True,
+        )
         return list(out.unbind(1)), (out,)
 
     def cotangents(self, raw, src, w):
@@ -79,8 +95,7 @@ class GRUMath:
         else:
             torch.mul(w3, f_gi[k], out=out[0].view(f_gi[k].shape))
             dgh = torch.mul(w3, f_gh[k], out=out[1].view(f_gh[k].shape)).flatten(-2)
-        return torch.addmm(w * z[k] if src is None else torch.addcmul(src, w, z[k]), dgh,
-                           params[1])
+        return torch.addmm(w * z[k] if src is None else torch.addcmul(src, w, z[k]), dgh, params[1])
 
     def gate_buffers(self, n, like):
         shape = (n, like.shape[0], 3 * like.shape[-1])
@@ -93,8 +108,10 @@ class GRUMath:
         if hx is None:
             return like.new_zeros(state_shape)
         if not isinstance(hx, torch.Tensor) or tuple(hx.shape) != state_shape:
-            raise ValueError(f"LayerParallelGRU expects h0 of shape {state_shape}, got "
-                             f"{tuple(getattr(hx, 'shape', ()))}")
+            raise ValueError(
+                f"LayerParallelGRU expects h0 of shape {state_shape}, got "
+                f"{tuple(getattr(hx, 'shape', ()))}"
+            )
         return hx
 
 
@@ -105,7 +122,7 @@ class LSTMMath:
     """The state is (h, c) stacked: (2, batch, hidden).  The chain's output is the h sequence
     and then c_n: (batch, seq + 1, hidden); the c's inside the sequence reach no loss."""
 
-    reference = nn.LSTM
+    reference: ClassVar[Optional[type[nn.RNNBase]]] = nn.LSTM
     # torch's LSTM backward on CPU is one oneDNN call, faster than the closed-form VJPs' Python
     # loop; its GRU backward is not, so the GRU keeps the closed-form VJPs (bench/rnn.py
     # times both paths)
@@ -125,16 +142,26 @@ class LSTMMath:
                 s = self.cell(xs[:, k], s, params)
                 states.append(s)
             return states, (torch.stack([t[0] for t in states], 1), s[0:1], s[1:2])
-        out, h_n, c_n = torch._VF.lstm(xs.contiguous(), (s[0:1], s[1:2]), list(params),
-                                       self.bias, 1, 0.0, _train(xs), False, True)
+        out, h_n, c_n = torch._VF.lstm(
+            xs.contiguous(),
+            (s[0:1], s[1:2]),
+            list(params),
+            self.bias,
+            1,
+            0.0,
+            _train(xs),
+            False,
+            True,
+        )
         states = [] if keep else [None] * (n - 1)
         if keep and n > 1:
             # the kernel returns the h's only: the c's from the same gates (Note [fused cells])
             with torch.no_grad():
                 hs = out.detach().transpose(0, 1)  # (n, batch, hidden)
-                hp = torch.cat([s[0:1].detach(), hs[:n - 2]])
-                i, f, g, _ = _lstm_activations(*_gates(xs[:, :n - 1].detach().transpose(0, 1),
-                                                       hp, params, self.bias))
+                hp = torch.cat([s[0:1].detach(), hs[: n - 2]])
+                i, f, g, _ = _lstm_activations(
+                    *_gates(xs[:, : n - 1].detach().transpose(0, 1), hp, params, self.bias)
+                )
                 c = s[1].detach()
                 for k in range(n - 1):
                     c = torch.addcmul(i[k] * g[k], f[k], c)
@@ -152,18 +179,22 @@ class LSTMMath:
         i, f, g, o = _lstm_activations(*_gates(xs, sp[:, 0], params, self.bias))
         c = sp[:, 1]
         tc = torch.tanh(f * c + i * g)
-        return (o * (1 - tc * tc), f,
-                torch.cat([g * i * (1 - i), c * f * (1 - f), i * (1 - g * g), tc * o * (1 - o)],
-                          -1))
+        return (
+            o * (1 - tc * tc),
+            f,
+            torch.cat([g * i * (1 - i), c * f * (1 - f), i * (1 - g * g), tc * o * (1 - o)], -1),
+        )
 
     def vjp(self, jac, k, w, params, out=None, src=None):
         d_c, f, f_gates = jac
         wh, wc = w[0], w[1]
         dct = torch.addcmul(wc, wh, d_c[k])
-        dg = torch.mul(torch.cat([dct, dct, dct, wh], -1), f_gates[k],
-                       out=None if out is None else out[0])
-        return torch.stack([dg @ params[1] if src is None else torch.addmm(src, dg, params[1]),
-                            dct * f[k]])
+        dg = torch.mul(
+            torch.cat([dct, dct, dct, wh], -1), f_gates[k], out=None if out is None else out[0]
+        )
+        return torch.stack(
+            [dg @ params[1] if src is None else torch.addmm(src, dg, params[1]), dct * f[k]]
+        )
 
     def gate_buffers(self, n, like):
         dg = like.new_empty((n, like.shape[-2], 4 * like.shape[-1]))
@@ -176,10 +207,14 @@ class LSTMMath:
         if hx is None:
             z = like.new_zeros(state_shape)
             hx = (z, z)
-        if not isinstance(hx, tuple) or len(hx) != 2 or any(
-                tuple(t.shape) != state_shape for t in hx):
-            raise ValueError(f"LayerParallelLSTM expects hx = (h0, c0), each of shape "
-                             f"{state_shape}")
+        if (
+            not isinstance(hx, tuple)
+            or len(hx) != 2
+            or any(tuple(t.shape) != state_shape for t in hx)
+        ):
+            raise ValueError(
+                f"LayerParallelLSTM expects hx = (h0, c0), each of shape {state_shape}"
+            )
         return torch.stack([hx[0], hx[1]], dim=1)  # (layers, 2, batch, hidden)
 
     def h_of(self, s):

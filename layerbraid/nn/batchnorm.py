@@ -1,5 +1,6 @@
 """Batch norms for layer-parallel networks (Note [batch-norm stats]), and the plain copies a
 serial network gets instead of them."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,16 +57,20 @@ class _LayerParallelBatchNorm:
         c = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
         count = torch.full((1,), x.numel() / c, dtype=x.dtype, device=x.device)
-        stats = _AllreduceSum.apply(self.sync_comm,
-                                    torch.cat([x.sum(dims), (x * x).sum(dims), count]))
+        stats = _AllreduceSum.apply(
+            self.sync_comm, torch.cat([x.sum(dims), (x * x).sum(dims), count])
+        )
         n = stats[2 * c]
         mean = stats[:c] / n
-        var = stats[c:2 * c] / n - mean * mean
+        var = stats[c : 2 * c] / n - mean * mean
         if update:
             with torch.no_grad():
                 self.num_batches_tracked += 1
-                m = self.momentum if self.momentum is not None else \
-                    1.0 / float(self.num_batches_tracked)
+                m = (
+                    self.momentum
+                    if self.momentum is not None
+                    else 1.0 / float(self.num_batches_tracked)
+                )
                 self.running_mean.mul_(1 - m).add_(m * mean.detach())
                 self.running_var.mul_(1 - m).add_(m * var.detach() * n / (n - 1))
         shape = [1, c] + [1] * (x.dim() - 2)
@@ -106,18 +111,28 @@ def _plain_copy(module):
         return None
     import copy
 
-    memo = {id(m.sync_comm): None for m in module.modules()
-            if isinstance(m, _LayerParallelBatchNorm) and m.sync_comm is not None}
+    memo = {
+        id(m.sync_comm): None
+        for m in module.modules()
+        if isinstance(m, _LayerParallelBatchNorm) and m.sync_comm is not None
+    }
     return plain_modules(copy.deepcopy(module, memo))
 
 
 def _plain_batch_norm(bn):
-    kind = next(c for c in type(bn).__mro__ if c in (nn.BatchNorm1d, nn.BatchNorm2d,
-                                                       nn.BatchNorm3d))
+    kind = next(
+        c for c in type(bn).__mro__ if c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+    )
     ref = bn.weight if bn.weight is not None else bn.running_mean
-    plain = kind(bn.num_features, eps=bn.eps, momentum=bn.momentum, affine=bn.affine,
-                 track_running_stats=bn.track_running_stats,
-                 device=None if ref is None else ref.device, dtype=None if ref is None else ref.dtype)
+    plain = kind(
+        bn.num_features,
+        eps=bn.eps,
+        momentum=bn.momentum,
+        affine=bn.affine,
+        track_running_stats=bn.track_running_stats,
+        device=None if ref is None else ref.device,
+        dtype=None if ref is None else ref.dtype,
+    )
     plain.load_state_dict(bn.state_dict())
     plain.train(bn.training)
     return plain

@@ -48,6 +48,7 @@ a GRU or an LSTM is only a step provider: a cell subclass of ``_CellSteps``
 (_cell_steps.py), whose cell math (the updates and closed-form VJPs) is in _cells.py.  This
 file is the nn.Module surface.
 """
+
 from dataclasses import replace
 
 import torch
@@ -67,9 +68,21 @@ __all__ = ["LayerParallelGRU", "LayerParallelLSTM"]
 class _LayerParallelRNN(FreedOnExit, nn.Module):
     _cell = _CellSteps
 
-    def __init__(self, input_size, hidden_size, num_layers=1, *, batch_first=True, bias=True,
-                 comm=None, forward_options=None, backward_options=None, coarse_rule="cell",
-                 target_error=None, fused=True):
+    def __init__(
+        self,
+        input_size,
+        hidden_size,
+        num_layers=1,
+        *,
+        batch_first=True,
+        bias=True,
+        comm=None,
+        forward_options=None,
+        backward_options=None,
+        coarse_rule="cell",
+        target_error=None,
+        fused=True,
+    ):
         super().__init__()
         _enter()
 
@@ -77,10 +90,14 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
             raise ValueError(f"coarse_rule must be 'cell' or 'euler', got {coarse_rule!r}")
         self.coarse_rule = coarse_rule
         if not batch_first:
-            raise ValueError("layer-parallel RNNs take batch_first=True inputs "
-                             "(batch, seq, features)")
-        for name, v in (("input_size", input_size), ("hidden_size", hidden_size),
-                        ("num_layers", num_layers)):
+            raise ValueError(
+                "layer-parallel RNNs take batch_first=True inputs (batch, seq, features)"
+            )
+        for name, v in (
+            ("input_size", input_size),
+            ("hidden_size", hidden_size),
+            ("num_layers", num_layers),
+        ):
             check_int(name, v)
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
         comm = world() if comm is None else comm
@@ -88,8 +105,7 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         self.target_error = _check_target(target_error)
         self.forward_options = _fc(forward_options)
         self.backward_options = _fc(backward_options)
-        ref = self._cell.reference(input_size, hidden_size, num_layers, bias=bias,
-                                   batch_first=True)
+        ref = self._cell.reference(input_size, hidden_size, num_layers, bias=bias, batch_first=True)
         # The same parameter names as nn.GRU / nn.LSTM, so that state_dicts load either way.
         for name, p in ref.named_parameters():
             self.register_parameter(name, nn.Parameter(p.detach().clone()))
@@ -114,10 +130,13 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         """Each layer's parameters as views into one buffer in cuDNN's layout, where cuDNN
         runs the kernels (Note [cuDNN weights]); otherwise nothing."""
         params = list(self.parameters())
-        if not params or not all(p.is_cuda and p.dtype == params[0].dtype for p in params) or \
-                not all(torch.backends.cudnn.is_acceptable(p) for p in params) or \
-                len({p.data_ptr() for p in params}) != len(params) or \
-                not torch._use_cudnn_rnn_flatten_weight():
+        if (
+            not params
+            or not all(p.is_cuda and p.dtype == params[0].dtype for p in params)
+            or not all(torch.backends.cudnn.is_acceptable(p) for p in params)
+            or len({p.data_ptr() for p in params}) != len(params)
+            or not torch._use_cudnn_rnn_flatten_weight()
+        ):
             return
         from torch.backends.cudnn import rnn as cudnn_rnn
 
@@ -126,9 +145,17 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
             for k in range(self.num_layers):
                 layer = self._layer_params(k)
                 # in place: the Parameters become views into one new buffer per layer
-                torch._cudnn_rnn_flatten_weight(layer, len(layer),
-                                                self.input_size if k == 0 else self.hidden_size,
-                                                mode, self.hidden_size, 0, 1, True, False)
+                torch._cudnn_rnn_flatten_weight(
+                    layer,
+                    len(layer),
+                    self.input_size if k == 0 else self.hidden_size,
+                    mode,
+                    self.hidden_size,
+                    0,
+                    1,
+                    True,
+                    False,
+                )
 
     def free(self):
         """Frees the communicators and MGRIT cores made for each sequence length (also done
@@ -152,11 +179,19 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         if seq not in self._chains:
             size = self.comm.Get_size()
             if seq < size:
-                raise ValueError(f"the sequence has {seq} steps, fewer than the {size} ranks: "
-                                 "every rank needs a time step")
-            self._chains[seq] = _Chain(self.comm, seq, float(seq), self.forward_options,
-                                       self.backward_options, target_error=self.target_error,
-                                       store_all=False)
+                raise ValueError(
+                    f"the sequence has {seq} steps, fewer than the {size} ranks: "
+                    "every rank needs a time step"
+                )
+            self._chains[seq] = _Chain(
+                self.comm,
+                seq,
+                float(seq),
+                self.forward_options,
+                self.backward_options,
+                target_error=self.target_error,
+                store_all=False,
+            )
             self._chains[seq].calibration = self._calibration
         chain = self._chains[seq]
         if self._solve_exactly:
@@ -180,8 +215,9 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
     def _estimate(self, field):
         if not self.forward_stats or len(self.backward_stats) != len(self.forward_stats):
             return None
-        values = [_gradient_estimate(f, b, field)
-                  for f, b in zip(self.forward_stats, self.backward_stats)]
+        values = [
+            _gradient_estimate(f, b, field) for f, b in zip(self.forward_stats, self.backward_stats)
+        ]
         return None if any(v is None for v in values) else sum(values)
 
     def _save_stats(self):
@@ -197,12 +233,14 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
 
     def _settings(self, x):
         """What every rank must agree on for a forward and its backward."""
-        return {"the input's shape and dtype": (tuple(x.shape), str(x.dtype)),
-                "target_error": self.target_error,
-                "the calibration of the error estimate": self._calibration,
-                "an exact solve (audit_gradients)": self._solve_exactly,
-                "a probe's iterations (probe_gradients)": self._solve_probe,
-                "tuned iterations (IterationTuner)": self._solve_iterations}
+        return {
+            "the input's shape and dtype": (tuple(x.shape), str(x.dtype)),
+            "target_error": self.target_error,
+            "the calibration of the error estimate": self._calibration,
+            "an exact solve (audit_gradients)": self._solve_exactly,
+            "a probe's iterations (probe_gradients)": self._solve_probe,
+            "tuned iterations (IterationTuner)": self._solve_iterations,
+        }
 
     def forward(self, x, hx=None):
         """x: (batch, seq, input_size), the whole sequence, on every rank of the communicator.
@@ -211,14 +249,19 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         Returns (output, h_n) (LSTM: (output, (h_n, c_n))), the same on every rank; output is
         (batch, seq, hidden_size)."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[2] != self.input_size:
-            raise ValueError(f"{type(self).__name__} expects input of shape (batch, seq, "
-                             f"{self.input_size}), got {tuple(getattr(x, 'shape', ()))}")
+            raise ValueError(
+                f"{type(self).__name__} expects input of shape (batch, seq, "
+                f"{self.input_size}), got {tuple(getattr(x, 'shape', ()))}"
+            )
         batch, seq = x.shape[0], x.shape[1]
         h0_all = self._steps.initial_states(hx, (self.num_layers, batch, self.hidden_size), x)
         if self.comm.Get_size() > 1:
             arrive(self.comm, "the forward of a layer-parallel RNN")
-            check_same_settings(allgather_obj(self.comm, self._settings(x),
-                                              "the settings of a layer-parallel RNN's forward"))
+            check_same_settings(
+                allgather_obj(
+                    self.comm, self._settings(x), "the settings of a layer-parallel RNN's forward"
+                )
+            )
         chain = self._chain_for(seq)  # after the check: a new length builds solvers (collective)
         self.forward_stats, self.backward_stats = [], []
         inp = x
@@ -226,9 +269,16 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         for k in range(self.num_layers):
             params = self._layer_params(k)
             record = torch.is_grad_enabled() and any(
-                t.requires_grad for t in [inp, h0_all] + params)
-            run = Run(self._steps, h0_all[k].shape, h0_all.dtype, x.device, record,
-                      on_backward=self.backward_stats.append)
+                t.requires_grad for t in [inp, h0_all] + params
+            )
+            run = Run(
+                self._steps,
+                h0_all[k].shape,
+                h0_all.dtype,
+                x.device,
+                record,
+                on_backward=self.backward_stats.append,
+            )
             out = _ChainFn.apply(chain, run, None, inp, h0_all[k], *params)
             self.forward_stats.append(run.forward_stats)
             inp, final = self._steps.split(out)  # (batch, seq, hidden), the final state
