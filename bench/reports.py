@@ -30,7 +30,8 @@ _ENGINE = _CORE + ["layerbraid/_chain.py", "layerbraid/_comm.py", "layerbraid/_t
                    "layerbraid/_timeouts.py", "layerbraid/stats.py"]
 # The ResNet path, and ConvBlock (layerbraid/nn/__init__.py): the layer the ResNet benchmarks
 # and the examples step.
-_RESNET = _ENGINE + ["layerbraid/module.py", "layerbraid/_layer_steps.py",
+_RESNET = _ENGINE + ["layerbraid/module.py", "layerbraid/_handshake.py",
+                     "layerbraid/_layer_steps.py",
                      "layerbraid/_ownership.py", "layerbraid/_autograd.py",
                      "layerbraid/nn/__init__.py"]
 # The examples' networks that reports train or time.  bench.harness.example loads

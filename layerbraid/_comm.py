@@ -298,6 +298,26 @@ def bcast_obj(comm, obj, root, what):
     return obj if is_root else _loads(data)
 
 
+def allgather_ints(comm, record: np.ndarray, what: str) -> np.ndarray:
+    """Every rank's fixed-size int64 ``record``, as rows in rank order: one round, no pickle
+    (the hot path's handshake)."""
+    record = np.ascontiguousarray(record, dtype=np.int64)
+    out = np.empty((comm.Get_size(), record.size), dtype=np.int64)
+    if comm.Get_size() == 1:
+        out[0] = record
+        return out
+    wait([comm.Iallgather(record, out)], comm, f"every rank's part of {what}")
+    return out
+
+
+def bcast_ints(comm, record: np.ndarray, root: int, what: str) -> np.ndarray:
+    """``root``'s fixed-size int64 ``record`` (every rank passes one of the same size)."""
+    record = np.ascontiguousarray(record, dtype=np.int64).copy()
+    if comm.Get_size() > 1:
+        wait([comm.Ibcast(record, root=root)], comm, f"rank {root}'s {what}")
+    return record
+
+
 # ---------------------------------------------------------------- bytes
 def _check_received(status, expected, what):
     got = status.Get_count(MPI.BYTE)

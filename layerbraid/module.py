@@ -4,9 +4,8 @@ import dataclasses
 import logging
 import re
 import time
-from typing import Optional
+from typing import Any, Optional
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -24,19 +23,27 @@ from ._chain import (
 from ._comm import (
     allgather_obj,
     allreduce_floats,
-    arrive,
-    bcast_obj,
-    check_same_settings,
     gather_obj,
     is_comm,
     world,
+)
+from ._handshake import (
+    MAX_DIMS,
+    CloseReport,
+    CloseStatus,
+    Fingerprint,
+    InputMeta,
+    Opened,
+    agree_on_input,
+    check_input,
+    raise_for_close,
+    share_close_report,
 )
 from ._layer_steps import _LayerSteps, all_finite, check_shape
 from ._ownership import _StepLayers, draw_seed, seeded_layer
 from ._parts import FreedOnExit
 from ._transport import bcast_into, neighbour_exchange
 from .coarsening import SpatialCoarsening
-from .errors import RemoteRankError
 from .grid import _GradAverager
 from .launch import _enter
 from .nn.batchnorm import _plain_copy, plain_modules
@@ -123,6 +130,8 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
     Both solves always finish with an FC relaxation (``final_fc_relax`` is forced on): that is
     when each layer runs once more to record the graph that backward differentiates.
     """
+
+    spatial: Optional[SpatialCoarsening]
 
     def __init__(
         self,
@@ -402,54 +411,11 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             raise RuntimeError(
                 "this layer-parallel model was freed (model.free()): build a new one"
             )
-        h0, meta, error = None, None, None
-        if first:
-            try:
-                _check_input(x, self.check_finite)
-                h0 = self.open(x) if self.open is not None else x
-                if not isinstance(h0, torch.Tensor):
-                    raise TypeError(f"the open layer must return a tensor, got {type(h0).__name__}")
-                meta = (tuple(h0.shape), h0.dtype, str(h0.device))
-            except Exception as exc:  # tell every rank, then raise here
-                error = exc
-                meta = ("error", f"{type(exc).__name__}: {exc}", tuple(getattr(x, "shape", ())))
-        if self._size > 1:
-            arrive(comm, "the forward of model(x)")
-            mine = _fingerprint(x) if self.check_inputs else None
-            gathered = allgather_obj(
-                comm,
-                (meta if first else None, mine, self._settings()),
-                "the input's fingerprints in model(x)",
-            )
-            meta, ref = gathered[0][0], gathered[0][1]
-        if meta[0] == "error":
-            if error is not None:
-                raise error
-            raise ValueError(
-                f"the layer-parallel forward failed on rank 0, where the input of "
-                f"shape {meta[2]} went through the open layer: {meta[1]}"
-            )
-        if self._size > 1:
-            check_same_settings([g[2] for g in gathered])
-        if self._size > 1 and self.check_inputs and ref is not None:
-            bad = [
-                (r, g[1])
-                for r, g in enumerate(gathered[1:], 1)
-                if g[1] is not None and not _same_input(g[1], ref)
-            ]
-            if bad:
-                r, fp = bad[0]
-                raise ValueError(
-                    f"layer-parallel ranks were given different inputs: rank {r} got shape "
-                    f"{fp[0]} (fingerprint {fp[2]:.6g}, {fp[3]:.6g}), rank 0 got shape {ref[0]} "
-                    f"(fingerprint {ref[2]:.6g}, {ref[3]:.6g}); {len(bad)} rank(s) differ: "
-                    f"{[b[0] for b in bad]}.  Every rank of a layer group must be fed the same "
-                    "batch (the first rank reads the input, the last the labels): use "
-                    "layerbraid.data.LayerParallelLoader, or seed every rank's shuffling alike. "
-                    "(check_inputs=False turns this check off.)"
-                )
-        shape, dtype, device = meta
-        device = torch.device(device)
+        opened = self._open(x) if first else None
+        fingerprint = Fingerprint.of(x) if self.check_inputs else None
+        meta = agree_on_input(comm, opened, fingerprint, self._settings())
+        shape, dtype, device = meta.shape, meta.dtype, meta.device
+        h0 = opened.state if opened is not None else None
         if self.spatial is not None:  # the same check, and error, on every rank
             self.spatial.check(shape, self._chain.num_levels())
         record = torch.is_grad_enabled()
@@ -472,41 +438,48 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
             chain = self._solving_chain()
             params = [p for leaves in run.own.step_params.values() for _, p in leaves]
             out = made = _ChainFn.apply(chain, run, anchor, h0, *params)
-        status, error = None, None
+        report, error = None, None
         if last:
-            try:
-                if self.close is not None:
-                    out = self.close(out)
-                if not isinstance(out, torch.Tensor):
-                    raise TypeError(
-                        f"the close layer must return a tensor, got {type(out).__name__}"
-                    )
-                status = ("ok", tuple(out.shape), out.dtype)
-                if self.check_finite and not all_finite([out.detach()]):
-                    status = ("nonfinite", tuple(out.shape), out.dtype)
-            except Exception as exc:  # tell every rank, then raise here
-                error, status = exc, ("error", f"{type(exc).__name__}: {exc}")
-        if self._size > 1:
-            status = bcast_obj(
-                comm, status, self._size - 1, "close layer's status at the end of model(x)"
-            )
-        if status[0] == "error":
-            if error is not None:
-                raise error
-            raise RemoteRankError(
-                f"the close layer failed on rank {self._size - 1}: {status[1]}", self._size - 1
-            )
-        if status[0] == "nonfinite":
-            raise FloatingPointError(
-                f"the layer-parallel forward produced a non-finite output (NaN or Inf) on rank "
-                f"{self._size - 1}, shape {status[1]}: the input, the weights or the steps "
-                "overflowed (check_finite=False turns this check off)"
-            )
+            out, report, error = self._close_report(out)
+        report = share_close_report(comm, report, self._size - 1)
+        raise_for_close(report, error, self._size - 1)
         if self._size == 1 and out is not made:
             return out  # a new tensor of the close layer: nothing to move, nothing to copy
         if self.output == "next":
-            return _ToFirstFn.apply(comm, out, status[1], status[2])
-        return _BroadcastFn.apply(comm, self._size - 1, out, status[1], status[2])
+            return _ToFirstFn.apply(comm, out, report.shape, report.dtype)
+        return _BroadcastFn.apply(comm, self._size - 1, out, report.shape, report.dtype)
+
+    def _open(self, x: Any) -> Opened:
+        """The open layer's state from ``x`` on the first rank, or the error it raised."""
+        try:
+            check_input(x, self.check_finite)
+            h0 = self.open(x) if self.open is not None else x
+            if not isinstance(h0, torch.Tensor):
+                raise TypeError(f"the open layer must return a tensor, got {type(h0).__name__}")
+            if h0.dim() > MAX_DIMS:
+                raise ValueError(
+                    f"the chain's state has {h0.dim()} dimensions, more than {MAX_DIMS}"
+                )
+            return Opened(InputMeta(tuple(h0.shape), h0.dtype, h0.device), state=h0)
+        except Exception as exc:  # tell every rank, then raise here
+            return Opened(error=exc, input_shape=tuple(getattr(x, "shape", ())))
+
+    def _close_report(self, out: Any) -> tuple[Any, CloseReport, Optional[BaseException]]:
+        """The close layer's output on the last rank and its report to the others."""
+        try:
+            if self.close is not None:
+                out = self.close(out)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"the close layer must return a tensor, got {type(out).__name__}")
+            if out.dim() > MAX_DIMS:
+                raise ValueError(
+                    f"the close layer's output has {out.dim()} dimensions, more than {MAX_DIMS}"
+                )
+            ok = not self.check_finite or all_finite([out.detach()])
+            status = CloseStatus.OK if ok else CloseStatus.NONFINITE
+            return out, CloseReport(status, tuple(out.shape), out.dtype), None
+        except Exception as exc:  # tell every rank, then raise here
+            return out, CloseReport(CloseStatus.ERROR, message=f"{type(exc).__name__}: {exc}"), exc
 
     def _solving_chain(self):
         """The chain a forward solves with: this module's own, or the variant an audit
@@ -729,43 +702,3 @@ class _SerialChain(nn.Module):
             else:
                 x = self.rule(self, layer, x, self.dt, i)
         return self.close(x) if self.close is not None else x
-
-
-def _check_input(x, check_finite):
-    """A batch the forward cannot take: empty, or (with check_finite) holding NaN or Inf."""
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
-        return
-    if x.shape[0] == 0:
-        raise ValueError(f"the batch is empty: an input of shape {tuple(x.shape)}")
-    if check_finite and x.is_floating_point() and not all_finite([x.detach()]):
-        bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(
-            f"the input holds {bad} NaN or Inf value(s) (shape {tuple(x.shape)}): "
-            "bad input, before any step ran (check_finite=False turns this check "
-            "off)"
-        )
-
-
-def _fingerprint(x):
-    """(shape, dtype, sum, position-weighted sum) of an input batch; None for what is not a
-    batch (None, a 0-d placeholder).  The weights (1, 2, ...) over the samples make a reordered
-    batch differ; a different batch differs in both sums."""
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
-        return None
-    with torch.no_grad():
-        rows = x.detach().reshape(len(x), -1) if x.numel() else x.new_zeros(len(x), 0)
-        per_sample = rows.to(torch.float64).sum(1)
-        pos = torch.arange(1, x.shape[0] + 1, dtype=torch.float64, device=per_sample.device)
-        total, weighted = float(per_sample.sum()), float((per_sample * pos).sum())
-    return (tuple(x.shape), str(x.dtype), total, weighted)
-
-
-def _same_input(a, b):
-    """Fingerprints equal, up to the summation order's round-off (ranks on other devices)."""
-    if a[0] != b[0] or a[1] != b[1]:
-        return False
-    scale = 1e-9 * max(1, int(np.prod(a[0])))
-    return all(
-        u == v or (u != u and v != v) or abs(u - v) <= 1e-7 * (abs(u) + abs(v)) + scale
-        for u, v in zip(a[2:], b[2:])
-    )  # equal, both NaN, or round-off apart
