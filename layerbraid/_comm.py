@@ -363,11 +363,18 @@ _EXIT_GRACE = 0.5
 _notices: dict[str, Any] = {"comm": None, "peers": set(), "exit": None, "seen": {}}
 
 
-def _start_notices():
-    """Called once by the launch code in a job of 2+ ranks: the notice communicator, the exit
-    handler, and sys.exit wrapped so that the notice can say the status."""
-    import atexit
+def notices_started() -> bool:
+    return _notices["comm"] is not None
 
+
+def record_exit_status(status: Any) -> None:
+    """The status ``sys.exit`` was called with, for the exit notice."""
+    _notices["exit"] = status
+
+
+def _start_notices():
+    """Called once by ``launch.install_process_hooks`` in a job of 2+ ranks: the notice
+    communicator (the exit handler and the sys.exit wrapper are installed there)."""
     if _notices["comm"] is not None:
         return
     # MPI_Comm_dup is collective: non-blocking here, with the deadline, so that a rank that
@@ -381,15 +388,6 @@ def _start_notices():
     )
     _notices["comm"] = side
     side.Set_name("layerbraid notices")
-    real_exit = sys.exit
-
-    def exit(status=None):
-        _notices["exit"] = status
-        real_exit(status)
-
-    exit.__doc__ = real_exit.__doc__
-    sys.exit = exit
-    atexit.register(_at_exit)
 
 
 def add_peers(comm):
@@ -465,7 +463,8 @@ def _describe_exit():
     return f"SystemExit {status!r}"
 
 
-def _at_exit():
+def at_exit() -> None:
+    """The exit handler: the exit barrier, and the notices when it does not end in time."""
     side = _notices["comm"]
     if side is None or MPI.Is_finalized():
         return

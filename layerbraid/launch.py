@@ -1,11 +1,13 @@
 """What every multi-rank job needs: the right launcher, and an uncaught exception or an early exit
 on one rank ending the whole job (the stall timeout lives in ``_timeouts``).
 
-The launch check and the abort hook run by themselves when a layer-parallel model, a
+The launch check and the process hooks run by themselves when a layer-parallel model, a
 ProcessGrid, an MGRIT solver or a LayerParallelLoader is built; call them directly to get
-them earlier.
+them earlier.  :func:`install_process_hooks` is the one place that changes process-wide state:
+importing layerbraid, or any of its modules, changes none.
 """
 
+import atexit
 import os
 import sys
 import threading
@@ -17,7 +19,7 @@ from mpi4py import MPI
 from . import _comm
 from ._timeouts import set_timeout  # public here as well
 
-__all__ = ["check_launch", "abort_on_exception", "set_timeout"]
+__all__ = ["abort_on_exception", "check_launch", "install_process_hooks", "set_timeout"]
 
 # Variables through which launchers promise a number of processes.  A job started by one
 # launcher whose MPI library belongs to another (torchrun, or Open MPI's mpiexec with MPICH's
@@ -84,20 +86,57 @@ def abort_on_exception(enabled: bool = True):
     it off with ``abort_on_exception(False)`` or ``LAYERBRAID_ABORT_ON_EXCEPTION=0`` (e.g. when
     the program runs under a launcher that already does this, like ``python -m mpi4py``).
     """
-    global _hook_installed, _switched_off
+    global _switched_off
     _switched_off = not enabled
-    if not enabled:
-        if _hook_installed:
-            sys.excepthook = _previous["sys"]
-            threading.excepthook = _previous["threading"]
-            _hook_installed = False
+    _set_abort_hooks(enabled)
+
+
+def install_process_hooks() -> None:
+    """Makes every process-wide change layerbraid makes, and is the only code that makes one.
+
+    Called (once, idempotent) by the first model, grid, solver or loader built in a job of 2+
+    ranks, unless ``LAYERBRAID_ABORT_ON_EXCEPTION=0`` is set or ``abort_on_exception(False)``
+    was called first: then it changes nothing.  Collective over ``MPI.COMM_WORLD`` the first
+    time (it duplicates the world communicator for the exit notices).  The changes:
+
+    1. ``sys.excepthook``: print the traceback as Python would, then abort every rank of the
+       job (``MPI.COMM_WORLD.Abort``), so that no rank waits for this one forever.
+    2. ``threading.excepthook``: the same for an uncaught exception in a thread.
+    3. ``sys.exit`` wrapped: it records the exit status, for the exit notice.
+    4. An ``atexit`` handler: at exit while other ranks still run, tell the ranks that share a
+       layerbraid communicator with this one (Note [exit notices] in ``_comm``).
+
+    ``abort_on_exception(False)`` undoes 1 and 2; 3 and 4 stay (they are inert once every
+    rank has exited alike).
+    """
+    if _comm.notices_started():
+        _set_abort_hooks(True)
         return
-    if _hook_installed:
-        return
-    _previous["sys"], _previous["threading"] = sys.excepthook, threading.excepthook
-    sys.excepthook = _abort_hook
-    threading.excepthook = _abort_thread_hook
-    _hook_installed = True
+    _set_abort_hooks(True)
+    _comm._start_notices()  # collective: the notices' communicator
+    real_exit = sys.exit
+
+    def exit(status=None):
+        _comm.record_exit_status(status)
+        real_exit(status)
+
+    exit.__doc__ = real_exit.__doc__
+    sys.exit = exit
+    atexit.register(_comm.at_exit)
+
+
+def _set_abort_hooks(on: bool) -> None:
+    """Installs (or restores what was there before) the two exception hooks."""
+    global _hook_installed
+    if on and not _hook_installed:
+        _previous["sys"], _previous["threading"] = sys.excepthook, threading.excepthook
+        sys.excepthook = _abort_hook
+        threading.excepthook = _abort_thread_hook
+        _hook_installed = True
+    elif not on and _hook_installed:
+        sys.excepthook = _previous["sys"]
+        threading.excepthook = _previous["threading"]
+        _hook_installed = False
 
 
 _previous: dict[str, Any] = {}
@@ -145,11 +184,10 @@ def _enter():
     abort hook in a job of 2+ ranks (unless switched off)."""
     if not _checked:
         check_launch(MPI.COMM_WORLD)
+    # Not skipped when abort_on_exception() came first: the exit notices start here.
     if (
         MPI.COMM_WORLD.Get_size() > 1
         and os.environ.get(_ENV_ABORT, "1") != "0"
-        and not _hook_installed
         and not _switched_off
     ):
-        abort_on_exception(True)
-        _comm._start_notices()  # Note [exit notices]
+        install_process_hooks()
