@@ -31,7 +31,7 @@ _ENGINE = _CORE + ["layerbraid/_chain.py", "layerbraid/_comm.py", "layerbraid/_t
 # The ResNet path, and ConvBlock (layerbraid/nn/__init__.py): the layer the ResNet benchmarks
 # and the examples step.
 _RESNET = _ENGINE + ["layerbraid/module.py", "layerbraid/_handshake.py",
-                     "layerbraid/_layer_steps.py",
+                     "layerbraid/_layer_steps.py", "layerbraid/_torch_private.py",
                      "layerbraid/_ownership.py", "layerbraid/_autograd.py",
                      "layerbraid/nn/__init__.py"]
 # The examples' networks that reports train or time.  bench.harness.example loads
@@ -62,7 +62,8 @@ REPORTS = {
     "docs/bench_rnn.md": (["bench.rnn"],
                           _ENGINE + _HARNESS + ["layerbraid/nn/rnn.py",
                                                 "layerbraid/nn/_cell_steps.py",
-                                                "layerbraid/nn/_cells.py", "bench/rnn.py",
+                                                "layerbraid/nn/_cells.py",
+                                                "layerbraid/_torch_private.py", "bench/rnn.py",
                                                 "bench/workers/rnn.py"]),
     "docs/bench_spatial.md": (["bench.spatial"],
                               _RESNET + _VOLUMES + _HARNESS + [

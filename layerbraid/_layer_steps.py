@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from torch._utils import _flatten_dense_tensors
 from torch.autograd.graph import get_gradient_edge
 
 from ._chain import Steps, _Graph
 from ._comm import first_rank_where
+from ._torch_private import flatten_dense
 
 __all__ = []
 
@@ -359,9 +359,7 @@ def all_finite(tensors):
             small = [t for t in group if t.numel() <= _SMALL]
             sums = [t.sum() for t in group if t.numel() > _SMALL]
             if small:  # one C++ call flattens them (as torch's DistributedDataParallel does)
-                sums.append(
-                    _flatten_dense_tensors(small).sum() if len(small) > 1 else small[0].sum()
-                )
+                sums.append(flatten_dense(small).sum() if len(small) > 1 else small[0].sum())
             total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
             if not math.isfinite(float(total)) and not all(
                 bool(torch.isfinite(t).all()) for t in group

@@ -7,6 +7,8 @@ from typing import ClassVar, Optional
 import torch
 from torch import nn
 
+from .._torch_private import gru_kernel, lstm_kernel
+
 __all__ = []
 
 
@@ -58,17 +60,7 @@ class GRUMath:
         return torch.gru_cell(x, s, params[0], params[1], b_ih, b_hh)
 
     def kernel(self, xs, s, params, keep):
-        out, _ = torch._VF.gru(
-            xs.contiguous(),
-            s.unsqueeze(0),
-            list(params),
-            self.bias,
-            1,
-            0.0,
-            _train(xs),
-            False,
-            True,
-        )
+        out = gru_kernel(xs, s, params, self.bias, _train(xs))
         return list(out.unbind(1)), (out,)
 
     def cotangents(self, raw, src, w):
@@ -142,17 +134,7 @@ class LSTMMath:
                 s = self.cell(xs[:, k], s, params)
                 states.append(s)
             return states, (torch.stack([t[0] for t in states], 1), s[0:1], s[1:2])
-        out, h_n, c_n = torch._VF.lstm(
-            xs.contiguous(),
-            (s[0:1], s[1:2]),
-            list(params),
-            self.bias,
-            1,
-            0.0,
-            _train(xs),
-            False,
-            True,
-        )
+        out, h_n, c_n = lstm_kernel(xs, s[0:1], s[1:2], params, self.bias, _train(xs))
         states = [] if keep else [None] * (n - 1)
         if keep and n > 1:
             # the kernel returns the h's only: the c's from the same gates (Note [fused cells])

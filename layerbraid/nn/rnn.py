@@ -57,6 +57,7 @@ from torch import nn
 from .._chain import Run, _Chain, _ChainFn, _check_target, _gradient_estimate
 from .._comm import allgather_obj, arrive, check_same_settings, world
 from .._parts import FreedOnExit
+from .._torch_private import cudnn_flatten_rnn_weights
 from .._transport import bcast_into
 from ..launch import _enter
 from ..options import MGRITOptions, check_int
@@ -135,27 +136,13 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
             or not all(p.is_cuda and p.dtype == params[0].dtype for p in params)
             or not all(torch.backends.cudnn.is_acceptable(p) for p in params)
             or len({p.data_ptr() for p in params}) != len(params)
-            or not torch._use_cudnn_rnn_flatten_weight()
         ):
             return
-        from torch.backends.cudnn import rnn as cudnn_rnn
-
-        mode = cudnn_rnn.get_cudnn_mode(self._cell.reference.__name__.upper())
+        kind = self._cell.reference.__name__.upper()
+        layers = [self._layer_params(k) for k in range(self.num_layers)]
         with torch.cuda.device_of(params[0]), torch.no_grad():
-            for k in range(self.num_layers):
-                layer = self._layer_params(k)
-                # in place: the Parameters become views into one new buffer per layer
-                torch._cudnn_rnn_flatten_weight(
-                    layer,
-                    len(layer),
-                    self.input_size if k == 0 else self.hidden_size,
-                    mode,
-                    self.hidden_size,
-                    0,
-                    1,
-                    True,
-                    False,
-                )
+            # in place: the Parameters become views into one new buffer per layer
+            cudnn_flatten_rnn_weights(layers, kind, self.input_size, self.hidden_size)
 
     def free(self):
         """Frees the communicators and MGRIT cores made for each sequence length (also done
