@@ -9,7 +9,7 @@ export MPIR_CVAR_ENABLE_HEAVY_YIELD := 1
 
 SOURCES := setup.py pyproject.toml $(wildcard cbridge/*.py cbridge/include/*.h cbridge/src/*.c cbridge/src/*.h)
 
-.PHONY: demo test install bench reports stale clean
+.PHONY: demo test lint install bench reports stale clean
 
 install: $(STAMP)
 
@@ -38,6 +38,12 @@ test: $(STAMP)
 	    -m "shared_job and parallel[$$n]" || rc=1; \
 	done; \
 	exit $$rc
+
+# The package's lint, format and type checks (configured in pyproject.toml); CI runs them.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check layerbraid
+	$(VENV)/bin/ruff format --check layerbraid
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) -m bench.resnet

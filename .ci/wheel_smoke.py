@@ -23,6 +23,7 @@ for name in names:
     importlib.import_module(name)
 for sub in ("layerbraid.nn", "layerbraid.data", "layerbraid._mgrit_core"):
     assert sub in names, f"{sub} is missing from the installed package"
+assert os.path.exists(os.path.join(installed, "py.typed")), "py.typed is missing (PEP 561)"
 
 from layerbraid.nn import ConvBlock  # noqa: E402
 
