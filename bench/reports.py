@@ -32,6 +32,7 @@ _ENGINE = _CORE + ["layerbraid/_chain.py", "layerbraid/_comm.py", "layerbraid/_t
 # and the examples step.
 _RESNET = _ENGINE + ["layerbraid/module.py", "layerbraid/_handshake.py",
                      "layerbraid/_layer_steps.py", "layerbraid/_torch_private.py",
+                     "layerbraid/_step_rule.py",
                      "layerbraid/_ownership.py", "layerbraid/_autograd.py",
                      "layerbraid/nn/__init__.py"]
 # The examples' networks that reports train or time.  bench.harness.example loads

@@ -13,6 +13,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from ._chain import Steps, _Graph
 from ._comm import first_rank_where
+from ._step_rule import check_shape, combine, euler_step, increment
 from ._torch_private import flatten_dense
 
 __all__ = []
@@ -59,13 +60,11 @@ class _LayerSteps(Steps):
         self.check_finite = check_finite
 
     def apply_rule(self, layer, x, dt, index):
-        if self.rule is not None:
-            y = self.rule(layer, x, dt, index)
-            check_shape(y, x, index)
-            return y
-        fx = layer(x)
-        check_shape(fx, x, index)
-        return x + dt * fx
+        if self.rule is None:
+            return euler_step(layer, x, dt, index)
+        y = self.rule(layer, x, dt, index)
+        check_shape(y, x, index)
+        return y
 
     def step_params(self, owned):
         """{step: [(id, parameter)]} for the owned steps: the parameters that require a
@@ -158,9 +157,8 @@ class _LayerSteps(Steps):
             # Note [Euler graphs]: keep the graph of f(x) alone.  Its VJP serves every step
             # size, so the coarse adjoint steps reuse it instead of recomputing the layer.
             with torch.enable_grad():
-                fx = layer(xg)
-            check_shape(fx, u, index)
-            return u + dt * fx.detach(), _Graph(xg, fx, leaves, increment=True)
+                fx = increment(layer, xg, index)
+            return combine(u, dt, fx.detach()), _Graph(xg, fx, leaves, increment=True)
         with torch.enable_grad():
             y = self.apply_rule(layer, xg, dt, index)
         return y.detach(), _Graph(xg, y, leaves)
@@ -191,9 +189,8 @@ class _LayerSteps(Steps):
                 i = index + k * stride
                 layer, leaves = self.layers.layers[str(i)], run.own.step_params[i]
                 if self.rule is None:  # Note [Euler graphs]: the graph of f(x) is kept
-                    fx = layer(x)
-                    check_shape(fx, x, i)
-                    y = x + dt * fx
+                    fx = increment(layer, x, i)
+                    y = combine(x, dt, fx)
                     run.graphs[i] = _Graph(x, fx, leaves, increment=True, y=y)
                 else:
                     y = self.apply_rule(layer, x, dt, i)
@@ -388,16 +385,3 @@ def _parameters(module):
                 out.append(p)
         stack.extend(c for c in reversed(m._modules.values()) if c is not None)
     return out
-
-
-def check_shape(fx, x, index):
-    if not isinstance(fx, torch.Tensor):
-        raise TypeError(
-            f"step layer {index} returned {type(fx).__name__}, not a tensor: a step "
-            "layer must return a tensor of the state's shape"
-        )
-    if fx.shape != x.shape:
-        raise ValueError(
-            f"step layer {index} returned shape {tuple(fx.shape)} for a state of "
-            f"shape {tuple(x.shape)}: a step layer must keep the state's shape"
-        )

@@ -39,9 +39,10 @@ from ._handshake import (
     raise_for_close,
     share_close_report,
 )
-from ._layer_steps import _LayerSteps, all_finite, check_shape
+from ._layer_steps import _LayerSteps, all_finite
 from ._ownership import _StepLayers, draw_seed, seeded_layer
 from ._parts import FreedOnExit
+from ._step_rule import euler_step
 from ._transport import bcast_into, neighbour_exchange
 from .coarsening import SpatialCoarsening
 from .grid import _GradAverager
@@ -224,10 +225,9 @@ class LayerParallelModule(FreedOnExit, nn.Module, metaclass=_BuildStepsAfterInit
 
     def step_rule(self, layer: nn.Module, x: torch.Tensor, dt: float, index: int) -> torch.Tensor:
         """One step of the chain; forward Euler by default.  Must return a new tensor of the same
-        shape and dtype as ``x``.  Coarse MGRIT levels call it with a longer ``dt``."""
-        fx = layer(x)
-        check_shape(fx, x, index)
-        return x + dt * fx
+        shape and dtype as ``x``.  Coarse MGRIT levels call it with a longer ``dt``.  Override
+        it for another rule (docs/ARCHITECTURE.md, "Adding a step rule")."""
+        return euler_step(layer, x, dt, index)
 
     # ------------------------------------------------------------------ construction
     @property
@@ -696,9 +696,7 @@ class _SerialChain(nn.Module):
             x = self.open(x)
         for i, layer in enumerate(self.layers):
             if self.rule is None:
-                fx = layer(x)
-                check_shape(fx, x, i)
-                x = x + self.dt * fx
+                x = euler_step(layer, x, self.dt, i)
             else:
                 x = self.rule(self, layer, x, self.dt, i)
         return self.close(x) if self.close is not None else x

@@ -388,13 +388,14 @@ def measure_step(layer, x, repeats=20, dt=0.1):
     medians of `repeats` runs."""
     import torch
 
+    from ._step_rule import combine
+
     fwd, vjp, vjp_p = [], [], []
     params = [p for p in layer.parameters() if p.requires_grad]
     for _ in range(repeats + 1):
         xx = x.detach().clone().requires_grad_(True)
         t0 = time.perf_counter()
-        fx = layer(xx)
-        y = xx + dt * fx
+        y = combine(xx, dt, layer(xx))
         t1 = time.perf_counter()
         torch.autograd.grad(y, xx, torch.ones_like(y), retain_graph=True)
         t2 = time.perf_counter()
