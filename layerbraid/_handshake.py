@@ -36,6 +36,7 @@ __all__ = [
     "InputMeta",
     "Opened",
     "agree_on_input",
+    "agree_on_settings",
     "check_input",
     "share_close_report",
 ]
@@ -275,6 +276,18 @@ def agree_on_input(
         if bad:
             _raise_different_inputs(bad, ref)
     return _meta_of(head)
+
+
+def agree_on_settings(comm: Any, settings: dict[str, Any], where: str, what: str) -> None:
+    """Raises the same ValueError on every rank of ``comm`` when the ranks' ``settings``
+    differ, naming the setting (collective: the neighbours' arrival at ``where``, then one
+    allgather of the settings' digest; the settings themselves only when the digests differ)."""
+    if comm.Get_size() == 1:
+        return
+    arrive(comm, where)
+    digests = allgather_ints(comm, np.array([settings_digest(settings)], dtype=np.int64), what)
+    if len(set(digests[:, 0].tolist())) > 1:
+        _check_same_settings(allgather_obj(comm, settings, what))
 
 
 def _raise_different_inputs(bad: list[tuple[int, Fingerprint]], ref: Fingerprint) -> None:

@@ -74,7 +74,13 @@ from typing import Optional
 import torch
 
 from ._comm import allreduce_floats
-from ._parts import counted_parameters, layer_parallel_parts
+from ._parts import (
+    ExactSolve,
+    ProbeSolve,
+    TunedSolve,
+    counted_parameters,
+    layer_parallel_parts,
+)
 
 __all__ = [
     "GradientAudit",
@@ -190,9 +196,10 @@ def audit_gradients(model, closure, *, history: int = 3, calibrate: bool = True)
     raw = _sum_or_none(p._raw_gradient_error_estimate() for p in parts)
     estimate = _sum_or_none(p.gradient_error_estimate() for p in parts)
 
+    kept: list = []
+
     def exactly(on):
-        for part in parts:
-            part._solve_exactly = on
+        _switch_modes(parts, [ExactSolve()] * len(parts) if on else None, kept)
 
     exact = _gradients_with(model, parts, closure, exactly)
     num, den, eps = _difference(counted, exact)
@@ -201,11 +208,11 @@ def audit_gradients(model, closure, *, history: int = 3, calibrate: bool = True)
         (eps,) = allreduce_floats(comm, [eps], "max", "a gradient audit")
     # the same on every rank, bit for bit: each rank's adaptive stopping rule uses it
     error = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
-    calibrated = bool(parts[0]._audit_ratios)
+    calibrated = bool(parts[0].audit_ratios)
     if calibrate:
         calibration = _calibrate(parts, error, raw, eps, history)
     else:
-        calibration = _calibration(parts[0]._audit_ratios)
+        calibration = _calibration(parts[0].audit_ratios)
     return GradientAudit(error, estimate, raw, calibration, calibrated, time.perf_counter() - t0)
 
 
@@ -322,7 +329,7 @@ class IterationTuner:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"IterationTuner's {name} must be an int >= 1, got {v!r}")
         for part in self.parts:
-            if getattr(part, "target_error", None) is not None:
+            if part.target_error is not None:
                 raise ValueError(
                     f"IterationTuner replaces target_error, but a part of the model "
                     f"has target_error={part.target_error!r}: build it without"
@@ -347,7 +354,7 @@ class IterationTuner:
     def iterations(self):
         """Per part, the (forward, adjoint) iterations the next batch runs; None for a part
         whose solves are exact or that the tuner has not set yet (before its first probe)."""
-        return [p._solve_iterations for p in self.parts]
+        return [_tuned_counts(p) for p in self.parts]
 
     def __call__(self, closure, batch: int) -> Optional[Tuning]:
         if not audit_due(batch, self.every):
@@ -383,7 +390,7 @@ class IterationTuner:
                 if lower_change <= aim:
                     counts = lower
         for part, its in zip(parts, counts):
-            part._solve_iterations = its
+            part.solve_mode = None if its is None else TunedSolve(*its)
         tuning = Tuning(
             change, lower_change, ran, list(counts), time.perf_counter() - t0, aim, climb
         )
@@ -404,13 +411,11 @@ def _solve_at(model, parts, closure, counts, cold=False):
     guess or, without ``cold``, from the guesses its next solves would start from (a
     probe's); and per part, what those solves left (``_solved``).  The model is left as it
     was (``_gradients_with``)."""
-    left = []
+    left, kept = [], []
 
     def at(on):
-        for part, its in zip(parts, counts):
-            part._solve_probe = (
-                ((*its, True) if cold else tuple(its)) if on and its is not None else None
-            )
+        modes = [None if its is None else ProbeSolve(its[0], its[1], cold) for its in counts]
+        _switch_modes(parts, modes if on else None, kept)
 
     def keep():
         left.extend(None if its is None else _solved(part, its) for part, its in zip(parts, counts))
@@ -418,14 +423,29 @@ def _solve_at(model, parts, closure, counts, cold=False):
     return _gradients_with(model, parts, closure, at, after=keep), left
 
 
+def _switch_modes(parts, modes, kept):
+    """Puts ``modes`` (one per part; None: leave the part's as it is) in force for one batch,
+    keeping the parts' own (the tuner's counts) in ``kept``; ``modes=None`` restores them."""
+    if modes is None:
+        for part, mode in zip(parts, kept):
+            part.solve_mode = mode
+        kept.clear()
+        return
+    kept[:] = [part.solve_mode for part in parts]
+    for part, mode in zip(parts, modes):
+        if mode is not None:
+            part.solve_mode = mode
+
+
+def _tuned_counts(part):
+    """The (forward, adjoint) iterations a tuner set on ``part``, or None."""
+    mode = part.solve_mode
+    return (mode.forward, mode.adjoint) if isinstance(mode, TunedSolve) else None
+
+
 def _solved(part, counts):
-    """What the part's solves at ``counts`` iterations (a probe's, just run) left: their
-    statistics and, with warm starts, their states."""
-    chain = getattr(part, "_chain", None)
-    if chain is None:  # an RNN: the statistics live on the module, no warm starts
-        return part._save_stats()
-    probe = chain._probes[tuple(counts[:2])]
-    return probe.forward_stats, probe.backward_stats, probe._warm_fwd, probe._warm_bwd
+    """What the part's solves at ``counts`` iterations (a probe's, just run) left."""
+    return part._solved(counts)
 
 
 def _adopt(part, solved):
@@ -433,15 +453,7 @@ def _adopt(part, solved):
     them: a tuner that trains a batch on a probe's gradients keeps the statistics (with the
     part's calibration) and the warm-start states that go with them, so that what an audit,
     the iteration log and the next warm start see describes the gradients trained on."""
-    chain = getattr(part, "_chain", None)
-    if chain is None:
-        k = part._calibration
-        part._restore_stats(tuple([_calibrated(s, k) for s in stats] for stats in solved))
-        return
-    k = chain.calibration
-    chain.forward_stats, chain.backward_stats = (_calibrated(s, k) for s in solved[:2])
-    if chain.warm_start:
-        chain._warm_fwd, chain._warm_bwd = solved[2], solved[3]
+    part._adopt(solved, _calibrated)
 
 
 def _calibrated(stats, k):
@@ -558,12 +570,12 @@ def _sum_or_none(values):
 def _calibrate(parts, error, raw, eps, history):
     """Adds this audit's ratio to the parts' history and sets their calibration (Note
     [calibrated estimate]); returns it."""
-    ratios = parts[0]._audit_ratios
+    ratios = parts[0].audit_ratios
     if raw and math.isfinite(error) and error > ROUNDOFF_EPSILONS * eps:
         ratios.append(error / raw)
         del ratios[:-history]
     calibration = _calibration(ratios)
     for part in parts:
-        part._audit_ratios[:] = ratios
+        part.audit_ratios[:] = ratios
         part._set_calibration(calibration)
     return calibration

@@ -518,7 +518,7 @@ def test_audit_arguments_are_checked():
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(TypeError, match="the closure must return the loss"):
         layerbraid.audit_gradients(model, lambda: model(x))
-    assert not model._solve_exactly  # left as it was
+    assert model.solve_mode is None  # left as it was
     model.free()
 
 
@@ -542,7 +542,7 @@ def test_an_audit_at_round_off_leaves_the_calibration_alone():
 
     class Part:
         def __init__(self):
-            self._audit_ratios, self.calibration = [], None
+            self.audit_ratios, self.calibration = [], None
 
         def _set_calibration(self, c):
             self.calibration = c
@@ -550,7 +550,7 @@ def test_an_audit_at_round_off_leaves_the_calibration_alone():
     eps = torch.finfo(torch.float32).eps
     assert ROUNDOFF_EPSILONS == 10
     parts = [Part(), Part()]
-    assert _calibrate(parts, 5 * eps, 1e-3, eps, 3) == 1.0 and parts[0]._audit_ratios == []
+    assert _calibrate(parts, 5 * eps, 1e-3, eps, 3) == 1.0 and parts[0].audit_ratios == []
     assert _calibrate(parts, 20 * eps, 1e-3, eps, 3) == pytest.approx(20 * eps / 1e-3)
     assert [p.calibration for p in parts] == [pytest.approx(20 * eps / 1e-3)] * 2
 

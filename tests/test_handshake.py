@@ -159,3 +159,19 @@ def test_a_rank_that_never_joins_the_close_report_is_reported(short_timeout):
     if WORLD.rank == 0:
         with pytest.raises(StallError, match="rank 1's close layer's status"):
             hs.share_close_report(WORLD, None, 1)
+
+
+@pytest.mark.parallel([2])
+def test_settings_alone_are_agreed_by_digest_and_named_when_they_differ():
+    hs.agree_on_settings(WORLD, SETTINGS, "a check", "the settings")  # alike: nothing raised
+    theirs = dict(SETTINGS, warm_start=True) if WORLD.rank == 1 else SETTINGS
+    with pytest.raises(ValueError, match="disagree on warm_start: rank 0 has False, rank 1 has "
+                                         "True"):
+        hs.agree_on_settings(WORLD, theirs, "a check", "the settings")
+
+
+@pytest.mark.parallel([2])
+def test_a_rank_that_never_agrees_on_settings_is_reported(short_timeout):
+    if WORLD.rank == 0:
+        with pytest.raises(StallError, match="rank 1 to reach an RNN's forward"):
+            hs.agree_on_settings(WORLD, SETTINGS, "an RNN's forward", "the settings")

@@ -11,6 +11,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .._comm import allgather_obj, bcast_obj, is_comm, world
+from .._parts import LayerParallelPart
+from ..grid import ProcessGrid
 from ..launch import _enter
 from ..options import check_int
 
@@ -22,14 +24,10 @@ def _group_of(comm):
     anything with a ``comm``), or an mpi4py communicator (one data group)."""
     if comm is None:
         return world(), 0, 1
-    grid = getattr(comm, "_grid", None)  # a LayerParallelModule built on a grid
-    if grid is not None:
-        comm = grid
-    if hasattr(comm, "layer_comm") and hasattr(comm, "data_rank"):  # a ProcessGrid
+    if isinstance(comm, LayerParallelPart):
+        comm = comm._process_grid() or comm.comm
+    if isinstance(comm, ProcessGrid):
         return comm.world, comm.data_rank, comm.data_size
-    inner = getattr(comm, "comm", None)
-    if inner is not None and not is_comm(comm):
-        comm = inner
     if not is_comm(comm):
         raise TypeError(
             f"comm must be an mpi4py communicator, a ProcessGrid or a layer-parallel "

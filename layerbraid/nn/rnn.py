@@ -55,10 +55,12 @@ import torch
 from torch import nn
 
 from .._chain import Run, _Chain, _ChainFn, _check_target, _gradient_estimate
-from .._comm import allgather_obj, arrive, check_same_settings, world
-from .._parts import FreedOnExit
+from .._comm import world
+from .._handshake import agree_on_settings
+from .._parts import FreedOnExit, LayerParallelPart
 from .._torch_private import cudnn_flatten_rnn_weights
 from .._transport import bcast_into
+from ..grid import ProcessGrid
 from ..launch import _enter
 from ..options import MGRITOptions, check_int
 from ._cell_steps import _CellSteps, _GRUSteps, _LSTMSteps
@@ -66,7 +68,7 @@ from ._cell_steps import _CellSteps, _GRUSteps, _LSTMSteps
 __all__ = ["LayerParallelGRU", "LayerParallelLSTM"]
 
 
-class _LayerParallelRNN(FreedOnExit, nn.Module):
+class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
     _cell = _CellSteps
 
     def __init__(
@@ -102,7 +104,7 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
             check_int(name, v)
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
         comm = world() if comm is None else comm
-        self.comm = getattr(comm, "layer_comm", comm)
+        self.comm = comm.layer_comm if isinstance(comm, ProcessGrid) else comm
         self.target_error = _check_target(target_error)
         self.forward_options = _fc(forward_options)
         self.backward_options = _fc(backward_options)
@@ -116,10 +118,7 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         self._chains = {}
         self.forward_stats = []
         self.backward_stats = []
-        self._solve_exactly = False  # set by audit_gradients
-        self._solve_probe = None  # (forward, adjoint iterations[, cold]), set by probe_gradients
-        self._solve_iterations = None  # (forward, adjoint iterations), set by IterationTuner
-        self._audit_ratios = []
+        self._init_part()
         self._calibration = 1.0
 
     def _apply(self, fn, *args, **kwargs):
@@ -180,14 +179,7 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
                 store_all=False,
             )
             self._chains[seq].calibration = self._calibration
-        chain = self._chains[seq]
-        if self._solve_exactly:
-            return chain.exact()
-        if self._solve_probe is not None:
-            return chain.probe(*self._solve_probe)
-        if self._solve_iterations is not None:
-            return chain.tuned(*self._solve_iterations)
-        return chain
+        return self._solving(self._chains[seq])
 
     def gradient_error_estimate(self):
         """An estimate of the last backward's relative parameter-gradient error: the sum over
@@ -218,15 +210,20 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
         for chain in self._chains.values():
             chain.calibration = k
 
+    def _solved(self, counts):
+        return self._save_stats()  # no warm starts: the statistics are all
+
+    def _adopt(self, solved, calibrate):
+        k = self._calibration
+        self._restore_stats(tuple([calibrate(s, k) for s in stats] for stats in solved))
+
     def _settings(self, x):
         """What every rank must agree on for a forward and its backward."""
         return {
             "the input's shape and dtype": (tuple(x.shape), str(x.dtype)),
             "target_error": self.target_error,
             "the calibration of the error estimate": self._calibration,
-            "an exact solve (audit_gradients)": self._solve_exactly,
-            "a probe's iterations (probe_gradients)": self._solve_probe,
-            "tuned iterations (IterationTuner)": self._solve_iterations,
+            "the solve mode (audit_gradients, probe_gradients, IterationTuner)": self.solve_mode,
         }
 
     def forward(self, x, hx=None):
@@ -242,13 +239,12 @@ class _LayerParallelRNN(FreedOnExit, nn.Module):
             )
         batch, seq = x.shape[0], x.shape[1]
         h0_all = self._steps.initial_states(hx, (self.num_layers, batch, self.hidden_size), x)
-        if self.comm.Get_size() > 1:
-            arrive(self.comm, "the forward of a layer-parallel RNN")
-            check_same_settings(
-                allgather_obj(
-                    self.comm, self._settings(x), "the settings of a layer-parallel RNN's forward"
-                )
-            )
+        agree_on_settings(
+            self.comm,
+            self._settings(x),
+            "the forward of a layer-parallel RNN",
+            "the settings of a layer-parallel RNN's forward",
+        )
         chain = self._chain_for(seq)  # after the check: a new length builds solvers (collective)
         self.forward_stats, self.backward_stats = [], []
         inp = x
