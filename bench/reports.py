@@ -26,8 +26,8 @@ _CORE = ["cbridge/src", "cbridge/include", "layerbraid/_bridge.py", "layerbraid/
          "layerbraid/_states.py", "layerbraid/options.py"]
 # Everything the solve engine imports runs in every solve (tests/test_reports.py checks the
 # list against _chain.py's imports), but for the exception classes of layerbraid/errors.py.
-_ENGINE = _CORE + ["layerbraid/_chain.py", "layerbraid/_comm.py", "layerbraid/_transport.py",
-                   "layerbraid/_timeouts.py", "layerbraid/stats.py"]
+_ENGINE = _CORE + ["layerbraid/_chain.py", "layerbraid/_steps.py", "layerbraid/_comm.py",
+                   "layerbraid/_transport.py", "layerbraid/_timeouts.py", "layerbraid/stats.py"]
 # The ResNet path, and ConvBlock (layerbraid/nn/__init__.py): the layer the ResNet benchmarks
 # and the examples step.
 _RESNET = _ENGINE + ["layerbraid/module.py", "layerbraid/_handshake.py",

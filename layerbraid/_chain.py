@@ -32,10 +32,11 @@ from dataclasses import replace
 import torch
 
 from ._bridge import _Core
+from ._steps import Run, Steps
 from .options import MGRITOptions
 from .stats import SolveStats, contraction, error_estimate
 
-__all__ = []
+__all__ = ["Run", "Steps"]  # (the interface types live in _steps)
 
 # The probe solvers a chain keeps, one per pair of iteration counts (each holds two cores and a
 # communicator; MPICH allows about 2,000 communicators per process).
@@ -55,130 +56,6 @@ class _SolveState(threading.local):
 
 
 _solve_state = _SolveState()
-
-
-class _Graph:
-    """The graph of one step, kept from the forward's final relaxation.
-
-    ``out`` is a function of the state leaf ``x`` and of ``leaves`` (``[(key, tensor)]``:
-    parameters, inputs), whose gradients are collected under ``key``.  With ``increment`` set
-    the step was ``x + scale(dt) * out`` (``Steps.scale``): the VJP ``w + out'(x)^T (scale(dt)
-    w)`` then serves every step size, so coarse adjoint steps reuse the graph instead of
-    recomputing the step (Note [Euler graphs]).  Otherwise ``out`` is the new state itself.
-
-    ``y``: the new state as a tensor of a run's graph (Note [fused runs] in _layer_steps.py),
-    whose next step's ``x`` is this same tensor; None for a step recorded alone (``x`` a leaf).
-    """
-
-    __slots__ = ("x", "out", "leaves", "increment", "y")
-
-    def __init__(self, x, out, leaves=(), increment=False, y=None):
-        self.x, self.out, self.leaves, self.increment = x, out, list(leaves), increment
-        self.y = y
-
-
-class Run:
-    """One forward solve and its backward.  The engine's fields are declared here; a provider
-    keeps its own in ``own``, the object its ``new_run_state()`` returns (its declared
-    structure), so nothing else can be attached to a run.
-
-    Fields: the provider (``steps``), the state's shape, dtype and device, whether to record
-    graphs, whether to keep them after a backward (``retain``: differentiate again), the kept
-    graphs (forward step index -> _Graph), the gradients collected per leaf (summed over the
-    steps), the solves' statistics, the owned forward steps and the adjoint's level count (set
-    by the engine), and ``on_backward``, called with the backward's SolveStats when it is
-    known (how a module hears of it)."""
-
-    __slots__ = (
-        "steps",
-        "shape",
-        "dtype",
-        "device",
-        "record",
-        "retain",
-        "graphs",
-        "grads",
-        "forward_stats",
-        "backward_stats",
-        "owned",
-        "adjoint_levels",
-        "on_backward",
-        "own",
-    )
-
-    def __init__(self, steps, shape, dtype, device, record, retain=False, on_backward=None):
-        self.steps = steps
-        self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
-        self.record = bool(record)
-        self.retain = bool(retain)
-        self.graphs = {}
-        self.grads = {}
-        self.forward_stats = self.backward_stats = None
-        self.owned = ()
-        self.adjoint_levels = 0
-        self.on_backward = on_backward
-        self.own = steps.new_run_state()
-
-
-class Steps:
-    """What a network supplies to the engine.  Methods take the run first; ``dt`` is the step's
-    length (coarse levels take longer steps), ``index`` a forward step's global index.
-
-    The provider's own part of a run:
-        new_run_state(): a new object of the provider's declared structure (``run.own``), or
-            None when it keeps nothing per run.
-    Boundary of the chain (inside the autograd Function):
-        begin(run, inputs): keep what the steps need from the Function's tensor inputs.
-        initial(run): the state at point 0 (asked on the first rank only).
-        output(run, states): the Function's output from this rank's solved states.
-        begin_adjoint(run, grad): keep the output's gradient.
-        adjoint_initial(run): the adjoint state at adjoint point 0 (forward point N).
-        input_grads(run, states): the gradients of ``inputs``, in order, from the adjoint states
-            and ``run.grads``.
-    Steps:
-        step(run, u, dt, level, index): the step from point ``index`` (no graph).
-        record(run, u, dt, index): ``(next state, _Graph or None)``, a step of the final
-            relaxation (each step once), with its graph when ``run.record`` (None: the provider
-            differentiates its steps itself, in adjoint_step).
-        scale(dt): the factor of an increment graph (see _Graph).
-        adjoint_step(run, w, dt, level, s, final): a provider's own adjoint of forward step
-            ``s``, or None for the VJP of its kept graph (the default); ``final``: the step of
-            the adjoint's final relaxation, where the leaves' gradients are collected.
-        source(run, s): a term added to the adjoint after step ``s``'s VJP (None: none).
-    Runs of steps (Note [fused intervals] in cbridge/src/relax.c), optional: None (the default)
-    makes the engine take the steps one by one, still in one call of the core.
-        step_interval(run, u, dts, level, index, stride, final, keep): the states after each
-            of ``len(dts)`` steps from u, step k from point ``index + k * stride``; without
-            ``keep`` only the last is needed (the others may be None).
-        adjoint_interval(run, w, dts, level, ss, final, keep): the adjoint states after each
-            adjoint step over the forward steps ``ss`` (in the adjoint's order), sources
-            included.
-    End of this rank's part of the adjoint, optional:
-        adjoint_idle(run): called when this rank's part of the adjoint solve went well and
-            only the allreduce that ends it is left (Note [idle work] in cbridge/src/cycle.c):
-            work that needs no other rank, such as deferred parameter gradients.
-    """
-
-    def new_run_state(self):
-        return None
-
-    def scale(self, dt):
-        return dt
-
-    def adjoint_step(self, run, w, dt, level, s, final):
-        return None
-
-    def source(self, run, s):
-        return None
-
-    def step_interval(self, run, u, dts, level, index, stride, final, keep):
-        return None
-
-    def adjoint_interval(self, run, w, dts, level, ss, final, keep):
-        return None
-
-    def adjoint_idle(self, run):
-        pass
 
 
 class _Chain:
@@ -225,53 +102,20 @@ class _Chain:
         self._tuned_key = None
         self._parent = None  # a tuned variant's chain: it takes the variant's stats and states
         self.spatial, self.target_error = spatial, target_error
-        rank, size = comm.Get_rank(), comm.Get_size()
         self.fwd = self.bwd = None
-        self.fwd = _Core(
-            comm,
-            num_steps,
-            0.0,
-            t_final,
-            forward_options,
-            init=self._fwd_init,
-            step=self._fwd_step,
-            step_interval=self._fwd_interval,
-            store_all=store_all,
-            coarsen=spatial.restrict if spatial else None,
-            refine=spatial.interpolate if spatial else None,
-        )
+        self.fwd = self._forward_core(forward_options)
         try:
             self.fwd.setup()  # collective: the options must agree across ranks
             self.levels = self.fwd.level_info()
             lo, hi, _ = self.levels[0]
             self.owned = list(range(max(lo, 1) - 1, hi))
-            # The adjoint runs backward in time on the reversed communicator, with the extra
-            # steps mirrored, so that each rank differentiates exactly its own steps.  It keeps
-            # only the states its cycles read again: the gradients need the last point alone.
-            rev = comm.Split(0, size - 1 - rank)
-            self.bwd = _Core(
-                rev,
-                num_steps,
-                0.0,
-                t_final,
-                backward_options,
-                init=self._bwd_init,
-                step=self._bwd_step,
-                mirror=True,
-                step_interval=self._bwd_interval,
-                store_all=False,
-                idle=lambda run: run.steps.adjoint_idle(run),
-                real_ranks=list(range(size))[::-1],
-                owns_comm=True,
-                coarsen=spatial.restrict_adjoint if spatial else None,
-                refine=spatial.interpolate_adjoint if spatial else None,
-            )
+            self.bwd = self._adjoint_core(backward_options)
             self.bwd.setup()
         except BaseException:
             self.free()
             raise
         self.strides = [m for (_, _, m) in self.bwd.level_info()]
-        if rank == 0:
+        if comm.Get_rank() == 0:
             _warn_if_reduced(num_steps, forward_options, self.fwd.num_levels(), "forward")
             _warn_if_reduced(num_steps, backward_options, self.bwd.num_levels(), "adjoint")
         alo, ahi, _ = self.bwd.level_info()[0]
@@ -284,6 +128,47 @@ class _Chain:
         self._contraction = {}  # core -> the last measured contraction factor
         self._alignment = {}  # core -> the last residual sum over the residual norm
         self.forward_stats, self.backward_stats = SolveStats(), SolveStats()
+
+    def _forward_core(self, options):
+        spatial = self.spatial
+        return _Core(
+            self.comm,
+            self.num_steps,
+            0.0,
+            self.t_final,
+            options,
+            init=self._fwd_init,
+            step=self._fwd_step,
+            step_interval=self._fwd_interval,
+            store_all=self.store_all,
+            coarsen=spatial.restrict if spatial else None,
+            refine=spatial.interpolate if spatial else None,
+        )
+
+    def _adjoint_core(self, options):
+        """The adjoint runs backward in time on the reversed communicator, with the extra steps
+        mirrored, so that each rank differentiates exactly its own steps.  It keeps only the
+        states its cycles read again: the gradients need the last point alone."""
+        comm, spatial = self.comm, self.spatial
+        rank, size = comm.Get_rank(), comm.Get_size()
+        rev = comm.Split(0, size - 1 - rank)
+        return _Core(
+            rev,
+            self.num_steps,
+            0.0,
+            self.t_final,
+            options,
+            init=self._bwd_init,
+            step=self._bwd_step,
+            mirror=True,
+            step_interval=self._bwd_interval,
+            store_all=False,
+            idle=lambda run: run.steps.adjoint_idle(run),
+            real_ranks=list(range(size))[::-1],
+            owns_comm=True,
+            coarsen=spatial.restrict_adjoint if spatial else None,
+            refine=spatial.interpolate_adjoint if spatial else None,
+        )
 
     def free(self):
         """Frees both cores and the reversed communicator (owned by the adjoint core), and the
@@ -437,7 +322,7 @@ class _Chain:
         self._zeros = None
         try:
             with torch.no_grad():
-                iters, norms = core.solve(run)
+                iters, norms = core.solve(run, run.device)
         finally:
             self._zeros = None
         states = core.states()

@@ -11,9 +11,9 @@ from typing import Optional
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from ._chain import Steps, _Graph
 from ._comm import first_rank_where
 from ._step_rule import check_shape, combine, euler_step, increment
+from ._steps import Steps, _Graph
 from ._torch_private import flatten_dense
 
 __all__ = []

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from .._chain import Steps, _Graph
+from .._steps import Steps, _Graph
 from .._transport import allgather_rows, allreduce_sum, bcast_tensor
 from ._cells import GRUMath, LSTMMath, _flat
 
