@@ -9,6 +9,7 @@ in cbridge/src/comm.c).
 """
 
 import re
+import sys
 import time
 
 import numpy as np
@@ -24,6 +25,25 @@ __all__ = []
 
 
 # ---------------------------------------------------------------- the solver handle
+def _callback_table(coarsen, refine, step_interval, idle):
+    """The core's callback table: every callback this module defines, the optional ones
+    (spatial coarsening, runs of steps, idle work) only where the solver has them."""
+    cbs = ffi.new("mgrit_callbacks *")
+    cbs.init, cbs.clone, cbs.free = lib._lb_init, lib._lb_clone, lib._lb_free
+    cbs.sum, cbs.norm, cbs.step = lib._lb_sum, lib._lb_norm, lib._lb_step
+    cbs.bufsize, cbs.pack, cbs.unpack = lib._lb_bufsize, lib._lb_pack, lib._lb_unpack
+    cbs.poll = lib._lb_poll
+    if coarsen is not None:
+        cbs.coarsen = lib._lb_coarsen
+    if refine is not None:
+        cbs.refine = lib._lb_refine
+    if step_interval is not None:
+        cbs.step_interval = lib._lb_step_interval
+    if idle is not None:
+        cbs.idle = lib._lb_idle
+    return cbs
+
+
 class _Core:
     """One MGRIT solver over a communicator.
 
@@ -75,6 +95,9 @@ class _Core:
         idle=None,
     ):
         MPI = _MPI
+        self._core = None  # what close() frees, set before anything here can fail
+        self.comm = None
+        self._owns_comm = False
         # MPI_Comm_dup below is a blocking collective: every rank arrives first, with the
         # deadline, so that one that never builds this solver is reported, not waited for.
         barrier(
@@ -98,24 +121,11 @@ class _Core:
         self.rank = comm.Get_rank()
         self._real = list(real_ranks) if real_ranks is not None else list(range(comm.Get_size()))
         self._handle = ffi.new_handle(self)
-        cbs = ffi.new("mgrit_callbacks *")
-        cbs.init, cbs.clone, cbs.free = lib._lb_init, lib._lb_clone, lib._lb_free
-        cbs.sum, cbs.norm, cbs.step = lib._lb_sum, lib._lb_norm, lib._lb_step
-        cbs.bufsize, cbs.pack, cbs.unpack = lib._lb_bufsize, lib._lb_pack, lib._lb_unpack
-        if coarsen is not None:
-            cbs.coarsen = lib._lb_coarsen
-        if refine is not None:
-            cbs.refine = lib._lb_refine
-        cbs.poll = lib._lb_poll
-        if step_interval is not None:
-            cbs.step_interval = lib._lb_step_interval
-        if idle is not None:
-            cbs.idle = lib._lb_idle
-        self._cbs = cbs
+        self._cbs = _callback_table(coarsen, refine, step_interval, idle)
         out = ffi.new("mgrit_core **")
         comm_ptr = ffi.cast("MPI_Comm *", MPI._addressof(comm))
         rc = lib.mgrit_create(
-            comm_ptr, int(num_steps), float(t_start), float(t_stop), cbs, self._handle, out
+            comm_ptr, int(num_steps), float(t_start), float(t_stop), self._cbs, self._handle, out
         )
         if rc != lib.MGRIT_OK:
             why = ffi.string(lib.mgrit_create_error()).decode()
@@ -126,6 +136,9 @@ class _Core:
                 f"t_start={t_start!r}, t_stop={t_stop!r}: {why}"
             )
         self._core = out[0]
+        self._configure(options, trace, mirror, store_all)
+
+    def _configure(self, options, trace, mirror, store_all):
         self._set_options(options, trace)
         self._check(lib.mgrit_set_timeout(self._core, timeout()))
         self._check(lib.mgrit_set_wait_sleep(self._core, wait_sleep()))
@@ -144,11 +157,11 @@ class _Core:
         Safe to call twice, and after MPI has finalized (then nothing is freed: the process is
         ending)."""
         finalized = _MPI.Is_finalized()
-        if getattr(self, "_core", None) is not None:
+        if self._core is not None:
             if not finalized:
                 lib.mgrit_destroy(self._core)
             self._core = None
-        comm = getattr(self, "comm", None)
+        comm = self.comm
         if self._owns_comm and comm is not None and not finalized and comm != _MPI.COMM_NULL:
             comm.Free()
         self.comm = None
@@ -189,7 +202,7 @@ class _Core:
 
     def _fail(self, exc, where):
         if self._error is None:
-            if hasattr(exc, "add_note"):
+            if sys.version_info >= (3, 11):  # add_note is new in 3.11
                 exc.add_note(
                     f"(raised on rank {self._real[self.rank]} in the MGRIT {where} callback)"
                 )
@@ -265,16 +278,17 @@ class _Core:
         return out
 
     # solve
-    def solve(self, app=None):
+    def solve(self, app=None, device=None):
         """Runs the solve, handing ``app`` to the init and step callbacks; returns (iterations,
-        residual norms).  Raises on every rank on error."""
+        residual norms).  ``device``: where received states land (None: the device of the
+        first state this rank makes).  Raises on every rank on error."""
         self._error = None
         self.step_seconds = 0.0
         self._app = app
         # Where unpacked states land (Note [staging]): the solve's device where the caller names
         # one (a rank may receive a state before it makes one, and a model can move between
         # solves), else the device of the first state this rank makes.
-        self._device = getattr(app, "device", None)
+        self._device = device
         try:
             rc = lib.mgrit_solve(self._core)
         finally:

@@ -86,6 +86,12 @@ class _StepLayers:
             for r, (idx, _, _, _) in enumerate(everyone)
             if r != rank and any(i in have for i in idx)
         }
+        mismatch = self._build_copies(needed, ranges, layouts, factory, base, device)
+        self._check_layouts(comm, mismatch)
+
+    def _build_copies(self, needed, ranges, layouts, factory, base, device):
+        """The copies of the layers this rank's coarse steps inject, and from which rank each
+        is received; the first copy whose layout differs from its owner's layer (or None)."""
         self.copies = {}
         self.recvs = {}
         mismatch = None
@@ -100,6 +106,10 @@ class _StepLayers:
             self.recvs.setdefault(owner, []).append(i)
             if mismatch is None and _layout(layer) != layouts[i]:
                 mismatch = (i, owner, _layout(layer), layouts[i])
+        return mismatch
+
+    @staticmethod
+    def _check_layouts(comm, mismatch):
         # The copies are filled with the owners' bytes: every copy must have its owner's
         # parameter and buffer layout, decided here, the same on every rank.
         bad = allgather_obj(comm, mismatch, "the step layers' layouts")

@@ -67,5 +67,8 @@ def wait_sleep() -> float:
         if os.environ.get(name, "").isdigit():
             local = int(os.environ[name])
             break
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        cores: Optional[int] = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count()
     return _OVERSUBSCRIBED_SLEEP if local > (cores or 1) else 0.0

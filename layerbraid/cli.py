@@ -10,6 +10,7 @@ Every rank parses the same argv, so a bad value stops every rank with the same m
 """
 
 import argparse
+from typing import Any
 
 from ._comm import world
 from .options import MGRITOptions
@@ -77,6 +78,9 @@ def _levels(text):
 _DEFAULT = MGRITOptions()
 
 
+# Note [flag lists]: add_lp_arguments and add_training_arguments are each one flat list of
+# add_argument calls, in the order --help prints them.  They run past 60 lines, and are read
+# (and extended) more easily as one list than split into groups of functions.
 def add_lp_arguments(
     parser,
     *,
@@ -227,7 +231,7 @@ def add_lp_arguments(
     return g
 
 
-def add_training_arguments(
+def add_training_arguments(  # Note [flag lists]
     parser,
     *,
     steps=8,
@@ -345,20 +349,26 @@ def add_training_arguments(
     return g
 
 
+def _flag(args: argparse.Namespace, name: str, default: Any) -> Any:
+    """The value of flag ``name``, or ``default`` where the script's parser lacks it: a script
+    may add only some of the groups (``add_lp_arguments``, ``add_training_arguments``)."""
+    return vars(args).get(name, default)
+
+
 def parse_args(parser, argv=None):
     """Parses argv and checks the flags against each other; errors exit before any training.
     Every rank parses the same argv and exits on the same error; only rank 0 prints it, with
     the usage (N ranks would print it N times)."""
     _quiet_off_rank_zero(parser)
     args = parser.parse_args(argv)
-    if getattr(args, "lp_levels", None) == "auto":
+    if _flag(args, "lp_levels", None) == "auto":
         for flag, values in (("--lp-cfactor", args.lp_cfactor), ("--lp-relax", args.lp_relax)):
             if len(values) > 1:
                 parser.error(
                     f"--lp-levels auto takes one {flag} value for every level, got "
                     f"{' '.join(map(str, values))}"
                 )
-    elif hasattr(args, "lp_levels"):
+    elif "lp_levels" in vars(args):
         coarsened = max(args.lp_levels - 1, 1)
         if len(args.lp_cfactor) not in (1, coarsened):
             parser.error(
@@ -372,15 +382,15 @@ def parse_args(parser, argv=None):
                 f"({coarsened} for --lp-levels {args.lp_levels}), got "
                 f"{' '.join(args.lp_relax)}"
             )
-    if getattr(args, "lp_tune_error", None) is not None:
+    if _flag(args, "lp_tune_error", None) is not None:
         if args.lp_target_error is not None:
             parser.error(
                 "--lp-tune-error and --lp-target-error are two kinds of adaptive "
                 "iterations: give one"
             )
-        if not getattr(args, "lp_probe_every", None):
+        if not _flag(args, "lp_probe_every", None):
             args.lp_probe_every = 20
-    if getattr(args, "dp_size", 1) > 1:
+    if _flag(args, "dp_size", 1) > 1:
         size = world().Get_size()
         if size % args.dp_size:
             parser.error(f"--dp-size {args.dp_size} does not divide the {size} ranks")
@@ -389,7 +399,7 @@ def parse_args(parser, argv=None):
                 f"--batch-size {args.batch_size} is smaller than --dp-size "
                 f"{args.dp_size}: every data group needs part of each batch"
             )
-    if getattr(args, "resume", None):
+    if _flag(args, "resume", None):
         import os
 
         if not os.path.exists(args.resume):
@@ -418,23 +428,23 @@ def check_run(parser, args, comm=None, *, steps=None, steps_flag="--steps"):
     import torch
 
     comm = world() if comm is None else comm
-    serial, dp = getattr(args, "serial", False), getattr(args, "dp_size", 1)
+    serial, dp = _flag(args, "serial", False), _flag(args, "dp_size", 1)
     if serial and comm.Get_size() > 1:
         parser.error("--serial trains in one process: run it without mpiexec")
     if serial and dp > 1:
         parser.error("--serial and --dp-size > 1 do not go together")
-    if hasattr(args, "batch_size") and args.batch_size % dp:
+    if "batch_size" in vars(args) and args.batch_size % dp:
         parser.error(
             f"--batch-size {args.batch_size} does not split evenly over --dp-size {dp} data groups"
         )
-    steps = getattr(args, "steps", None) if steps is None else steps
+    steps = _flag(args, "steps", None) if steps is None else steps
     layer_ranks = comm.Get_size() // dp
     if not serial and steps is not None and steps < layer_ranks:
         parser.error(
             f"{steps_flag} {steps} is smaller than the number of layer-parallel ranks "
             f"({layer_ranks})"
         )
-    if getattr(args, "lp_levels", None) == "auto":
+    if _flag(args, "lp_levels", None) == "auto":
         args.lp_levels = 1 if serial or steps is None else auto_levels(args, steps, layer_ranks)
         if comm.Get_rank() == 0:
             print(
@@ -442,7 +452,7 @@ def check_run(parser, args, comm=None, *, steps=None, steps_flag="--steps"):
                 f"{layer_ranks} layer-parallel rank(s)",
                 flush=True,
             )
-    device = getattr(args, "device", "cpu")
+    device = _flag(args, "device", "cpu")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             parser.error(f"--device {device}: CUDA is not available here")

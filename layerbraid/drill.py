@@ -219,6 +219,32 @@ def run(scenario, ranks=2, limit=60, mpiexec="mpiexec"):
     job), "faulty" (the rank that printed FAULT), "outputs" ({rank: its lines}), "job" (lines
     no rank printed), "cause_on" (the ranks that printed the cause), "cause" (the cause
     printed where the scenario says), "output" (everything)}."""
+    proc = _launch(scenario, ranks, mpiexec)
+    rc, hung, lines, fault, faulty, end = _watch(proc, scenario, limit)
+    outputs, job = _by_rank(lines, ranks)
+    cause, where = SCENARIOS[scenario][1], SCENARIOS[scenario][2]
+    cause_on = [r for r, text in outputs.items() if cause in text]
+    if where == "faulty":
+        shown = faulty in cause_on
+    elif where == "waiting":
+        shown = any(r != faulty for r in cause_on)
+    else:
+        shown = cause in job or bool(cause_on)
+    return {
+        "rc": rc,
+        "hung": hung,
+        "faulty": faulty,
+        "outputs": outputs,
+        "job": job,
+        "seconds": None if fault is None else end - fault,
+        "cause_on": cause_on,
+        "cause": shown,
+        "output": "".join(lines),
+    }
+
+
+def _launch(scenario, ranks, mpiexec):
+    """The scenario's job, each line of output tagged with its rank (``mpiexec -l``)."""
     # Not the calling process's MPI job: a fresh one (no PMI variables of a singleton).
     env = {
         k: v
@@ -226,24 +252,20 @@ def run(scenario, ranks=2, limit=60, mpiexec="mpiexec"):
         if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA", "_PYTEST_MPI"))
     }
     env.update(PYTHONUNBUFFERED="1", LAYERBRAID_TIMEOUT=str(TIMEOUT))
-    proc = subprocess.Popen(
-        [
-            mpiexec,
-            "-l",
-            "-n",
-            str(ranks),
-            sys.executable,
-            "-m",
-            "layerbraid.drill",
-            "--job",
-            scenario,
-        ],
+    cmd = [mpiexec, "-l", "-n", str(ranks), sys.executable, "-m", "layerbraid.drill"]
+    return subprocess.Popen(
+        [*cmd, "--job", scenario],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
         start_new_session=True,
     )
+
+
+def _watch(proc, scenario, limit):
+    """Reads the job's output as it comes until it ends or ``limit`` s pass (then it is
+    killed): (rc, hung, lines, time of the fault, faulty rank, time of the end)."""
     lines, state = [], {"fault": None, "faulty": None}
 
     def read():
@@ -266,6 +288,11 @@ def run(scenario, ranks=2, limit=60, mpiexec="mpiexec"):
         rc = proc.wait()
     end = time.time()
     reader.join(5)
+    return rc, hung, lines, state["fault"], state["faulty"], end
+
+
+def _by_rank(lines, ranks):
+    """({rank: its text}, the launcher's own text) from ``mpiexec -l`` output."""
     # mpiexec -l tags each piece of a rank's output it forwards, and a piece can end mid-line:
     # "[1] InjectedFa" "[1] ult ..." arrive as "[1] InjectedFa[1] ult ...".  Each tag starts a
     # piece of its rank's stream; text before any tag on a line is the launcher's own.
@@ -278,26 +305,7 @@ def run(scenario, ranks=2, limit=60, mpiexec="mpiexec"):
                 outputs[int(r)] += text
             else:
                 job += text
-    cause, where = SCENARIOS[scenario][1], SCENARIOS[scenario][2]
-    cause_on = [r for r, text in outputs.items() if cause in text]
-    faulty = state["faulty"]
-    if where == "faulty":
-        shown = faulty in cause_on
-    elif where == "waiting":
-        shown = any(r != faulty for r in cause_on)
-    else:
-        shown = cause in job or bool(cause_on)
-    return {
-        "rc": rc,
-        "hung": hung,
-        "faulty": faulty,
-        "outputs": outputs,
-        "job": job,
-        "seconds": None if state["fault"] is None else end - state["fault"],
-        "cause_on": cause_on,
-        "cause": shown,
-        "output": "".join(lines),
-    }
+    return outputs, job
 
 
 def sleep_forever():
@@ -351,6 +359,13 @@ def job(scenario):
         sleep_forever()
     loader = LayerParallelLoader(TensorDataset(x, y), 4, comm=model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _train(scenario, WORLD, model, loader, opt)
+    _finish(scenario, WORLD, model, opt)
+
+
+def _train(scenario, WORLD, model, loader, opt):
+    """The drill's training loop, with the scenario's fault injected where it says."""
+    one = WORLD.rank == 1
     steps = 100000 if scenario in ("sigint", "kill") else 6
     batches = iter(loader)
     for step in range(steps):
@@ -392,6 +407,11 @@ def job(scenario):
             sleep_forever()
         layerbraid.clip_grad_norm_(model, 1.0)
         opt.step()
+
+
+def _finish(scenario, WORLD, model, opt):
+    """After training: the serial copy, the checkpoint and the final barrier."""
+    one = WORLD.rank == 1
     path = bcast_obj(
         WORLD,
         os.path.join(tempfile.gettempdir(), f"layerbraid-drill-{os.getpid()}.ckpt"),

@@ -208,90 +208,116 @@ def simulate(
     "allreduces"); its parts add up to the time.  Each rank carries the path that led to its
     clock: a receive that waits takes the sender's path plus the message, an allreduce the
     path of the last rank to arrive."""
-    if message_scale is None:
-        message_scale = level_scale
-    step_codes = {OPS.index(op) for op in _STEP_OPS}
-    send, recv, norm = OPS.index("send"), OPS.index("recv"), OPS.index("norm")
+    sim = _Simulation(
+        traces,
+        step_cost,
+        done_cost,
+        message_seconds,
+        latency,
+        level_scale,
+        level_scale if message_scale is None else message_scale,
+        critical_path,
+    )
     p = len(traces)
-    clock = [0.0] * p
-    pos = [0] * p
-    arrivals: dict[tuple, list] = {}
-    path = [{} for _ in range(p)] if critical_path else None
-
-    def add(r, what, seconds):
-        if path is not None:
-            path[r][what] = path[r].get(what, 0.0) + seconds
-
     allreduce = latency * max(1.0, math.ceil(math.log2(p))) if p > 1 else 0.0
     # Messages only go from lower to higher ranks (docs/ARCHITECTURE.md), so walking the ranks in
     # order up to each allreduce resolves every receive.
     while True:
-        reached = 0
-        for r in range(p):
-            t, a, ops = clock[r], pos[r], traces[r]
-            op, level, index, peer, done = (
-                ops["op"],
-                ops["level"],
-                ops["index"],
-                ops["peer"],
-                ops["done"],
-            )
-            n = len(ops)
-            while a < n:
-                o = op[a]
-                if o in step_codes:
-                    f = (
-                        1.0
-                        if level_scale is None
-                        else level_scale[min(int(level[a]), len(level_scale) - 1)]
-                    )
-                    cost = done_cost if done[a] else f * step_cost
-                    t += cost
-                    add(r, "final relaxation" if done[a] else f"level {int(level[a])} steps", cost)
-                elif o == send:
-                    t += latency
-                    add(r, "messages", latency)
-                    f = (
-                        1.0
-                        if message_scale is None
-                        else message_scale[min(int(level[a]), len(message_scale) - 1)]
-                    )
-                    flight = latency + f * (message_seconds - latency)
-                    arrivals.setdefault((r, int(peer[a]), int(level[a]), int(index[a])), []).append(
-                        (
-                            t + flight,
-                            None
-                            if path is None
-                            else {**path[r], "messages": path[r].get("messages", 0.0) + flight},
-                        )
-                    )
-                elif o == recv:
-                    key = (int(peer[a]), r, int(level[a]), int(index[a]))
-                    arrival, route = arrivals[key].pop(0)
-                    if arrival > t:
-                        t = arrival
-                        if path is not None:
-                            path[r] = dict(route)
-                elif o == norm:
-                    break
-                a += 1
-            clock[r], pos[r] = t, a
-            if a < n:
-                reached += 1
+        reached = sum(sim.advance(r) for r in range(p))
         if reached == 0:
-            if path is not None:
-                last = max(range(p), key=lambda r: clock[r])
-                return clock[last], path[last]
-            return max(clock)
+            return sim.finish()
         if reached != p:
             raise RuntimeError("ranks disagree on the number of allreduces")
-        t = max(clock) + allreduce
-        if path is not None:
-            last = max(range(p), key=lambda r: clock[r])
-            route = {**path[last], "allreduces": path[last].get("allreduces", 0.0) + allreduce}
-            path = [dict(route) for _ in range(p)]
-        clock = [t] * p
-        pos = [a + 1 for a in pos]
+        sim.allreduce(allreduce)
+
+
+def _scaled(scale, level):
+    """A level's cost multiplier (the last one repeats); 1 without scales."""
+    return 1.0 if scale is None else scale[min(int(level), len(scale) - 1)]
+
+
+class _Simulation:
+    """The state of :func:`simulate`: each rank's clock and position in its trace, the messages
+    in flight (their arrival times), and, for the critical path, what set each clock."""
+
+    def __init__(
+        self,
+        traces,
+        step_cost,
+        done_cost,
+        message_seconds,
+        latency,
+        level_scale,
+        message_scale,
+        critical_path,
+    ):
+        self.traces, self.latency = traces, latency
+        self.step_cost, self.done_cost, self.message_seconds = step_cost, done_cost, message_seconds
+        self.level_scale, self.message_scale = level_scale, message_scale
+        self.step_codes = {OPS.index(op) for op in _STEP_OPS}
+        self.send, self.recv, self.norm = OPS.index("send"), OPS.index("recv"), OPS.index("norm")
+        p = len(traces)
+        self.clock, self.pos = [0.0] * p, [0] * p
+        self.arrivals: dict[tuple, list] = {}
+        self.path = [{} for _ in range(p)] if critical_path else None
+
+    def add(self, r, what, seconds):
+        if self.path is not None:
+            self.path[r][what] = self.path[r].get(what, 0.0) + seconds
+
+    def advance(self, r):
+        """Walks rank ``r`` to its next allreduce (True) or to its trace's end (False)."""
+        ops = self.traces[r]
+        op, level, index, peer, done = (ops[k] for k in ("op", "level", "index", "peer", "done"))
+        t, a, n = self.clock[r], self.pos[r], len(ops)
+        while a < n and op[a] != self.norm:
+            if op[a] in self.step_codes:
+                cost = (
+                    self.done_cost
+                    if done[a]
+                    else _scaled(self.level_scale, level[a]) * (self.step_cost)
+                )
+                t += cost
+                self.add(r, "final relaxation" if done[a] else f"level {int(level[a])} steps", cost)
+            elif op[a] == self.send:
+                t += self.latency
+                self.add(r, "messages", self.latency)
+                f = _scaled(self.message_scale, level[a])
+                flight = self.latency + f * (self.message_seconds - self.latency)
+                route = (
+                    None
+                    if self.path is None
+                    else {**self.path[r], "messages": self.path[r].get("messages", 0.0) + flight}
+                )
+                key = (r, int(peer[a]), int(level[a]), int(index[a]))
+                self.arrivals.setdefault(key, []).append((t + flight, route))
+            elif op[a] == self.recv:
+                key = (int(peer[a]), r, int(level[a]), int(index[a]))
+                arrival, route = self.arrivals[key].pop(0)
+                if arrival > t:
+                    t = arrival
+                    if self.path is not None:
+                        self.path[r] = dict(route)
+            a += 1
+        self.clock[r], self.pos[r] = t, a
+        return a < n
+
+    def allreduce(self, seconds):
+        """Every rank waits for the last, then the allreduce's own time."""
+        t = max(self.clock) + seconds
+        if self.path is not None:
+            last = max(range(len(self.clock)), key=lambda r: self.clock[r])
+            route = {**self.path[last], "allreduces": self.path[last].get("allreduces", 0.0)}
+            route["allreduces"] += seconds
+            self.path = [dict(route) for _ in self.clock]
+        self.clock = [t] * len(self.clock)
+        self.pos = [a + 1 for a in self.pos]
+
+    def finish(self):
+        if self.path is not None:
+            last = max(range(len(self.clock)), key=lambda r: self.clock[r])
+            return self.clock[last], self.path[last]
+        return max(self.clock)
 
 
 def predict(
