@@ -48,7 +48,7 @@ import math
 import statistics
 import subprocess
 
-from layerbraid.audit import ROUNDOFF_EPSILONS
+from layerbraid.accuracy import ROUNDOFF_EPSILONS
 
 from bench.harness import (DOCS, QUICK, ROOT, SAME, SAME_LEGEND, generate, launch, parser,
                            provenance)
@@ -332,16 +332,16 @@ FINDINGS = f"""- The raw estimate is a solve's own error from its residuals (Not
   layerbraid/stats.py); the gradient's error also comes from the adjoint being linearized at the
   forward's approximate states.  Neither is exact on a trained network, so the estimate users see
   is the raw one times the ratio of true to raw error measured by the last audits (Note
-  [calibrated estimate] in layerbraid/audit.py).  The judged batches are those whose true error
+  [calibrated estimate] in layerbraid/accuracy/audit.py).  The judged batches are those whose true error
   is above {FLOOR:g} (float32 round-off and a margin) and which an earlier audit calibrated.
-- The probe (Note [gradient probe] in layerbraid/audit.py) is the relative change of the
+- The probe (Note [gradient probe] in layerbraid/accuracy/probe.py) is the relative change of the
   gradients when the batch is solved again with one more iteration in each solve (with warm
   starts: continued from the batch's own solution): an iterate's error is what further
   iterations remove, so the change is within 1 / (1 - q) of the error for solves that shrink it
   by q per iteration, with no assumption about the steps and no calibration.  It is judged at
   every logged batch above the floor, the first ones included.
 - The tuned modes aim their iterations with the probe (Note [tuned iterations] in
-  layerbraid/audit.py): at each of their probes, above the aim the tuner climbs within the
+  layerbraid/accuracy/tuner.py): at each of their probes, above the aim the tuner climbs within the
   batch (it solves the batch again with one iteration more in every solve, and again, until
   one more iteration changes the gradients by no more than the aim; the counts become the
   fewest that met it, and the batch trains on the climb's last solve); at a probe at or below

@@ -22,18 +22,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # The code every report exercises: the core, and the Python on its path.
-_CORE = ["cbridge/src", "cbridge/include", "layerbraid/_bridge.py", "layerbraid/_schedule.py",
-         "layerbraid/_states.py", "layerbraid/options.py"]
+_CORE = ["cbridge/src", "cbridge/include", "layerbraid/_engine/bridge.py",
+         "layerbraid/_engine/schedule.py", "layerbraid/_engine/states.py", "layerbraid/options.py"]
 # Everything the solve engine imports runs in every solve (tests/test_reports.py checks the
-# list against _chain.py's imports), but for the exception classes of layerbraid/errors.py.
-_ENGINE = _CORE + ["layerbraid/_chain.py", "layerbraid/_steps.py", "layerbraid/_comm.py",
-                   "layerbraid/_transport.py", "layerbraid/_timeouts.py", "layerbraid/stats.py"]
+# list against _engine/chain.py's imports), but for the exception classes of layerbraid/errors.py.
+_ENGINE = _CORE + ["layerbraid/_engine/chain.py", "layerbraid/_engine/steps.py",
+                   "layerbraid/_comm/__init__.py", "layerbraid/_comm/mpi.py",
+                   "layerbraid/_comm/transport.py", "layerbraid/_comm/timeouts.py",
+                   "layerbraid/stats.py"]
 # The ResNet path, and ConvBlock (layerbraid/nn/__init__.py): the layer the ResNet benchmarks
 # and the examples step.
-_RESNET = _ENGINE + ["layerbraid/module.py", "layerbraid/_handshake.py",
-                     "layerbraid/_layer_steps.py", "layerbraid/_torch_private.py",
-                     "layerbraid/_step_rule.py",
-                     "layerbraid/_ownership.py", "layerbraid/_autograd.py",
+_RESNET = _ENGINE + ["layerbraid/module.py", "layerbraid/_engine/handshake.py",
+                     "layerbraid/_engine/layer_steps.py", "layerbraid/_engine/torch_private.py",
+                     "layerbraid/_engine/step_rule.py",
+                     "layerbraid/_engine/ownership.py", "layerbraid/_engine/autograd.py",
                      "layerbraid/nn/__init__.py"]
 # The examples' networks that reports train or time.  bench.harness.example loads
 # examples/training_loop.py too, because the scripts import it, but no report runs any of it:
@@ -64,8 +66,8 @@ REPORTS = {
                           _ENGINE + _HARNESS + ["layerbraid/nn/rnn.py",
                                                 "layerbraid/nn/_cell_steps.py",
                                                 "layerbraid/nn/_cells.py",
-                                                "layerbraid/_torch_private.py", "bench/rnn.py",
-                                                "bench/workers/rnn.py"]),
+                                                "layerbraid/_engine/torch_private.py",
+                                                "bench/rnn.py", "bench/workers/rnn.py"]),
     "docs/bench_spatial.md": (["bench.spatial"],
                               _RESNET + _VOLUMES + _HARNESS + [
                                   "bench/spatial.py", "bench/workers/spatial_timing.py",
@@ -90,12 +92,12 @@ REPORTS = {
     "docs/reliability.md": (["bench.reliability"],
                             _RESNET + ["layerbraid/launch.py", "layerbraid/checkpoint.py",
                                        "layerbraid/clip.py", "layerbraid/data/loader.py",
-                                       "layerbraid/drill.py", "bench/reliability.py"]),
+                                       "layerbraid/tools/drill.py", "bench/reliability.py"]),
     "docs/accuracy.md": (["bench.accuracy"],
                          _RESNET + _MNIST + _VOLUMES + [
                              "examples/sequence_classification.py", "layerbraid/nn/rnn.py",
                              "layerbraid/nn/_cell_steps.py", "layerbraid/nn/_cells.py",
-                             "layerbraid/audit.py", "bench/accuracy.py",
+                             "layerbraid/accuracy", "bench/accuracy.py",
                              "bench/workers/accuracy.py"]),
     "docs/contraction.md": (["bench.contraction"],
                             _RESNET + _VOLUMES + ["bench/contraction.py",

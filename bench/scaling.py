@@ -24,7 +24,7 @@ from layerbraid.nn import ConvBlock
 
 SETTINGS = [(2, 4), (3, 4), (4, 4), (3, 8)]  # (levels, cfactor); 2 forward / 1 backward iters
 # (forward, adjoint iterations, skip the first down-cycle, label) for the iterations table; a warm
-# start never skips (Note [warm start] in layerbraid/_chain.py)
+# start never skips (Note [warm start] in layerbraid/_engine/chain.py)
 ITERATIONS = [(1, 1, True, "1 / 1"), (2, 1, True, "2 / 1 (the defaults)"),
               (2, 1, False, "2 / 1 without the skip (a warm start)"),
               (3, 2, True, "3 / 2"), (5, 4, True, "5 / 4"), (10, 10, True, "10 / 10")]

@@ -336,7 +336,7 @@ def findings(table, data):
                "passed from rank to rank: one more level moves it to a level with a quarter of "
                "the steps.  At N = 1024, 4 levels beat 3 at "
                f"{wins['measured'] or 'no'} ranks measured, {wins['predicted'] or 'no'} "
-               "predicted.  `python -m layerbraid.plan --recommend` picks the fastest settings "
+               "predicted.  `python -m layerbraid.tools.plan --recommend` picks the fastest settings "
                "for given costs.")
     return out
 

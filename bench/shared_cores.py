@@ -20,7 +20,7 @@ With `cores` >= P this is exactly plan.simulate (the report checks it on every c
 """
 import math
 
-from layerbraid._schedule import OPS
+from layerbraid._engine.schedule import OPS
 from layerbraid.plan import _STEP_OPS
 
 NAP_MIN, NAP_MAX, SPIN_SECONDS = 1e-4, 1e-3, 2e-4  # comm.c's keep_waiting

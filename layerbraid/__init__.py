@@ -45,13 +45,13 @@ _LAZY = {
     "save_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
     "CheckpointError": "checkpoint",
-    "audit_gradients": "audit",
-    "audit_due": "audit",
-    "GradientAudit": "audit",
-    "probe_gradients": "audit",
-    "GradientProbe": "audit",
-    "IterationTuner": "audit",
-    "Tuning": "audit",
+    "audit_gradients": "accuracy",
+    "audit_due": "accuracy",
+    "GradientAudit": "accuracy",
+    "probe_gradients": "accuracy",
+    "GradientProbe": "accuracy",
+    "IterationTuner": "accuracy",
+    "Tuning": "accuracy",
 }
 
 

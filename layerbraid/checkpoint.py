@@ -18,11 +18,13 @@ import stat
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any, Optional, Union
 
 import torch
+from torch import nn
 
-from ._comm import gather_obj, raise_on_every_rank
-from ._parts import sharded_parts
+from ._comm.mpi import gather_obj, raise_on_every_rank
+from ._engine.parts import sharded_parts
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "CheckpointError"]
 
@@ -80,7 +82,12 @@ def _world(model, comm):
 
 
 # ---------------------------------------------------------------- saving
-def save_checkpoint(model, path, optimizer=None, extra=None):
+def save_checkpoint(
+    model: nn.Module,
+    path: Union[str, os.PathLike],
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    extra: Any = None,
+) -> None:
     """Writes ``model``'s checkpoint to ``path`` (collective over the job).
 
     Args:
@@ -197,7 +204,7 @@ def _write_atomic(path, data):
 
 
 # ---------------------------------------------------------------- loading
-def read_checkpoint(path):
+def read_checkpoint(path: Union[str, os.PathLike]) -> dict[str, Any]:
     """The checkpoint's contents (plain containers and tensors), checked: raises
     :class:`CheckpointError` naming the file and what is wrong with it."""
     try:
@@ -257,7 +264,11 @@ def read_checkpoint(path):
     return ckpt
 
 
-def load_checkpoint(model, path, optimizer=None):
+def load_checkpoint(
+    model: nn.Module,
+    path: Union[str, os.PathLike],
+    optimizer: Optional[torch.optim.Optimizer] = None,
+) -> Any:
     """Resumes ``model`` (and ``optimizer``) from :func:`save_checkpoint`'s file on any number of
     ranks; returns its ``extra``.  Each rank reads the file and keeps what it holds."""
     ckpt = read_checkpoint(path)
@@ -286,7 +297,7 @@ def load_checkpoint(model, path, optimizer=None):
                 f"{path} does not match this model: missing {missing[:5]}, "
                 f"unexpected {result.unexpected_keys[:5]}"
             )
-    if opt_state is not None:
+    if opt_state is not None and optimizer is not None:  # (there is a state only for one)
         optimizer.load_state_dict(opt_state)
     return ckpt.get("extra")
 

@@ -10,9 +10,10 @@ Every rank parses the same argv, so a bad value stops every rank with the same m
 """
 
 import argparse
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Callable, Optional, Union
 
-from ._comm import world
+from ._comm.mpi import Comm, world
 from .options import MGRITOptions
 
 __all__ = [
@@ -52,7 +53,7 @@ _nonneg_float = _number(float, lambda v: 0 <= v < _finite, "a number >= 0")
 _fraction = _number(float, lambda v: 0 < v < 1, "a number between 0 and 1")
 
 
-def int_at_least(minimum):
+def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an int >= minimum, else a one-line error naming the value."""
     return _number(int, lambda v: v >= minimum, f"an integer >= {minimum}")
 
@@ -82,16 +83,16 @@ _DEFAULT = MGRITOptions()
 # add_argument calls, in the order --help prints them.  They run past 60 lines, and are read
 # (and extended) more easily as one list than split into groups of functions.
 def add_lp_arguments(
-    parser,
+    parser: argparse.ArgumentParser,
     *,
-    levels=_DEFAULT.max_levels,
-    cfactor=_DEFAULT.cfactor,
-    fwd_iters=2,
-    bwd_iters=1,
-    relax="FCF" if _DEFAULT.nrelax else "F",
-    skip=_DEFAULT.skip_first_downcycle,
-    audit_every=50,
-):
+    levels: Union[int, str] = _DEFAULT.max_levels,
+    cfactor: Union[int, Sequence[int]] = _DEFAULT.cfactor,
+    fwd_iters: int = 2,
+    bwd_iters: int = 1,
+    relax: str = "FCF" if _DEFAULT.nrelax else "F",
+    skip: bool = _DEFAULT.skip_first_downcycle,
+    audit_every: int = 50,
+) -> argparse._ArgumentGroup:
     """Adds the ``--lp-*`` MGRIT flags.  The defaults are MGRITOptions' (levels, cfactor,
     relaxation, skip, cycle), with 2 forward / 1 adjoint iterations and no residual tolerance;
     a script may change them."""
@@ -232,19 +233,19 @@ def add_lp_arguments(
 
 
 def add_training_arguments(  # Note [flag lists]
-    parser,
+    parser: argparse.ArgumentParser,
     *,
-    steps=8,
-    channels=8,
-    t_final=1.0,
-    batch_size=64,
-    epochs=1,
-    lr=0.05,
-    optimizer="sgd",
-    seed=0,
-    log_interval=50,
-    ode=True,
-):
+    steps: int = 8,
+    channels: int = 8,
+    t_final: float = 1.0,
+    batch_size: int = 64,
+    epochs: int = 1,
+    lr: float = 0.05,
+    optimizer: str = "sgd",
+    seed: int = 0,
+    log_interval: int = 50,
+    ode: bool = True,
+) -> argparse._ArgumentGroup:
     """Adds the network, training, data and checkpoint flags.  ``ode=False`` leaves out the
     ODE-network flags (``--steps``, ``--channels``, ``--t-final``), e.g. for an RNN script."""
     g = parser.add_argument_group("network and training")
@@ -355,7 +356,9 @@ def _flag(args: argparse.Namespace, name: str, default: Any) -> Any:
     return vars(args).get(name, default)
 
 
-def parse_args(parser, argv=None):
+def parse_args(
+    parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None
+) -> argparse.Namespace:
     """Parses argv and checks the flags against each other; errors exit before any training.
     Every rank parses the same argv and exits on the same error; only rank 0 prints it, with
     the usage (N ranks would print it N times)."""
@@ -418,7 +421,14 @@ def _quiet_off_rank_zero(parser):
         parser.error = lambda message: sys.exit(2)
 
 
-def check_run(parser, args, comm=None, *, steps=None, steps_flag="--steps"):
+def check_run(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    comm: Optional[Comm] = None,
+    *,
+    steps: Optional[int] = None,
+    steps_flag: str = "--steps",
+) -> argparse.Namespace:
     """Checks the flags against the MPI launch (the same answer on every rank) and sets
     ``args.device`` to this rank's device (with ``cuda``, rank r takes GPU r % count).
 
@@ -464,22 +474,23 @@ def check_run(parser, args, comm=None, *, steps=None, steps_flag="--steps"):
 AUTO_MAX_LEVELS = 4
 
 
-def auto_levels(args, steps, ranks):
+def auto_levels(args: argparse.Namespace, steps: int, ranks: int) -> int:
     """--lp-levels auto: the levels, 1 to AUTO_MAX_LEVELS, whose forward and adjoint schedules
     with these flags finish first on ``ranks`` ranks as layerbraid.plan replays them, counting
     a step as one unit of time and a VJP as two (three with parameter gradients), messages as
     free; ties go to fewer levels.  Every rank computes the same answer from the same flags: no
-    communication.  Measured costs (``python -m layerbraid.plan --measure-conv ...
+    communication.  Measured costs (``python -m layerbraid.tools.plan --measure-conv ...
     --recommend``) can choose better where messages or coarse levels cost differently."""
     from . import plan
 
     costs = plan.Costs(step_seconds=1.0, vjp_seconds=2.0, latency=0.0)
-    best = None
+    best: Optional[tuple[int, float]] = None
     for levels in range(1, AUTO_MAX_LEVELS + 1):
         fwd, bwd = mgrit_options(_with_levels(args, levels))
         seconds = plan.predict(steps, ranks, fwd, bwd, costs).seconds
         if best is None or seconds < best[1]:
             best = (levels, seconds)
+    assert best is not None
     return best[0]
 
 
@@ -490,7 +501,7 @@ def _with_levels(args, levels):
     return argparse.Namespace(**{**vars(args), "lp_levels": levels})
 
 
-def mgrit_options(args):
+def mgrit_options(args: argparse.Namespace) -> tuple[MGRITOptions, MGRITOptions]:
     """(forward, backward) MGRITOptions from parsed ``--lp-*`` flags."""
 
     def per_level(values):

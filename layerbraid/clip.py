@@ -3,15 +3,16 @@
 import math
 
 import torch
+from torch import nn
 
-from ._comm import allreduce_floats
-from ._parts import counted_parameters
+from ._comm.mpi import allreduce_floats
+from ._engine.parts import counted_parameters
 
 __all__ = ["clip_grad_norm_"]
 
 
 def clip_grad_norm_(
-    model, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    model: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a model that holds layer-parallel parts.
 

@@ -32,8 +32,8 @@ R^T to interpolate their corrections (by autograd, so that user functions work t
 "branch", the transpose of the coarse step (see :meth:`SpatialCoarsening.branch_adjoint`).
 """
 
-from collections.abc import Iterable
-from typing import Callable, Union
+from collections.abc import Iterable, Sequence
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +95,7 @@ class SpatialCoarsening:
         """How many times the grid of `level` was halved, relative to level 0."""
         return sum(1 for v in self.levels if v <= level)
 
-    def check(self, shape, num_levels: int):
+    def check(self, shape: Sequence[int], num_levels: int) -> None:
         """A clear error if a state of `shape` cannot be halved as often as asked."""
         halvings = self.factor(num_levels - 1)
         spatial = tuple(shape[2:])
@@ -128,46 +128,53 @@ class SpatialCoarsening:
             return x[idx].clone()
         return _full_weighting(x)
 
-    def restrict(self, x, level):
+    def restrict(self, x: torch.Tensor, level: int) -> torch.Tensor:
         """x on `level`'s grid -> level+1's grid (a copy when level+1 is not coarse in space)."""
         if level + 1 not in self.levels:
             return x.clone()
         return self._restrict(x, level) if callable(self._restrict) else self._R(x)
 
-    def interpolate(self, e, level):
+    def interpolate(self, e: torch.Tensor, level: int) -> torch.Tensor:
         """A correction on `level`'s grid -> level-1's grid."""
         if level not in self.levels:
             return e
         return self._interpolate(e, level) if callable(self._interpolate) else self._P(e)
 
     # The adjoint solve: transposes of the forward transfers.
-    def restrict_adjoint(self, w, level):
+    def restrict_adjoint(self, w: torch.Tensor, level: int) -> torch.Tensor:
         """P^T: an adjoint state on `level`'s grid -> level+1's grid."""
         if level + 1 not in self.levels:
             return w.clone()
         return _transpose(lambda z: self.interpolate(z, level + 1), w, _half(w))
 
-    def interpolate_adjoint(self, e, level):
+    def interpolate_adjoint(self, e: torch.Tensor, level: int) -> torch.Tensor:
         """R^T: an adjoint correction on `level`'s grid -> level-1's grid."""
         if level not in self.levels:
             return e
         fine_like = self.interpolate(e, level)  # a tensor of the finer grid's shape
         return _transpose(lambda z: self.restrict(z, level - 1), e, fine_like.shape)
 
-    def to_level(self, x, level):
+    def to_level(self, x: torch.Tensor, level: int) -> torch.Tensor:
         """A fine (level-0) state restricted to `level`'s grid."""
         for lv in range(level):
             if lv + 1 in self.levels:
                 x = self.restrict(x, lv)
         return x
 
-    def from_level(self, e, level):
+    def from_level(self, e: torch.Tensor, level: int) -> torch.Tensor:
         """A correction on `level`'s grid interpolated to the fine (level-0) grid."""
         for lv in range(level, 0, -1):
             e = self.interpolate(e, lv)
         return e
 
-    def branch_adjoint(self, step, x, w, level, cache=None):
+    def branch_adjoint(
+        self,
+        step: Callable[[torch.Tensor], torch.Tensor],
+        x: torch.Tensor,
+        w: torch.Tensor,
+        level: int,
+        cache: Optional[dict] = None,
+    ) -> torch.Tensor:
         """Mode "branch"'s adjoint step: the transpose of branch_step's linearization at the fine
         state x, applied to w (``step`` as for branch_step, differentiable).
 
@@ -198,7 +205,9 @@ class SpatialCoarsening:
             w + self.from_level(g - wc, level) if g is not None else w - self.from_level(wc, level)
         )
 
-    def branch_step(self, step, x, level):
+    def branch_step(
+        self, step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, level: int
+    ) -> torch.Tensor:
         """Mode "branch": ``x + P^k (step(R^k x) - R^k x)``, a coarse step whose increment is
         computed on `level`'s grid (``step`` maps a state to the next one on any grid)."""
         if self.factor(level) == 0:

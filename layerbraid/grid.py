@@ -1,9 +1,11 @@
 """ProcessGrid: data parallel x layer parallel, and gradient averaging across data groups."""
 
+from typing import Optional
+
 import torch
 
-from ._comm import finalized, is_null, split, start_allreduce_sum, wait, world
-from ._parts import FreedOnExit
+from ._comm.mpi import Comm, finalized, is_null, split, start_allreduce_sum, wait, world
+from ._engine.parts import FreedOnExit
 from .launch import _enter
 from .options import check_int
 
@@ -25,7 +27,7 @@ class ProcessGrid(FreedOnExit):
         data_rank, data_size: this rank's data group index (which shard it reads), and D.
     """
 
-    def __init__(self, comm=None, data_parallel: int = 1):
+    def __init__(self, comm: Optional[Comm] = None, data_parallel: int = 1):
         _enter()
 
         comm = world() if comm is None else comm
@@ -46,7 +48,7 @@ class ProcessGrid(FreedOnExit):
         self.layer_comm = split(comm, self.data_rank, self.layer_rank, what)
         self.data_comm = split(comm, self.layer_rank, self.data_rank, what)
 
-    def free(self):
+    def free(self) -> None:
         """Frees the two communicators the grid made (also at the end of a ``with`` block)."""
         if not finalized():
             for c in (self.layer_comm, self.data_comm):

@@ -12,12 +12,12 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 from mpi4py import MPI
 
-from . import _comm
-from ._timeouts import set_timeout  # public here as well
+from ._comm import mpi as _comm
+from ._comm.timeouts import set_timeout  # public here as well
 
 __all__ = ["abort_on_exception", "check_launch", "install_process_hooks", "set_timeout"]
 
@@ -52,7 +52,7 @@ def _promised():
     return out
 
 
-def check_launch(world=None):
+def check_launch(world: Optional[MPI.Intracomm] = None) -> None:
     """Raises ``RuntimeError`` if the environment promises more processes than the MPI world has.
 
     ``torchrun --nproc_per_node 2 train.py`` (or a launcher from another MPI than mpi4py's)
@@ -77,7 +77,7 @@ def check_launch(world=None):
     _checked = True
 
 
-def abort_on_exception(enabled: bool = True):
+def abort_on_exception(enabled: bool = True) -> None:
     """Makes an uncaught exception on any rank end the whole job (on by default in a job of 2+
     ranks, installed with the first model, grid, solver or loader).
 

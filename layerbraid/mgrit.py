@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ._comm import world
+from ._comm.mpi import world
 from .launch import _enter
 from .options import MGRITOptions, check_int
 
@@ -72,7 +72,7 @@ class MGRIT:
         t_stop: float = 1.0,
         *,
         options: Optional[MGRITOptions] = None,
-        comm=None,
+        comm: Optional[Any] = None,
         trace: bool = False,
         coarsen: Optional[Callable] = None,
         refine: Optional[Callable] = None,
@@ -83,7 +83,7 @@ class MGRIT:
 
         # here, not at the top: `import layerbraid` does not load the compiled core (the
         # state format works without it)
-        from ._bridge import _Core
+        from ._engine.bridge import _Core
 
         if not callable(step) or not callable(init):
             raise TypeError("MGRIT needs callable step and init")

@@ -3,24 +3,26 @@
 import abc
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from ._autograd import _BroadcastFn, _ToFirstFn
-from ._chain import (
+from ._comm.mpi import (
+    Comm,
+    is_comm,
+    world,
+)
+from ._comm.transport import bcast_into
+from ._engine.autograd import _BroadcastFn, _ToFirstFn
+from ._engine.chain import (
     Run,
     _Chain,
     _ChainFn,
     _check_target,
 )
-from ._chain_part import OneChainPart
-from ._comm import (
-    is_comm,
-    world,
-)
-from ._handshake import (
+from ._engine.chain_part import OneChainPart
+from ._engine.handshake import (
     MAX_DIMS,
     CloseReport,
     CloseStatus,
@@ -32,13 +34,12 @@ from ._handshake import (
     raise_for_close,
     share_close_report,
 )
-from ._layer_steps import _LayerSteps, all_finite
-from ._ownership import _StepLayers, draw_seed
-from ._parts import ExactSolve, FreedOnExit
-from ._serial import parallel_penalty, serial_forward, time_points
-from ._sharded_state import ShardedState
-from ._step_rule import euler_step
-from ._transport import bcast_into
+from ._engine.layer_steps import _LayerSteps, all_finite
+from ._engine.ownership import _StepLayers, draw_seed
+from ._engine.parts import ExactSolve, FreedOnExit
+from ._engine.serial import parallel_penalty, serial_forward, time_points
+from ._engine.sharded_state import ShardedState
+from ._engine.step_rule import euler_step
 from .coarsening import SpatialCoarsening
 from .grid import ProcessGrid, _GradAverager
 from .launch import _enter
@@ -94,9 +95,9 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         target_error: adaptive iterations: each forward and adjoint solve iterates until its
             estimated relative error (``SolveStats.error_estimate``) is below its share of
             ``target_error`` (the forward a tenth, the adjoint half: Note [adaptive
-            iterations] in _chain.py), up to the options' ``max_iters``; e.g. 1e-2.  Cheap while the
-            network is easy, more iterations as training makes it amplify.  None (default):
-            the options' own stopping rule (``tol``, ``rtol``, ``max_iters``).
+            iterations] in _engine/chain.py), up to the options' ``max_iters``; e.g. 1e-2.
+            Cheap while the network is easy, more iterations as training makes it amplify.
+            None (default): the options' own stopping rule (``tol``, ``rtol``, ``max_iters``).
         output: ``"all"`` (default): the close layer's output on every rank, for a loss computed
             on every rank.  ``"next"``: the output only on the first rank (a placeholder on the
             others), to feed the next layer-parallel stage of a network whose state changes
@@ -115,7 +116,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         fused: record each run of steps of the final relaxation as one graph and take the
             adjoint's final relaxation over it in one autograd call per run (default True);
             False takes one autograd call per step.  The two agree to round-off; fused saves
-            the per-step calls (Note [fused runs] in _layer_steps.py).
+            the per-step calls (Note [fused runs] in _engine/layer_steps.py).
 
     The attribute ``retain_graphs`` (default False) keeps the steps' graphs after a backward,
     so that the same forward can be differentiated again (``retain_graph=True``,
@@ -131,13 +132,13 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         self,
         num_steps: int,
         t_final: float = 1.0,
-        comm=None,
+        comm: Union[Comm, ProcessGrid, None] = None,
         *,
         forward_options: Optional[MGRITOptions] = None,
         backward_options: Optional[MGRITOptions] = None,
         warm_start: bool = False,
         output: str = "all",
-        spatial=None,
+        spatial: Optional[SpatialCoarsening] = None,
         check_inputs: bool = True,
         check_finite: bool = True,
         target_error: Optional[float] = None,
@@ -197,7 +198,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
 
     # ------------------------------------------------------------------ construction
     @property
-    def comm(self):
+    def comm(self) -> Comm:
         """The layer-parallel communicator."""
         return self._comm
 
@@ -248,7 +249,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         self._anchor = torch.zeros((), requires_grad=True)
         self._built = True
 
-    def free(self):
+    def free(self) -> None:
         """Frees the communicator and the MGRIT cores this model created (MPICH allows about
         2,000 communicators per process).  Also done when the model is garbage collected, and
         at the end of a ``with`` block; the model cannot run afterwards.  (``close`` is the
@@ -269,7 +270,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         rule = type(self).step_rule
         return None if rule is LayerParallelModule.step_rule else rule
 
-    def owned_steps(self):
+    def owned_steps(self) -> list[tuple[int, nn.Module]]:
         """``[(global step index, step module)]`` for the steps this rank owns, in order."""
         return [(i, self.layers[str(i)]) for i in self._chain.owned]
 
@@ -348,7 +349,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         return _ChainFn.apply(chain, run, anchor, h0, *params)
 
     def _serial_path(self):
-        """Whether this forward takes the serial path (Note [serial path] in _serial.py)."""
+        """Whether this forward takes the serial path (Note [serial path] in _engine/serial.py)."""
         chain = self._chain
         exact = isinstance(self.solve_mode, ExactSolve) or (
             chain.fwd.num_levels() == 1 and chain.bwd.num_levels() == 1

@@ -2,7 +2,7 @@
 
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Optional, Union
 
 __all__ = ["MGRITOptions", "check_int"]
 
@@ -13,7 +13,9 @@ def _is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_int(name, value, lo=1, hi=None, hi_text=None):
+def check_int(
+    name: str, value: Any, lo: int = 1, hi: Optional[int] = None, hi_text: Optional[str] = None
+) -> None:
     """``value`` when it is an int (not a bool) in ``lo..hi``; else ValueError "``name`` must be
     an int >= lo, got ..." (or "in lo..hi", with ``hi_text`` for hi)."""
     if _is_int(value) and value >= lo and (hi is None or value <= hi):
@@ -131,10 +133,10 @@ class MGRITOptions:
                     f"MGRITOptions.{name} must be True or False, got {getattr(self, name)!r}"
                 )
 
-    def cfactors(self):
+    def cfactors(self) -> tuple[int, ...]:
         """The coarsening factors as a tuple, one per coarsened level."""
         return self.cfactor if isinstance(self.cfactor, tuple) else (self.cfactor,)
 
-    def nrelaxes(self):
+    def nrelaxes(self) -> tuple[int, ...]:
         """The relaxation counts as a tuple, one per coarsened level."""
         return self.nrelax if isinstance(self.nrelax, tuple) else (self.nrelax,)

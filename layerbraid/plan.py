@@ -17,16 +17,15 @@ rank in an allreduce after each iteration but its last.  MGRIT's own bookkeeping
 is not modelled: it is small next to the layers (see docs/bench_grid.md).
 """
 
-import argparse
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Literal, Optional, Union, overload
 
 import numpy as np
 
-from ._schedule import OPS, virtual_schedule
+from ._engine.schedule import OPS, virtual_schedule
 from .options import MGRITOptions, check_int
 
 __all__ = [
@@ -120,7 +119,7 @@ class Costs:
         assert self.vjp_param_seconds is not None
         return self.vjp_param_seconds
 
-    def message_seconds(self):
+    def message_seconds(self) -> float:
         return self.latency + self.message_bytes / self.bandwidth
 
 
@@ -137,11 +136,11 @@ class Prediction:
     steps_per_rank: list[int] = field(default_factory=list)
 
     @property
-    def speedup(self):
+    def speedup(self) -> float:
         return self.serial_seconds / self.seconds
 
     @property
-    def efficiency(self):
+    def efficiency(self) -> float:
         return self.speedup / (self.ranks * self.data_parallel)
 
 
@@ -160,7 +159,9 @@ def _training(options):
     return replace(options, final_fc_relax=True, tol=0.0)
 
 
-def schedule(num_steps: int, ranks: int, options: MGRITOptions, adjoint: bool = False):
+def schedule(
+    num_steps: int, ranks: int, options: MGRITOptions, adjoint: bool = False
+) -> list[np.ndarray]:
     """Each rank's actions, from the C core's virtual ranks (structured numpy arrays)."""
     _check(num_steps, ranks)
     if not isinstance(options, MGRITOptions):
@@ -168,7 +169,7 @@ def schedule(num_steps: int, ranks: int, options: MGRITOptions, adjoint: bool = 
     return virtual_schedule(num_steps, ranks, _training(options), mirror=adjoint)
 
 
-def step_counts(traces) -> list[dict[int, int]]:
+def step_counts(traces: Sequence[np.ndarray]) -> list[dict[int, int]]:
     """Per rank, {level: steps run} (all step kinds), from schedule()'s traces."""
     codes = [OPS.index(op) for op in _STEP_OPS]
     out = []
@@ -179,7 +180,7 @@ def step_counts(traces) -> list[dict[int, int]]:
     return out
 
 
-def spatial_scale(levels, dims, num_levels=16):
+def spatial_scale(levels: Sequence[int], dims: int, num_levels: int = 16) -> tuple[float, ...]:
     """Costs.level_scale for spatial coarsening on `levels` in `dims` dimensions: each coarsened
     level divides a step's work (and a message) by 2^dims."""
     out, f = [], 1.0
@@ -190,16 +191,43 @@ def spatial_scale(levels, dims, num_levels=16):
     return tuple(out)
 
 
+@overload
 def simulate(
-    traces,
-    step_cost,
-    done_cost,
-    message_seconds,
-    latency,
-    level_scale=None,
-    message_scale=None,
-    critical_path=False,
-):
+    traces: Sequence[np.ndarray],
+    step_cost: float,
+    done_cost: float,
+    message_seconds: float,
+    latency: float,
+    level_scale: Optional[Sequence[float]] = ...,
+    message_scale: Optional[Sequence[float]] = ...,
+    critical_path: Literal[False] = ...,
+) -> float: ...
+
+
+@overload
+def simulate(
+    traces: Sequence[np.ndarray],
+    step_cost: float,
+    done_cost: float,
+    message_seconds: float,
+    latency: float,
+    level_scale: Optional[Sequence[float]] = ...,
+    message_scale: Optional[Sequence[float]] = ...,
+    *,
+    critical_path: Literal[True],
+) -> tuple[float, dict[str, float]]: ...
+
+
+def simulate(
+    traces: Sequence[np.ndarray],
+    step_cost: float,
+    done_cost: float,
+    message_seconds: float,
+    latency: float,
+    level_scale: Optional[Sequence[float]] = None,
+    message_scale: Optional[Sequence[float]] = None,
+    critical_path: bool = False,
+) -> Union[float, tuple[float, dict[str, float]]]:
     """The time at which the last rank finishes, walking every rank's actions (seconds).
     `message_scale` defaults to `level_scale`.
 
@@ -369,7 +397,14 @@ def predict(
     return Prediction(ranks, data_parallel, total, serial, tf, tb, counts)
 
 
-def sweep(num_steps, ranks_list: Sequence[int], forward, backward, costs, data_parallel=1):
+def sweep(
+    num_steps: int,
+    ranks_list: Sequence[int],
+    forward: MGRITOptions,
+    backward: MGRITOptions,
+    costs: Costs,
+    data_parallel: int = 1,
+) -> list[Prediction]:
     """predict() for each rank count that has at least one step per rank."""
     return [
         predict(num_steps, p, forward, backward, costs, data_parallel)
@@ -379,15 +414,15 @@ def sweep(num_steps, ranks_list: Sequence[int], forward, backward, costs, data_p
 
 
 def recommend(
-    num_steps,
-    ranks,
-    costs,
+    num_steps: int,
+    ranks: int,
+    costs: Costs,
     *,
-    min_fwd_iters=2,
-    min_bwd_iters=1,
-    levels=(2, 3, 4),
-    cfactors=(2, 4, 8),
-):
+    min_fwd_iters: int = 2,
+    min_bwd_iters: int = 1,
+    levels: Sequence[int] = (2, 3, 4),
+    cfactors: Sequence[int] = (2, 4, 8),
+) -> tuple[Prediction, MGRITOptions, MGRITOptions]:
     """The fastest predicted settings with at least the given iterations (skip on, F-relaxation
     on the fine level and FCF below, as TorchBraid's examples run).  Accuracy is not modelled:
     check the gradient error of the chosen settings on your network (bench/workers/resnet.py)."""
@@ -406,15 +441,18 @@ def recommend(
             p = predict(num_steps, ranks, fwd, bwd, costs)
             if best is None or p.seconds < best[0].seconds:
                 best = (p, fwd, bwd)
+    assert best is not None, "no levels or cfactors to choose from"
     return best
 
 
-def measure_step(layer, x, repeats=20, dt=0.1):
+def measure_step(
+    layer: Any, x: Any, repeats: int = 20, dt: float = 0.1
+) -> tuple[float, float, float]:
     """(step_seconds, vjp_seconds, vjp_param_seconds) of ``x + dt * layer(x)`` on this machine,
     medians of `repeats` runs."""
     import torch
 
-    from ._step_rule import combine
+    from ._engine.step_rule import combine
 
     fwd, vjp, vjp_p = [], [], []
     params = [p for p in layer.parameters() if p.requires_grad]
@@ -434,141 +472,5 @@ def measure_step(layer, x, repeats=20, dt=0.1):
     return med(fwd), med(vjp), med(vjp_p)
 
 
-def _parse(argv=None):
-    p = argparse.ArgumentParser(
-        prog="python -m layerbraid.plan",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--steps", type=int, required=True, help="layers (MGRIT fine steps) N")
-    p.add_argument(
-        "--ranks",
-        type=int,
-        nargs="+",
-        default=[2**k for k in range(13)],
-        help="layer-parallel rank counts",
-    )
-    p.add_argument("--data-parallel", type=int, default=1, help="data-parallel groups")
-    p.add_argument("--levels", type=int, default=3)
-    p.add_argument("--cfactor", type=int, nargs="+", default=[4])
-    p.add_argument("--fwd-iters", type=int, default=2)
-    p.add_argument("--bwd-iters", type=int, default=1)
-    p.add_argument(
-        "--relax",
-        choices=["F", "FCF"],
-        default="F",
-        help="fine-level relaxation (coarse levels use FCF)",
-    )
-    p.add_argument("--no-skip", action="store_true", help="do not skip the first down-cycle")
-    p.add_argument("--step-seconds", type=float, help="seconds of one layer step forward")
-    p.add_argument("--vjp-seconds", type=float, help="seconds of one VJP")
-    p.add_argument(
-        "--measure-conv",
-        metavar="B,C,H,W",
-        help="measure the costs on this machine with a ConvBlock on a B x C x H x W "
-        "float32 state instead",
-    )
-    p.add_argument(
-        "--message-bytes",
-        type=float,
-        default=None,
-        help="bytes of one state (default: from --measure-conv, else 0)",
-    )
-    p.add_argument("--param-bytes", type=float, default=0.0, help="bytes of all parameters")
-    p.add_argument("--latency", type=float, default=5e-6, help="seconds per message")
-    p.add_argument("--bandwidth", type=float, default=10e9, help="bytes per second")
-    p.add_argument(
-        "--recommend",
-        action="store_true",
-        help="also print the fastest settings for each rank count",
-    )
-    args = p.parse_args(argv)
-    if args.measure_conv is None and (args.step_seconds is None or args.vjp_seconds is None):
-        p.error("give --step-seconds and --vjp-seconds, or --measure-conv B,C,H,W")
-    if args.steps < 1:
-        p.error(f"--steps must be >= 1, got {args.steps}")
-    bad = [r for r in args.ranks if r < 1]
-    if bad:
-        p.error(f"--ranks must be >= 1, got {bad[0]}")
-    if args.levels < 1:
-        p.error(f"--levels must be >= 1, got {args.levels}")
-    return p, args
-
-
-def main(argv=None):
-    parser, args = _parse(argv)
-    message_bytes = args.message_bytes or 0.0
-    if args.measure_conv:
-        import torch
-
-        from .nn import ConvBlock
-
-        try:
-            b, c, h, w = (int(v) for v in args.measure_conv.split(","))
-        except ValueError:
-            parser.error(f"--measure-conv takes B,C,H,W, got {args.measure_conv!r}")
-        torch.set_num_threads(1)
-        layer = ConvBlock(c)
-        x = torch.randn(b, c, h, w)
-        step, vjp, vjp_p = measure_step(layer, x)
-        message_bytes = args.message_bytes or x.numel() * 4
-        param_bytes = args.param_bytes or args.steps * sum(
-            p.numel() * 4 for p in layer.parameters()
-        )
-        print(
-            f"measured: step {1e3 * step:.3f} ms, VJP {1e3 * vjp:.3f} ms, VJP with parameter "
-            f"gradients {1e3 * vjp_p:.3f} ms"
-        )
-    else:
-        step, vjp, vjp_p = args.step_seconds, args.vjp_seconds, None
-        param_bytes = args.param_bytes
-    try:
-        costs = Costs(step, vjp, vjp_p, message_bytes, args.latency, args.bandwidth, param_bytes)
-        cf = args.cfactor[0] if len(args.cfactor) == 1 else tuple(args.cfactor)
-        nrelax = (
-            1
-            if args.relax == "FCF"
-            else (tuple([0] + [1] * (args.levels - 2)) if args.levels > 2 else 0)
-        )
-        fwd = MGRITOptions(
-            max_levels=args.levels,
-            cfactor=cf,
-            nrelax=nrelax,
-            max_iters=args.fwd_iters,
-            skip_first_downcycle=not args.no_skip,
-        )
-        bwd = replace(fwd, max_iters=args.bwd_iters)
-    except ValueError as exc:
-        parser.error(str(exc))
-    print(
-        f"N = {args.steps} steps, {args.levels} levels, cfactor {args.cfactor}, "
-        f"{args.fwd_iters} forward / {args.bwd_iters} backward iterations, "
-        f"{args.data_parallel} data-parallel group(s)"
-    )
-    print(
-        f"network assumed: {1e6 * args.latency:g} us per message, "
-        f"{args.bandwidth / 1e9:g} GB/s per link (--latency, --bandwidth); "
-        f"messages of {message_bytes / 1e6:.3g} MB"
-    )
-    print(f"{'ranks':>6} {'s/batch':>10} {'speedup':>8} {'efficiency':>10} {'steps/rank':>11}")
-    for pr in sweep(args.steps, args.ranks, fwd, bwd, costs, args.data_parallel):
-        print(
-            f"{pr.ranks:>6} {pr.seconds:>10.4f} {pr.speedup:>8.2f} {pr.efficiency:>10.2f} "
-            f"{max(pr.steps_per_rank):>11}"
-        )
-        if args.recommend and pr.ranks > 1:
-            best, bf, bb = recommend(
-                args.steps,
-                pr.ranks,
-                costs,
-                min_fwd_iters=args.fwd_iters,
-                min_bwd_iters=args.bwd_iters,
-            )
-            print(
-                f"{'':>6} best: {bf.max_levels} levels, cfactor {bf.cfactor}: "
-                f"{best.seconds:.4f} s/batch, speedup {best.speedup:.2f}"
-            )
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the command moved (importing it here would make a circle)
+    raise SystemExit("python -m layerbraid.plan is now python -m layerbraid.tools.plan")

@@ -1,6 +1,7 @@
 """SolveStats: what one MGRIT solve of a layer-parallel model did, and how accurate it is."""
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -24,7 +25,7 @@ class SolveStats:
             Note [error estimate].  0.0 for one level (exact to round-off).
         error_estimate: ``raw_error_estimate`` times the model's calibration, the ratio of the
             true gradient error to the raw estimate measured by the last audits (Note
-            [calibrated estimate] in audit.py); equal to the raw estimate before any audit.
+            [calibrated estimate] in accuracy/audit.py); equal to the raw estimate before any audit.
         target: with adaptive iterations, the solve's share of ``target_error`` (else None);
             ``target_met`` says whether the estimate reached it.
         seconds: the whole solve; step_seconds: inside the steps (layers or VJPs);
@@ -53,7 +54,9 @@ class SolveStats:
         return self.error_estimate <= self.target
 
 
-def error_estimate(residual_sum, state_norm, num_c_points):
+def error_estimate(
+    residual_sum: Optional[float], state_norm: Optional[float], num_c_points: int
+) -> Optional[float]:
     """Note [error estimate]: the error e of the C-point values solves the chain's own
     recurrence driven by the residuals, e_c = Phi^m(e_{c-m}) + r_c with e_0 = 0, so the error
     at the last point is the residuals propagated to it and summed (but the last point's own:
@@ -76,7 +79,7 @@ def error_estimate(residual_sum, state_norm, num_c_points):
     return math.sqrt(max(num_c_points, 1)) * residual_sum / state_norm
 
 
-def contraction(norms):
+def contraction(norms: Sequence[float]) -> Optional[float]:
     """The mean reduction factor per iteration of a residual history (the geometric mean of the
     ratios: a last ratio alone is noise once the residual reaches round-off); None with fewer
     than two values."""

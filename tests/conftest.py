@@ -44,7 +44,7 @@ def short_timeout():
     """A 2 s stall timeout for the test, restored afterwards (stall scenarios)."""
     import layerbraid
 
-    old = layerbraid._timeouts.timeout()
+    old = layerbraid._comm.timeouts.timeout()
     layerbraid.set_timeout(2)
     yield 2
     layerbraid.set_timeout(old)

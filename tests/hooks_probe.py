@@ -32,7 +32,7 @@ def main():
     import layerbraid.data
     import layerbraid.nn
     import layerbraid.plan  # noqa: F401  (the helpers: importing them changes nothing)
-    from layerbraid import _comm
+    from layerbraid._comm import mpi as _comm
 
     after_import = snapshot()
     if early:

@@ -1,7 +1,7 @@
 """Ranks that disagree are told, on every rank: settings that change a solve, training mode,
 step layers whose layout differs from their owner's, messages of the wrong size; and the
 communication layer's calls move what they say.  (A rank that never arrives at a collective is
-in layerbraid.drill: stall-* and exit-* scenarios.)"""
+in layerbraid.tools.drill: stall-* and exit-* scenarios.)"""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +9,8 @@ from mpi4py import MPI
 from torch import nn
 
 from layerbraid import MGRITOptions
-from layerbraid import _comm as comm_layer
-from layerbraid import _transport as transport
+from layerbraid._comm import mpi as comm_layer
+from layerbraid._comm import transport
 from layerbraid.errors import RemoteRankError
 from nets import ODEResNet, batch
 

@@ -36,7 +36,7 @@ def net(comm, steps=24, **kw):
 def serial_error(model, x, y):
     """The true relative error of the model's parameter gradients against a serial copy with
     the same weights on the same batch (collective)."""
-    from layerbraid._parts import counted_parameters
+    from layerbraid._engine.parts import counted_parameters
 
     serial = model.to_serial()
     F.cross_entropy(serial(x), y).backward()
@@ -166,7 +166,7 @@ def test_estimates_hold_on_a_trained_amplifying_network():
 
 def _relative_change(model, other):
     """|g_other - g_model| / |g_other| over the model's counted parameters (collective)."""
-    from layerbraid._parts import counted_parameters
+    from layerbraid._engine.parts import counted_parameters
 
     theirs = dict(other.named_parameters())
     names = {id(p): n for n, p in model.named_parameters()}
@@ -424,7 +424,7 @@ def test_probe_is_the_change_of_one_more_iteration():
 def test_a_chain_keeps_its_latest_probe_solvers_only():
     """Adaptive iterations probe at varying counts: the chain keeps the solvers of the last
     four pairs, the most recently used last, and frees the others."""
-    from layerbraid._chain import _PROBES_KEPT
+    from layerbraid._engine.chain import _PROBES_KEPT
 
     model = net(MPI.COMM_SELF, steps=8)
     chain = model._chain
@@ -538,7 +538,7 @@ def test_audit_schedule_is_dense_at_the_start_then_every_k():
 def test_an_audit_at_round_off_leaves_the_calibration_alone():
     """Float32: an error of 5 epsilons is round-off and leaves the calibration as it is; one of
     20 epsilons calibrates."""
-    from layerbraid.audit import ROUNDOFF_EPSILONS, _calibrate
+    from layerbraid.accuracy.audit import ROUNDOFF_EPSILONS, _calibrate
 
     class Part:
         def __init__(self):
@@ -574,7 +574,11 @@ def test_a_rank_that_stops_before_the_reduction_is_reported(monkeypatch, short_t
                                                             what):
     """Rank 1 never reaches the audit's (or the probe's) reduction: rank 0 raises StallError
     naming it after the timeout instead of waiting forever; rank 1 ends with its own error."""
-    import layerbraid.audit as audit_module
+    import layerbraid.accuracy._solves as solves_module
+    import layerbraid.accuracy.audit as audit_module
+
+    # the audit's reduction is its own; the probe's is the gradients' change
+    audit_module = audit_module if name == "audit_gradients" else solves_module
 
     assert WORLD.Get_size() == 2
     model, x, y = _trained_once_without_the_short_timeout(short_timeout)
@@ -598,7 +602,7 @@ def test_a_rank_that_stops_before_the_tuners_reduction_is_reported(monkeypatch, 
     """Rank 1 probes with rank 0 but never reaches the reduction of the tuner's next solve (at
     a loose target the lower re-solve, at a tight one the climb's first): rank 0 raises
     StallError naming it after the timeout; rank 1 ends with its own error."""
-    import layerbraid.audit as audit_module
+    import layerbraid.accuracy._solves as audit_module
 
     assert WORLD.Get_size() == 2
     model, x, y = _trained_once_without_the_short_timeout(short_timeout)

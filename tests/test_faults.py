@@ -8,7 +8,8 @@ from mpi4py import MPI
 from torch import nn
 
 import layerbraid
-from layerbraid import LayerParallelModule, MGRITOptions, RemoteRankError, drill
+from layerbraid import LayerParallelModule, MGRITOptions, RemoteRankError
+from layerbraid.tools import drill
 from layerbraid.nn import ConvBlock, LayerParallelGRU
 from nets import ODEResNet, batch
 
@@ -136,9 +137,9 @@ def test_backward_errors_name_the_real_rank():
 def test_deferred_parameter_gradients_that_fail_end_every_rank_with_their_cause(monkeypatch):
     """With one level every rank but the first computes its parameter gradients in the
     adjoint's idle callback, before the allreduce that ends the solve (Note [deferred parameter
-    gradients] in layerbraid/_layer_steps.py): a failure there is the original error on its
+    gradients] in layerbraid/_engine/layer_steps.py): a failure there is the original error on its
     rank and an error naming that rank on every other, within seconds."""
-    from layerbraid import _layer_steps
+    from layerbraid._engine import layer_steps as _layer_steps
 
     real = _layer_steps._LayerSteps._deferred_parameter_grads
 
@@ -227,7 +228,7 @@ SUITE = sorted(set(drill.SCENARIOS) - {"loader", "clip", "checkpoint"})
 
 @pytest.mark.parametrize("scenario", SUITE)
 def test_a_fault_ends_every_rank_of_the_job_with_its_cause(scenario):
-    """Each scenario of layerbraid.drill on 2 ranks (timeout 3 s): the job ends (no hang: the
+    """Each scenario of layerbraid.tools.drill on 2 ranks (timeout 3 s): the job ends (no hang: the
     wall-time limit kills it otherwise), nonzero, soon after the fault; the rank the scenario
     names printed the cause (the faulty rank for a fault it raises itself, the other rank where
     a collective caught it); no rank finished as if nothing happened."""

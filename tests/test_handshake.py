@@ -10,7 +10,7 @@ import torch
 from mpi4py import MPI
 
 from layerbraid import StallError
-from layerbraid import _handshake as hs
+from layerbraid._engine import handshake as hs
 from layerbraid.errors import RemoteRankError
 
 WORLD = MPI.COMM_WORLD

@@ -454,7 +454,7 @@ def test_without_spatial_transfers_a_correction_moves_the_coarse_value_up(monkey
     C-point takes the coarse level's state as it is, with no sum over the states and no
     round-off.  One iteration that skips the first down-cycle and no final C-relaxation leave
     every fine C-point at the state the coarse sequential solve made for it."""
-    import layerbraid._bridge as bridge
+    import layerbraid._engine.bridge as bridge
 
     made, sums = {}, []
 

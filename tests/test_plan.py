@@ -4,7 +4,8 @@ import torch
 from mpi4py import MPI
 
 from layerbraid import MGRIT, MGRITOptions, plan
-from layerbraid._schedule import OPS
+from layerbraid._engine.schedule import OPS
+from layerbraid.tools import plan as plan_cli
 from nets import ODEResNet, batch
 from problems import nonlinear_init, nonlinear_step
 
@@ -100,11 +101,11 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="data_parallel must be an int >= 1, got 0"):
         plan.predict(8, 2, o, o, plan.Costs(1, 1), data_parallel=0)
     with pytest.raises(SystemExit):
-        plan.main(["--steps", "8"])  # no costs given
+        plan_cli.main(["--steps", "8"])  # no costs given
 
 
 def test_command_line(capsys):
-    plan.main(["--steps", "64", "--ranks", "1", "4", "--step-seconds", "1e-3", "--vjp-seconds",
+    plan_cli.main(["--steps", "64", "--ranks", "1", "4", "--step-seconds", "1e-3", "--vjp-seconds",
                "1e-3", "--levels", "2", "--recommend"])
     out = capsys.readouterr().out
     assert "speedup" in out and "best:" in out

@@ -45,7 +45,7 @@ def test_one_rank_changes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["layerbraid", "layerbraid.nn", "layerbraid.data",
-                                    "layerbraid.cli", "layerbraid.plan", "layerbraid.audit",
+                                    "layerbraid.cli", "layerbraid.plan", "layerbraid.accuracy",
                                     "layerbraid.checkpoint", "layerbraid.module"])
 def test_importing_changes_no_process_state(module):
     # torch and MPI register exit handlers of their own: imported first, they are not counted

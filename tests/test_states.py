@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from layerbraid._states import _NP_DTYPES, _TORCH_DTYPE_NAMES, _from_bytes, _header, _raw_bytes
+from layerbraid._engine.states import _NP_DTYPES, _TORCH_DTYPE_NAMES, _from_bytes, _header, _raw_bytes
 
 
 def round_trip(x):
@@ -42,6 +42,6 @@ def test_torch_states_round_trip_exactly(name, shape):
 
 
 def test_the_format_needs_no_compiled_core():
-    code = ("import sys, layerbraid._states; "
+    code = ("import sys, layerbraid._engine.states; "
             "assert 'layerbraid._mgrit_core' not in sys.modules and 'cffi' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,18 +1,18 @@
-"""The private torch APIs layerbraid uses (layerbraid/_torch_private.py): each is still in the
+"""The private torch APIs layerbraid uses (layerbraid/_engine/torch_private.py): each is still in the
 installed torch (a failure names the one torch removed: its public fallback then runs), and
 each fallback computes what the private API does."""
 
 import pytest
 import torch
 
-from layerbraid import _torch_private as tp
+from layerbraid._engine import torch_private as tp
 
 
 @pytest.mark.parametrize("path", tp.PRIVATE_APIS)
 def test_the_private_api_is_still_in_torch(path):
     assert tp._FOUND[path] is not None, (
         f"torch {torch.__version__} no longer has {path}: layerbraid runs its public fallback "
-        "(see layerbraid/_torch_private.py); make the seam use torch's replacement")
+        "(see layerbraid/_engine/torch_private.py); make the seam use torch's replacement")
     assert path not in tp.MISSING
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from layerbraid._transport import allgather_rows, bcast_into, bcast_tensor, recv_tensor, \
+from layerbraid._comm.transport import allgather_rows, bcast_into, bcast_tensor, recv_tensor, \
     send_tensor
 
 WORLD = MPI.COMM_WORLD

@@ -247,7 +247,7 @@ def test_the_abort_hook_can_be_switched_off():
 def test_wait_sleep_follows_the_ranks_per_core(monkeypatch):
     """More ranks on the node than cores: long waits sleep (Note [polled waits]); else they
     yield; LAYERBRAID_WAIT_SLEEP overrides, and a bad value names itself."""
-    from layerbraid._timeouts import wait_sleep
+    from layerbraid._comm.timeouts import wait_sleep
 
     cores = len(os.sched_getaffinity(0))
     monkeypatch.delenv("LAYERBRAID_WAIT_SLEEP", raising=False)

@@ -1,16 +1,16 @@
 """The vector operations the MGRIT core asks of states: sums in place into the states the
 core alone holds, never into one the application may hold (Note [private states] in
-_bridge.py); norms in the state's own precision where that is exact enough (Note [norms in the
-state's precision] in _states.py); and the finiteness check of gradients and inputs."""
+_engine/bridge.py); norms in the state's own precision where that is exact enough (Note [norms in the
+state's precision] in _engine/states.py); and the finiteness check of gradients and inputs."""
 import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
 
-import layerbraid._bridge as bridge
+import layerbraid._engine.bridge as bridge
 from layerbraid import MGRIT, MGRITOptions
-from layerbraid._layer_steps import _parameters, all_finite
-from layerbraid._states import _norm, _sum, _sum_into
+from layerbraid._engine.layer_steps import _parameters, all_finite
+from layerbraid._engine.states import _norm, _sum, _sum_into
 from layerbraid.nn import ConvBlock
 
 WORLD = MPI.COMM_WORLD

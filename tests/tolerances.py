@@ -13,6 +13,6 @@ FLOAT32 = 1e-5
 # near-identity chain at initialization: at least the true relative error of its last state,
 # measured against serial, and at most this factor above it (seen: 1.7-3.4).
 RAW_ESTIMATE_FACTOR = 4.0
-# What a calibrated gradient-error estimate (Note [calibrated estimate] in layerbraid/audit.py)
+# What a calibrated gradient-error estimate (Note [calibrated estimate] in layerbraid/accuracy/audit.py)
 # must meet in training: within this factor of the true error, either way.
 CALIBRATED_FACTOR = 3.0

@@ -1,5 +1,5 @@
 """The cost of a forward's cross-rank handshake, alone: the pickled protocol layerbraid used
-until the handshake became fixed-size records, beside the records (layerbraid._handshake), in
+until the handshake became fixed-size records, beside the records (layerbraid._engine.handshake), in
 interleaved rounds on the same ranks, with a real model's settings and an MNIST-sized batch.
 
     mpiexec -n 2 python -m bench.workers.handshake [--rounds 2000]
@@ -17,8 +17,8 @@ import torch
 from mpi4py import MPI
 
 import layerbraid
-from layerbraid import _comm
-from layerbraid import _handshake as hs
+from layerbraid._comm import mpi as _comm
+from layerbraid._engine import handshake as hs
 from layerbraid.nn import ConvBlock
 
 

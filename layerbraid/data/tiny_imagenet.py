@@ -1,6 +1,8 @@
 """Tiny-ImageNet (200 classes, 64x64 RGB) from the standard `tiny-imagenet-200` folder."""
 
+import os
 from pathlib import Path
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -33,7 +35,12 @@ class TinyImageNet(torch.utils.data.Dataset):
     ``wnids`` (the class ids in label order).
     """
 
-    def __init__(self, root, split="train", max_per_class=None):
+    def __init__(
+        self,
+        root: Union[str, os.PathLike],
+        split: str = "train",
+        max_per_class: Optional[int] = None,
+    ):
         if max_per_class is not None and (
             isinstance(max_per_class, bool)
             or not isinstance(max_per_class, int)
@@ -61,7 +68,7 @@ class TinyImageNet(torch.utils.data.Dataset):
             ann = root / "val" / "val_annotations.txt"
             if not ann.exists():
                 raise FileNotFoundError(f"missing {ann}")
-            counts = {}
+            counts: dict[str, int] = {}
             for line in ann.read_text().splitlines():
                 parts = line.split("\t")
                 if len(parts) < 2:
@@ -85,7 +92,9 @@ class TinyImageNet(torch.utils.data.Dataset):
         return image, self.labels[i]
 
 
-def load_tiny_imagenet(root, split="train", max_per_class=None):
+def load_tiny_imagenet(
+    root: Union[str, os.PathLike], split: str = "train", max_per_class: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """One split of Tiny-ImageNet read into memory at once (for small subsets; the lazy
     :class:`TinyImageNet` dataset is what training should use).
 

@@ -1,5 +1,6 @@
 """Building blocks for layer-parallel networks."""
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -38,5 +39,5 @@ class ConvBlock(nn.Module):
         self.conv1 = conv(channels, channels, kernel_size, padding=pad)
         self.conv2 = conv(channels, channels, kernel_size, padding=pad)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.conv2(F.relu(self.conv1(x))))

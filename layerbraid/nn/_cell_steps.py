@@ -1,14 +1,14 @@
-"""The step providers of layer-parallel RNNs on the engine (``_chain.py``): a cell's steps, their
-runs through the fused kernels, the adjoint with its output-gradient sources (Note [rnn adjoint]
-in rnn.py), and the weights' gradients summed over the ranks."""
+"""The step providers of layer-parallel RNNs on the engine (``_engine/chain.py``): a cell's
+steps, their runs through the fused kernels, the adjoint with its output-gradient sources
+(Note [rnn adjoint] in rnn.py), and the weights' gradients summed over the ranks."""
 
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 import torch
 
-from .._steps import Steps, _Graph
-from .._transport import allgather_rows, allreduce_sum, bcast_tensor
+from .._comm.transport import allgather_rows, allreduce_sum, bcast_tensor
+from .._engine.steps import Steps, _Graph
 from ._cells import GRUMath, LSTMMath, _flat
 
 __all__ = []

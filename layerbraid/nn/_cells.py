@@ -7,7 +7,7 @@ from typing import ClassVar, Optional
 import torch
 from torch import nn
 
-from .._torch_private import gru_kernel, lstm_kernel
+from .._engine.torch_private import gru_kernel, lstm_kernel
 
 __all__ = []
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._chain import _solve_state
-from .._transport import allreduce_sum
+from .._comm.transport import allreduce_sum
+from .._engine.chain import _solve_state
 
 __all__ = ["LPBatchNorm1d", "LPBatchNorm2d", "LPBatchNorm3d", "plain_modules"]
 

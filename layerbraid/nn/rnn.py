@@ -32,8 +32,8 @@ per step.  The fused LSTM kernel returns only the h's: where the core keeps the 
 (``c_t = f_t c_{t-1} + i_t g_t``).  The chain's output is the h's (taken in the final
 relaxation, so the forward core keeps only what its cycles read again) and, for the LSTM, c_n
 as one more row.  ``fused=False`` takes one cell call and one autograd VJP of a kept graph per
-step (as Note [Euler graphs] in _layer_steps.py): the reference the fused path is tested equal
-to.
+step (as Note [Euler graphs] in _engine/layer_steps.py): the reference the fused path is
+tested equal to.
 
 Note [cuDNN weights]: on a GPU the fused kernels run cuDNN, which wants each layer's weights as
 views into one buffer in its own layout; otherwise it copies them into one on every call (and
@@ -43,8 +43,8 @@ as nn.GRU / nn.LSTM's ``flatten_parameters`` does.  The Parameter objects stay t
 optimizer made before keeps working) and in-place updates (an optimizer's step,
 ``load_state_dict``, the weights' broadcast) keep the views; on the CPU nothing changes.
 
-The forward and adjoint solves are the engine's (``_chain.py``), shared with LayerParallelModule;
-a GRU or an LSTM is only a step provider: a cell subclass of ``_CellSteps``
+The forward and adjoint solves are the engine's (``_engine/chain.py``), shared with
+LayerParallelModule; a GRU or an LSTM is only a step provider: a cell subclass of ``_CellSteps``
 (_cell_steps.py), whose cell math (the updates and closed-form VJPs) is in _cells.py.  This
 file is the nn.Module surface.
 """
@@ -54,12 +54,12 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .._chain import Run, _Chain, _ChainFn, _check_target, _gradient_estimate
-from .._comm import world
-from .._handshake import agree_on_settings
-from .._parts import FreedOnExit, LayerParallelPart
-from .._torch_private import cudnn_flatten_rnn_weights
-from .._transport import bcast_into
+from .._comm.mpi import world
+from .._comm.transport import bcast_into
+from .._engine.chain import Run, _Chain, _ChainFn, _check_target, _gradient_estimate
+from .._engine.handshake import agree_on_settings
+from .._engine.parts import FreedOnExit, LayerParallelPart
+from .._engine.torch_private import cudnn_flatten_rnn_weights
 from ..grid import ProcessGrid
 from ..launch import _enter
 from ..options import MGRITOptions, check_int

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._chain import _Chain, _gradient_estimate
-from ._parts import LayerParallelPart
-from .stats import SolveStats
+from ..stats import SolveStats
+from .chain import _Chain, _gradient_estimate
+from .parts import LayerParallelPart
 
 __all__ = ["OneChainPart"]
 

@@ -1,12 +1,12 @@
 """A fault drill: does a fault on one rank end every rank of the job, with its cause, within
 seconds, on this machine's MPI?
 
-    python -m layerbraid.drill                        # every scenario on 2 ranks
-    python -m layerbraid.drill --ranks 3 --scenarios stall-clip exit-end
+    python -m layerbraid.tools.drill                        # every scenario on 2 ranks
+    python -m layerbraid.tools.drill --ranks 3 --scenarios stall-clip exit-end
 
 Each scenario is a short layer-parallel training job (``mpiexec -l -n RANKS python -m
-layerbraid.drill --job SCENARIO``, with LAYERBRAID_TIMEOUT=3) in which one rank raises, stalls,
-exits, is killed, or gets Ctrl-C at a chosen point: before a forward, inside the MGRIT core,
+layerbraid.tools.drill --job SCENARIO``, with LAYERBRAID_TIMEOUT=3) in which one rank raises,
+stalls, exits, is killed, or gets Ctrl-C at a chosen point: before a forward, inside the MGRIT core,
 before a collective of its own (the clip, the checkpoint, the loader's seed, the grid), or by
 never arriving at one.  The faulty rank prints ``FAULT <unix time>`` just before the fault; the
 driver reads each rank's output (mpiexec's ``-l`` tags, as MPICH's Hydra launcher writes them),
@@ -33,8 +33,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import layerbraid
-from layerbraid._comm import barrier, bcast_obj
-from layerbraid._comm import world as _world
+from layerbraid._comm.mpi import barrier, bcast_obj
+from layerbraid._comm.mpi import world as _world
 from layerbraid.data import LayerParallelLoader
 from layerbraid.nn import ConvBlock, LayerParallelGRU
 
@@ -252,7 +252,7 @@ def _launch(scenario, ranks, mpiexec):
         if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA", "_PYTEST_MPI"))
     }
     env.update(PYTHONUNBUFFERED="1", LAYERBRAID_TIMEOUT=str(TIMEOUT))
-    cmd = [mpiexec, "-l", "-n", str(ranks), sys.executable, "-m", "layerbraid.drill"]
+    cmd = [mpiexec, "-l", "-n", str(ranks), sys.executable, "-m", "layerbraid.tools.drill"]
     return subprocess.Popen(
         [*cmd, "--job", scenario],
         stdout=subprocess.PIPE,

@@ -3,7 +3,7 @@
 The module's default ``step_rule``, the ResNet's step provider (its plain and fused paths),
 the serial network ``to_serial()`` returns and the planner's step measurement all step
 through these functions.  The engine's fast paths keep the graph of ``f(x)`` alone (an
-increment, Note [Euler graphs] in _layer_steps.py), so they call :func:`increment` and
+increment, Note [Euler graphs] in _engine/layer_steps.py), so they call :func:`increment` and
 :func:`combine` apart; :func:`euler_step` is the two together.  tests/test_step_rule.py holds
 the fast paths equal to a custom rule that computes the same step.
 """

@@ -30,7 +30,7 @@ class _Graph:
     w)`` then serves every step size, so coarse adjoint steps reuse the graph instead of
     recomputing the step (Note [Euler graphs]).  Otherwise ``out`` is the new state itself.
 
-    ``y``: the new state as a tensor of a run's graph (Note [fused runs] in _layer_steps.py),
+    ``y``: the new state as a tensor of a run's graph (Note [fused runs] in _engine/layer_steps.py),
     whose next step's ``x`` is this same tensor; None for a step recorded alone (``x`` a leaf).
     """
 

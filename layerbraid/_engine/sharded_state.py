@@ -10,12 +10,12 @@ from typing import Any, Callable, cast
 
 from torch import nn
 
-from . import checkpoint
-from ._comm import allgather_obj, gather_obj
-from ._ownership import seeded_layer
-from ._parts import ShardedPart
-from ._serial import _SerialChain
-from .nn.batchnorm import _plain_copy, plain_modules
+from .. import checkpoint
+from .._comm.mpi import allgather_obj, gather_obj
+from ..nn.batchnorm import _plain_copy, plain_modules
+from .ownership import seeded_layer
+from .parts import ShardedPart
+from .serial import _SerialChain
 
 __all__ = ["ShardedState"]
 

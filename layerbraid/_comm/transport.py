@@ -1,5 +1,5 @@
 """Tensors between ranks as raw bytes: MPI sends the tensor's memory, never a pickle; every
-call has the stall deadline (Note [deadlines] in _comm.py).
+call has the stall deadline (Note [deadlines] in _comm/mpi.py).
 
 Note [staging]: MPI here is not assumed to be CUDA-aware.  A tensor on a GPU is staged through
 host memory (one copy each way) and arrives on the device the receiver names.  Every dtype
@@ -10,7 +10,7 @@ numpy type.
 import torch
 from mpi4py import MPI
 
-from ._comm import _check_received, allgather_obj, start_allreduce_sum, wait
+from .mpi import _check_received, allgather_obj, start_allreduce_sum, wait
 
 __all__ = []
 

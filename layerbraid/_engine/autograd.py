@@ -4,7 +4,7 @@ itself is ``_chain._ChainFn`` (see Note [every rank runs backward] there)."""
 
 import torch
 
-from ._transport import bcast_tensor, recv_tensor, send_tensor
+from .._comm.transport import bcast_tensor, recv_tensor, send_tensor
 
 __all__ = []
 

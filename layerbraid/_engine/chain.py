@@ -2,7 +2,7 @@
 MGRIT, and its adjoint solved backward in time by MGRIT, plugged into autograd.
 
 A network supplies its steps through a :class:`Steps` provider (the ResNet's layers in
-``_layer_steps.py``, the GRU and LSTM cells in ``nn/rnn.py``); the engine owns the rest:
+``_engine/layer_steps.py``, the GRU and LSTM cells in ``nn/rnn.py``); the engine owns the rest:
 
 - the forward core, and the adjoint core on the reversed communicator with the extra steps
   mirrored, so that each rank differentiates exactly the steps it ran forward;
@@ -31,10 +31,10 @@ from dataclasses import replace
 
 import torch
 
-from ._bridge import _Core
-from ._steps import Run, Steps
-from .options import MGRITOptions
-from .stats import SolveStats, contraction, error_estimate
+from ..options import MGRITOptions
+from ..stats import SolveStats, contraction, error_estimate
+from .bridge import _Core
+from .steps import Run, Steps
 
 __all__ = ["Run", "Steps"]  # (the interface types live in _steps)
 
@@ -75,8 +75,8 @@ class _Chain:
             the provider then takes what its output needs in the final relaxation).
 
     ``calibration`` (default 1) multiplies the residuals' error estimates (Note [calibrated
-    estimate], audit.py); ``exact()`` is the same chain solved exactly, ``probe()`` the same
-    chain iterated further (Note [gradient probe], audit.py).
+    estimate], accuracy/audit.py); ``exact()`` is the same chain solved exactly, ``probe()``
+    the same chain iterated further (Note [gradient probe], accuracy/probe.py).
     """
 
     def __init__(
@@ -201,8 +201,8 @@ class _Chain:
         ``bwd_iters`` MGRIT iterations (no stopping rule, no target), on the same levels, from
         the guesses this chain's next solves would start from: with warm starts the last
         solves' states (unless ``cold``), else the cold guess (Note [gradient probe],
-        audit.py).  Built on first use per pair of counts (collective); the last _PROBES_KEPT
-        pairs' are kept, freed with this chain."""
+        accuracy/probe.py).  Built on first use per pair of counts (collective); the last
+        _PROBES_KEPT pairs' are kept, freed with this chain."""
         key = (fwd_iters, bwd_iters)
         probe = self._probes.pop(key, None)  # reinserted below: the most recently used last
         if probe is None:
@@ -217,10 +217,10 @@ class _Chain:
 
     def tuned(self, fwd_iters, bwd_iters):
         """This chain with its solves running exactly ``fwd_iters`` and ``bwd_iters``
-        iterations, for training (Note [tuned iterations], audit.py): unlike a probe's, what
-        it solves is this chain's own: its solve statistics and warm-start states are this
-        chain's, as if this chain had solved.  Built when the counts change (collective), one
-        at a time, freed with this chain."""
+        iterations, for training (Note [tuned iterations], accuracy/tuner.py): unlike a
+        probe's, what it solves is this chain's own: its solve statistics and warm-start
+        states are this chain's, as if this chain had solved.  Built when the counts change
+        (collective), one at a time, freed with this chain."""
         key = (fwd_iters, bwd_iters)
         if self._tuned_key != key:
             if self._tuned is not None:
@@ -374,7 +374,7 @@ class _Chain:
     def _guess(self, warm, index, run):
         """The previous solve's state at ``index`` (warm start), else zeros: one tensor for
         every point of a solve (the core never writes into a state the application made, Note
-        [private states] in _bridge.py), so that a cold start's guesses cost one state."""
+        [private states] in _engine/bridge.py), so that a cold start's guesses cost one state."""
         s = warm.get(index)
         if s is not None and tuple(s.shape) == run.shape and s.dtype == run.dtype:
             return s

@@ -1,5 +1,5 @@
 """The live MGRIT solver over the compiled core (its options, traces and virtual ranks are
-_schedule.py's).
+_engine/schedule.py's).
 
 States live in a table kept here (an int id per state); the C core sees only the ids.  The
 callbacks below run the vector operations on numpy arrays or torch tensors, and turn a Python
@@ -15,11 +15,11 @@ import time
 import numpy as np
 from mpi4py import MPI as _MPI
 
-from ._comm import add_peers, barrier, bcast_obj, check_exits
-from ._schedule import configure, ffi, lib, trace_array, trace_entries
-from ._states import _as_state, _from_bytes, _header, _is_torch, _norm, _raw_bytes, _sum, _sum_into
-from ._timeouts import timeout, wait_sleep
-from .errors import DivergenceError, MGRITError, RemoteRankError, StallError
+from .._comm.mpi import add_peers, barrier, bcast_obj, check_exits
+from .._comm.timeouts import timeout, wait_sleep
+from ..errors import DivergenceError, MGRITError, RemoteRankError, StallError
+from .schedule import configure, ffi, lib, trace_array, trace_entries
+from .states import _as_state, _from_bytes, _header, _is_torch, _norm, _raw_bytes, _sum, _sum_into
 
 __all__ = []
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from .stats import SolveStats
+from ..stats import SolveStats
 
 __all__ = [
     "ExactSolve",

@@ -1,7 +1,7 @@
 """The core's schedule as data: the options a core runs with, the trace it records (every
 action of every level, per rank), and virtual ranks that produce a rank's trace without running
 a step or sending a message.  The planner (plan.py) reads schedules from here; the live solver
-(_bridge.py) configures its cores and reads their traces through the same functions.
+(_engine/bridge.py) configures its cores and reads their traces through the same functions.
 """
 
 from dataclasses import dataclass
@@ -11,8 +11,8 @@ import numpy as np
 # MPI's library first, through the communication layer's mpi4py: the extension then links to
 # that same library by soname (Note [finding libmpi at run time] in cbridge/build_mgrit.py).
 # This is the one import of the extension; _bridge takes ffi and lib from here.
-from . import _comm
-from ._mgrit_core import ffi, lib
+from .._comm import mpi as _comm
+from .._mgrit_core import ffi, lib
 
 del _comm  # imported for the load order only
 

@@ -11,11 +11,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._chain import BACKWARD_TWICE, _solve_state
-from ._comm import allreduce_floats
-from ._step_rule import euler_step
-from ._transport import neighbour_exchange
-from .stats import SolveStats
+from .._comm.mpi import allreduce_floats
+from .._comm.transport import neighbour_exchange
+from ..stats import SolveStats
+from .chain import BACKWARD_TWICE, _solve_state
+from .step_rule import euler_step
 
 __all__ = [
     "_SerialChain",

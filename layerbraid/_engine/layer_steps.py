@@ -11,10 +11,10 @@ from typing import Optional
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from ._comm import first_rank_where
-from ._step_rule import check_shape, combine, euler_step, increment
-from ._steps import Steps, _Graph
-from ._torch_private import flatten_dense
+from .._comm.mpi import first_rank_where
+from .step_rule import check_shape, combine, euler_step, increment
+from .steps import Steps, _Graph
+from .torch_private import flatten_dense
 
 __all__ = []
 

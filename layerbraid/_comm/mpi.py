@@ -20,10 +20,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ._timeouts import timeout, wait_sleep
-from .errors import RemoteRankError, StallError
+from ..errors import RemoteRankError, StallError
+from .timeouts import timeout, wait_sleep
 
-__all__ = []
+__all__ = ["Comm"]
+
+Comm = MPI.Intracomm  # the communicators layerbraid takes (COMM_WORLD, a Split of it, ...)
 
 _INT_MAX = 2**31 - 1
 

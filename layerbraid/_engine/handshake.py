@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._comm import allgather_ints, allgather_obj, arrive, bcast_ints, bcast_obj
-from ._comm import check_same_settings as _check_same_settings
-from .errors import RemoteRankError
+from .._comm.mpi import allgather_ints, allgather_obj, arrive, bcast_ints, bcast_obj
+from .._comm.mpi import check_same_settings as _check_same_settings
+from ..errors import RemoteRankError
 
 __all__ = [
     "MAX_DIMS",

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._comm import allgather_obj, exchange_bytes
-from .errors import RemoteRankError
+from .._comm.mpi import allgather_obj, exchange_bytes
+from ..errors import RemoteRankError
 
 __all__ = []
 

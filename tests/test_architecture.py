@@ -1,0 +1,109 @@
+"""docs/ARCHITECTURE.md's import stack is the package's: every module of layerbraid/ sits in one
+row, and every import (at the top of a file or inside a function) goes to a row below its own,
+or within a package drawn as one entry.  The package's layout and its statements the same:
+the runtime package does not import its tooling, and no module but launch changes process-wide
+state (tests/test_process_hooks.py checks what it changes)."""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "layerbraid"
+WIDTH = 46  # the names' column of the drawing
+
+
+def _rows():
+    """[set of entries] from the top row down; an entry is a module ("_engine/chain") or a
+    package drawn whole ("accuracy/")."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    block = text.split("### The import stack", 1)[1].split("```", 2)[1]
+    rows, pending = [], ""
+    for line in block.strip("\n").splitlines():
+        names = pending + line[:WIDTH].strip()
+        if names.endswith(","):
+            pending = names + " "
+            continue
+        pending = ""
+        rows.append({n.strip() for n in names.split(",")})
+    return rows
+
+
+def _modules():
+    """{dotted module name relative to layerbraid: path} of every module but the packages'
+    __init__ files and the compiled core."""
+    out = {}
+    for p in PKG.rglob("*.py"):
+        rel = p.relative_to(PKG).with_suffix("")
+        if rel.name == "__init__":
+            continue
+        out["/".join(rel.parts)] = p
+    return out
+
+
+def _entry(module, rows):
+    for k, row in enumerate(rows):
+        for e in row:
+            if e == module or (e.endswith("/") and module.startswith(e)):
+                return k, e
+    return None
+
+
+def _imports(path):
+    """The modules of layerbraid that ``path`` imports, anywhere in the file."""
+    rel = path.relative_to(PKG).with_suffix("")
+    package = list(rel.parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                mod = base + (node.module.split(".") if node.module else [])
+            elif (node.module or "").split(".")[0] == "layerbraid":
+                mod = node.module.split(".")[1:]
+            else:
+                continue
+            targets = [mod] + [mod + [a.name] for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name.split(".")[1:] for a in node.names
+                       if a.name.split(".")[0] == "layerbraid"]
+        for t in targets:
+            if (PKG.joinpath(*t).with_suffix(".py")).exists() and t:
+                found.add("/".join(t))
+    return found
+
+
+def test_every_module_is_drawn_once():
+    rows = _rows()
+    assert len(rows) >= 15, rows  # the drawing was found
+    missing = [m for m in _modules() if _entry(m, rows) is None]
+    assert not missing, f"modules not in docs/ARCHITECTURE.md's import stack: {missing}"
+    drawn = [e for row in rows for e in row]
+    assert len(drawn) == len(set(drawn)), drawn
+
+
+def test_every_import_goes_down_the_stack():
+    rows = _rows()
+    wrong = []
+    for module, path in _modules().items():
+        k, entry = _entry(module, rows)
+        for target in _imports(path):
+            kt, et = _entry(target, rows)
+            same_package = entry.endswith("/") and et == entry
+            if not (kt > k or same_package):
+                wrong.append(f"{module} (row {k}) imports {target} (row {kt})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_runtime_package_does_not_import_its_tooling():
+    for module, path in _modules().items():
+        if not module.startswith("tools/"):
+            assert not any(t.startswith("tools/") for t in _imports(path)), module
+
+
+def test_only_launch_changes_process_wide_state():
+    pattern = re.compile(r"(sys\.excepthook|threading\.excepthook|sys\.exit)\s*=|atexit\.register")
+    for module, path in _modules().items():
+        if module != "launch":
+            assert not pattern.search(path.read_text()), module
