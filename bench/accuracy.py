@@ -33,12 +33,12 @@ mode is marked.  The modes take turns batch by batch (bench/workers/accuracy.py)
 batch's time in a mode is paired with plain PyTorch's on the same batch, measured seconds apart
 under the same load: the speedup per batch is plain PyTorch's time for that batch over the
 mode's (> 1 is faster), shown as the median and quartiles over the batches beside the speedup
-of the whole epochs.  At the batches that ``layerbraid.audit_due(batch, AUDIT)`` names (0, 1,
+of the whole epochs.  At the batches that ``layerbraid.accuracy.audit_due(batch, AUDIT)`` names (0, 1,
 2, 4, ... below AUDIT, then every AUDIT-th, counted over the run)
-``layerbraid.audit_gradients`` measures the true gradient error and calibrates the estimate;
+``layerbraid.accuracy.audit_gradients`` measures the true gradient error and calibrates the estimate;
 every LOG-th batch between audits the true error is measured without calibrating (an audit
 with ``calibrate=False``) beside the estimate in force, which saw only earlier audits: those
-batches judge the estimate, and ``layerbraid.probe_gradients`` measures beside it how much
+batches judge the estimate, and ``layerbraid.accuracy.probe_gradients`` measures beside it how much
 the gradients change with one more iteration of each solve (the probe: an estimate of the error
 that needs no calibration), judged at the same batches.  Audits, measurements and probes are
 not timed.

@@ -201,7 +201,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     # no probe measures the error
     estimates = not probe_every or getattr(args, "lp_target_error", None) is not None
     tune = None if args.serial else getattr(args, "lp_tune_error", None)
-    tuner = (layerbraid.IterationTuner(model, tune, every=probe_every,
+    tuner = (layerbraid.accuracy.IterationTuner(model, tune, every=probe_every,
                                        margin=getattr(args, "lp_tune_margin", 2.0))
              if tune else None)
     smoothness = getattr(args, "lp_smoothness", 0.0)
@@ -248,8 +248,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             loss, total = objective()
             total.backward()
             # the true gradient error, on the side (batches counted over the whole run)
-            if layerbraid.audit_due(epoch * per_epoch + b, audit_every):
-                a = layerbraid.audit_gradients(model, lambda: objective()[1])
+            if layerbraid.accuracy.audit_due(epoch * per_epoch + b, audit_every):
+                a = layerbraid.accuracy.audit_gradients(model, lambda: objective()[1])
                 audits.append({"batch": b, "error": a.error, "estimate": a.estimate,
                                "raw_estimate": a.raw_estimate, "calibration": a.calibration,
                                "calibrated": a.calibrated, "seconds": a.seconds})
@@ -259,8 +259,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                     probes.append({"batch": b, "change": t.change, "iterations": t.ran,
                                    "lower_change": t.lower_change, "tuned": t.iterations,
                                    "aim": t.aim, "seconds": t.seconds})
-            elif layerbraid.audit_due(epoch * per_epoch + b, probe_every):
-                p = layerbraid.probe_gradients(model, lambda: objective()[1])
+            elif layerbraid.accuracy.audit_due(epoch * per_epoch + b, probe_every):
+                p = layerbraid.accuracy.probe_gradients(model, lambda: objective()[1])
                 probes.append({"batch": b, "change": p.change, "iterations": p.iterations,
                                "seconds": p.seconds})
             optimizer.step()
@@ -308,14 +308,14 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             if epoch == start_epoch and estimates and s.get("fwd_error_estimate") is not None:
                 print("  (it: MGRIT iterations per batch; est. error: the estimated relative "
                       "error of the forward's output and of the adjoint's input gradient, "
-                      "layerbraid.SolveStats.error_estimate, calibrated by the audits, whose "
+                      "layerbraid.stats.SolveStats.error_estimate, calibrated by the audits, whose "
                       "line gives the true gradient error; --lp-target-error or --lp-tune-error adapt the "
                       "iterations to a target)", flush=True)
             elif epoch == start_epoch and probes:
                 print("  (it: MGRIT iterations per batch; probes: how much one more MGRIT "
                       "iteration in every solve changes the gradients, an estimate of their "
-                      "true error that needs no calibration (layerbraid.probe_gradients), "
-                      f"at the batches layerbraid.audit_due(batch, {probe_every}) names (--lp-probe-every); "
+                      "true error that needs no calibration (layerbraid.accuracy.probe_gradients), "
+                      f"at the batches layerbraid.accuracy.audit_due(batch, {probe_every}) names (--lp-probe-every); "
                       "the audits' line gives the true error; --lp-tune-error sets the "
                       "iterations from the probe)", flush=True)
         if args.checkpoint:  # one file, atomic, loadable on any number of ranks

@@ -1,36 +1,37 @@
-"""layerbraid: layer-parallel multigrid (MGRIT) training for PyTorch."""
+"""layerbraid: layer-parallel multigrid (MGRIT) training for PyTorch.
+
+The top level is the training surface: the module, its options, the process grid, spatial
+coarsening, gradient clipping, checkpoints, the stall timeout, the abort hook, the errors, and
+the general solver.  Around it: ``layerbraid.data`` (loaders), ``layerbraid.nn`` (step blocks,
+batch norms, RNNs), ``layerbraid.accuracy`` (gradient audits, probes, the iteration tuner),
+``layerbraid.cli`` (the examples' flags), ``layerbraid.plan`` (the work model).
+"""
+
+import importlib
+import warnings
+from typing import Any
 
 from .errors import DivergenceError, MGRITError, RemoteRankError, StallError
-from .launch import abort_on_exception, check_launch, set_timeout
-from .mgrit import MGRIT, MGRITResult
+from .launch import abort_on_exception, set_timeout
+from .mgrit import MGRIT
 from .options import MGRITOptions
 
 __all__ = [
     "MGRIT",
-    "MGRITResult",
-    "MGRITOptions",
-    "LayerParallelModule",
-    "SolveStats",
-    "SpatialCoarsening",
-    "ProcessGrid",
-    "MGRITError",
-    "RemoteRankError",
-    "DivergenceError",
-    "StallError",
-    "set_timeout",
-    "clip_grad_norm_",
-    "check_launch",
-    "abort_on_exception",
-    "save_checkpoint",
-    "load_checkpoint",
     "CheckpointError",
-    "audit_gradients",
-    "audit_due",
-    "GradientAudit",
-    "probe_gradients",
-    "GradientProbe",
-    "IterationTuner",
-    "Tuning",
+    "DivergenceError",
+    "LayerParallelModule",
+    "MGRITError",
+    "MGRITOptions",
+    "ProcessGrid",
+    "RemoteRankError",
+    "SpatialCoarsening",
+    "StallError",
+    "abort_on_exception",
+    "clip_grad_norm_",
+    "load_checkpoint",
+    "save_checkpoint",
+    "set_timeout",
 ]
 __version__ = "0.1.0"
 
@@ -38,13 +39,17 @@ __version__ = "0.1.0"
 # fast) without it.
 _LAZY = {
     "LayerParallelModule": "module",
-    "SolveStats": "stats",
     "ProcessGrid": "grid",
     "SpatialCoarsening": "coarsening",
     "clip_grad_norm_": "clip",
     "save_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
     "CheckpointError": "checkpoint",
+}
+# Subpackages reachable as attributes after ``import layerbraid`` (loaded on first use).
+_SUBMODULES = {"accuracy", "cli", "data", "nn", "plan", "stats", "checkpoint", "launch", "mgrit"}
+# Names that left the top level: where they live now (one release of warnings, CHANGELOG.md).
+_MOVED = {
     "audit_gradients": "accuracy",
     "audit_due": "accuracy",
     "GradientAudit": "accuracy",
@@ -52,18 +57,27 @@ _LAZY = {
     "GradientProbe": "accuracy",
     "IterationTuner": "accuracy",
     "Tuning": "accuracy",
+    "SolveStats": "stats",
+    "MGRITResult": "mgrit",
+    "check_launch": "launch",
 }
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _MOVED:
+        where = f"layerbraid.{_MOVED[name]}"
+        warnings.warn(
+            f"layerbraid.{name} moved to {where}.{name}", DeprecationWarning, stacklevel=2
+        )
+        return getattr(importlib.import_module(where), name)
     raise AttributeError(f"module 'layerbraid' has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))

@@ -181,7 +181,7 @@ def add_lp_arguments(
         "this flag), probe the gradients and move every solve's iterations "
         "to the fewest whose probed error is at most E / --lp-tune-margin: "
         "down by one, or up within the batch until one more iteration changes "
-        "the gradients by no more than that (layerbraid.IterationTuner); "
+        "the gradients by no more than that (layerbraid.accuracy.IterationTuner); "
         "starts at --lp-fwd-iters / "
         "--lp-bwd-iters, at most 10; default: off",
     )
@@ -212,7 +212,7 @@ def add_lp_arguments(
         "the run, compute the exact gradient of the batch as well (one exact "
         "forward and backward) and report the true gradient error; the audits "
         "calibrate the error estimate and adaptive iterations "
-        "(layerbraid.audit_gradients, layerbraid.audit_due); 0 = never "
+        "(layerbraid.accuracy.audit_gradients, layerbraid.accuracy.audit_due); 0 = never "
         f"(default {audit_every})",
     )
     g.add_argument(
@@ -224,7 +224,7 @@ def add_lp_arguments(
         "K-th), solve the batch again with one more MGRIT iteration in each "
         "solve and report how much the gradients change: an estimate of their "
         "true error that needs no exact solve and no calibration, at about one "
-        "more layer-parallel forward and backward (layerbraid.probe_gradients), "
+        "more layer-parallel forward and backward (layerbraid.accuracy.probe_gradients), "
         "the gradient error the epoch lines show; 0 = never, and the epoch "
         "lines show the residuals' calibrated estimate instead (default: 20 "
         "where MGRIT runs more than one level, never with one: it is exact)",

@@ -107,3 +107,22 @@ def test_only_launch_changes_process_wide_state():
     for module, path in _modules().items():
         if module != "launch":
             assert not pattern.search(path.read_text()), module
+
+
+def test_the_top_level_is_the_training_surface():
+    """At most 15 top-level names, each of them real; the names that left it still resolve,
+    with a DeprecationWarning naming where they live now."""
+    import warnings
+
+    import layerbraid
+
+    assert len(layerbraid.__all__) <= 15, layerbraid.__all__
+    for name in layerbraid.__all__:
+        assert getattr(layerbraid, name) is not None, name
+    for name, where in layerbraid._MOVED.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value = getattr(layerbraid, name)
+        assert value is getattr(getattr(layerbraid, where), name)
+        assert any(issubclass(w.category, DeprecationWarning) and f"layerbraid.{where}.{name}"
+                   in str(w.message) for w in caught), name

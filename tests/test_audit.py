@@ -61,7 +61,7 @@ def test_audit_measures_the_serial_error_and_changes_nothing():
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     fstats, bstats = model.forward_stats, model.backward_stats
-    audit = layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
+    audit = layerbraid.accuracy.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
     true = serial_error(model, x, y)
     assert 1e-4 < audit.error  # 2/1 iterations: a real error to measure
     assert audit.error == pytest.approx(true, rel=1e-9)
@@ -107,7 +107,7 @@ def test_audit_and_probe_leave_batch_norm_statistics_and_warm_starts_alone():
     F.cross_entropy(model(x), y).backward()
     buffers = [b.clone() for b in model.buffers()]
     warm = dict(model._chain._warm_fwd), dict(model._chain._warm_bwd)
-    audit = layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
+    audit = layerbraid.accuracy.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
     assert audit.error == pytest.approx(serial_error(model, x, y), rel=1e-9)
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
     assert model._chain._warm_fwd.keys() == warm[0].keys()
@@ -116,7 +116,7 @@ def test_audit_and_probe_leave_batch_norm_statistics_and_warm_starts_alone():
     # a probe continues from the batch's own solution, in a solver of its own, and leaves
     # those states as they were
     values = [(v, v.clone()) for d in warm for v in d.values()]
-    probe = layerbraid.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
+    probe = layerbraid.accuracy.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
     assert all(torch.equal(v, saved) for v, saved in values)
     assert probe.iterations == [(3, 3)]
     assert audit.error / CALIBRATED_FACTOR <= probe.change <= audit.error * CALIBRATED_FACTOR
@@ -144,11 +144,11 @@ def test_estimates_hold_on_a_trained_amplifying_network():
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         if b % 8 == 0:
-            audit = layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
+            audit = layerbraid.accuracy.audit_gradients(model, lambda: F.cross_entropy(model(x), y))
             errors.append(audit.error)
         elif b % 4 == 0 and b > 8:
             grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-            probe = layerbraid.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
+            probe = layerbraid.accuracy.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
             assert all(p.grad is g is None or torch.equal(p.grad, g)
                        for p, g in zip(model.parameters(), grads))
             assert probe.iterations == [(3, 2)]
@@ -191,7 +191,7 @@ def test_tuner_lowers_by_the_change_of_one_iteration_fewer():
     F.cross_entropy(model(x), y).backward()
     F.cross_entropy(fewer(x), y).backward()
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-    tuner = layerbraid.IterationTuner(model, 0.9, every=4)
+    tuner = layerbraid.accuracy.IterationTuner(model, 0.9, every=4)
     assert tuner.iterations == [None]
     t = tuner(lambda: F.cross_entropy(model(x), y), 0)
     assert all(p.grad is g is None or torch.equal(p.grad, g)
@@ -208,7 +208,7 @@ def test_tuner_lowers_by_the_change_of_one_iteration_fewer():
     assert (model.forward_stats.iterations, model.backward_stats.iterations) == (2, 1)
     assert _relative_change(model, fewer) < ROUNDOFF
     # at a tight target the probe's change is above it: every count goes up by one, capped
-    t = layerbraid.IterationTuner(model, 1e-9, every=4, max_iterations=2)(
+    t = layerbraid.accuracy.IterationTuner(model, 1e-9, every=4, max_iterations=2)(
         lambda: F.cross_entropy(model(x), y), 0)
     assert t.ran == [(2, 1)] and t.iterations == [(2, 2)] and t.lower_change is None
     for m in (model, fewer):
@@ -227,7 +227,7 @@ def test_tuner_climbs_within_the_batch_until_a_change_meets_the_aim():
     assert WORLD.Get_size() in (1, 2)
     model = net(WORLD, steps=16, forward_options=opts(1), backward_options=opts(1))
     x, y = batch(n=8, seed=2)
-    tuner = layerbraid.IterationTuner(model, 1e-9, every=50)
+    tuner = layerbraid.accuracy.IterationTuner(model, 1e-9, every=50)
 
     def step(b):
         model.zero_grad()
@@ -247,7 +247,7 @@ def test_tuner_climbs_within_the_batch_until_a_change_meets_the_aim():
     assert (model.forward_stats.iterations, model.backward_stats.iterations) == (k + 1, k + 1)
     assert model._raw_gradient_error_estimate() == \
         pytest.approx(more._raw_gradient_error_estimate(), rel=1e-9)
-    audit = layerbraid.audit_gradients(model, lambda: F.cross_entropy(model(x), y),
+    audit = layerbraid.accuracy.audit_gradients(model, lambda: F.cross_entropy(model(x), y),
                                        calibrate=False)
     assert audit.raw_estimate == pytest.approx(more._raw_gradient_error_estimate(), rel=1e-9)
     assert audit.error == pytest.approx(serial_error(model, x, y), rel=1e-6, abs=1e-13)
@@ -274,7 +274,7 @@ def test_a_climb_keeps_its_last_solves_warm_start_states():
     x, y = batch(n=8, seed=2)
     F.cross_entropy(model(x), y).backward()
     first = serial_error(model, x, y)
-    t = layerbraid.IterationTuner(model, 1e-9, every=50)(
+    t = layerbraid.accuracy.IterationTuner(model, 1e-9, every=50)(
         lambda: F.cross_entropy(model(x), y), 0)
     assert t.climb and t.climb[-1] <= 5e-10, t
     trained = serial_error(model, x, y)
@@ -293,9 +293,9 @@ def test_the_tuner_holds_the_probe_to_the_target_over_its_margin():
     for margin in (2.0, 1.0):
         model = net(MPI.COMM_SELF, steps=16, forward_options=opts(1), backward_options=opts(1))
         F.cross_entropy(model(x), y).backward()
-        p = layerbraid.probe_gradients(model, lambda: F.cross_entropy(model(x), y)).change
+        p = layerbraid.accuracy.probe_gradients(model, lambda: F.cross_entropy(model(x), y)).change
         assert 1e-3 < p < 0.6, p
-        tuner = layerbraid.IterationTuner(model, 1.5 * p, every=4, margin=margin)
+        tuner = layerbraid.accuracy.IterationTuner(model, 1.5 * p, every=4, margin=margin)
         t = tuner(lambda: F.cross_entropy(model(x), y), 0)
         changes[margin] = t.change
         assert t.change == pytest.approx(p, rel=1e-9) and t.change <= tuner.target
@@ -319,7 +319,7 @@ def test_tuned_iterations_meet_the_target_on_a_trained_amplifying_network():
     assert WORLD.Get_size() in (1, 3)
     model = net(WORLD, forward_options=opts(1), backward_options=opts(1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    tuner = layerbraid.IterationTuner(model, 1e-2, every=6)
+    tuner = layerbraid.accuracy.IterationTuner(model, 1e-2, every=6)
     errors, tunings = [], []
     for b in range(37):
         x, y = batch(n=16, seed=b)
@@ -329,7 +329,7 @@ def test_tuned_iterations_meet_the_target_on_a_trained_amplifying_network():
             assert [(model.forward_stats.iterations, model.backward_stats.iterations)] == \
                 tuner.iterations
         t = tuner(lambda: F.cross_entropy(model(x), y), b)
-        assert (t is not None) == layerbraid.audit_due(b, 6), b  # probed on the schedule
+        assert (t is not None) == layerbraid.accuracy.audit_due(b, 6), b  # probed on the schedule
         if t is not None:
             tunings.append(t)
             if t.climb:  # up to the counts whose change met the aim (or to the cap)
@@ -357,12 +357,12 @@ def test_tuner_arguments_are_checked():
                        (dict(target=1e-2, margin=float("nan")), "margin"),
                        (dict(target=1e-2, margin="2"), "margin")]:
         with pytest.raises(ValueError, match=match):
-            layerbraid.IterationTuner(model, **bad)
+            layerbraid.accuracy.IterationTuner(model, **bad)
     adaptive = net(MPI.COMM_SELF, steps=8, target_error=1e-2)
     with pytest.raises(ValueError, match="target_error=0.01"):
-        layerbraid.IterationTuner(adaptive, 1e-2)
+        layerbraid.accuracy.IterationTuner(adaptive, 1e-2)
     with pytest.raises(ValueError, match="layer-parallel"):
-        layerbraid.IterationTuner(nn.Linear(2, 2), 1e-2)
+        layerbraid.accuracy.IterationTuner(nn.Linear(2, 2), 1e-2)
     for m in (model, adaptive):
         m.free()
 
@@ -373,7 +373,7 @@ def test_a_tuned_solve_is_the_chains_own():
     model = net(MPI.COMM_SELF, steps=16, warm_start=True)
     x, y = batch(n=8, seed=2)
     F.cross_entropy(model(x), y).backward()
-    tuner = layerbraid.IterationTuner(model, 1e-12, every=2, max_iterations=2)
+    tuner = layerbraid.accuracy.IterationTuner(model, 1e-12, every=2, max_iterations=2)
     tuner(lambda: F.cross_entropy(model(x), y), 0)  # up to the cap, 2/2
     chain = model._chain
     model.zero_grad()
@@ -406,7 +406,7 @@ def test_probe_is_the_change_of_one_more_iteration():
     F.cross_entropy(model(x), y).backward()
     F.cross_entropy(more(x), y).backward()
     stats = model.forward_stats, model.backward_stats
-    probe = layerbraid.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
+    probe = layerbraid.accuracy.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
     assert probe.change > 1e-4  # a real change to measure
     assert probe.change == pytest.approx(_relative_change(model, more), rel=1e-9)
     assert (model.forward_stats, model.backward_stats) == stats
@@ -415,7 +415,7 @@ def test_probe_is_the_change_of_one_more_iteration():
     exact = net(WORLD, steps=16, forward_options=opts(1, levels=1),
                 backward_options=opts(1, levels=1))
     F.cross_entropy(exact(x), y).backward()
-    probe = layerbraid.probe_gradients(exact, lambda: F.cross_entropy(exact(x), y))
+    probe = layerbraid.accuracy.probe_gradients(exact, lambda: F.cross_entropy(exact(x), y))
     assert probe.change == 0.0 and probe.iterations == [None] and not exact._chain._probes
     for m in (model, more, exact):
         m.free()
@@ -441,9 +441,9 @@ def test_probe_needs_a_backward_first():
     model = net(MPI.COMM_SELF, steps=8)
     x, y = batch(n=4, seed=0)
     with pytest.raises(ValueError, match="needs a backward first"):
-        layerbraid.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
+        layerbraid.accuracy.probe_gradients(model, lambda: F.cross_entropy(model(x), y))
     with pytest.raises(ValueError, match="layer-parallel modules"):
-        layerbraid.probe_gradients(nn.Linear(2, 2), lambda: torch.zeros(()))
+        layerbraid.accuracy.probe_gradients(nn.Linear(2, 2), lambda: torch.zeros(()))
     model.free()
 
 
@@ -490,7 +490,7 @@ def test_audit_and_probe_of_a_layer_parallel_gru():
               zip(model.parameters(), ref.parameters()))
     den = sum(float(q.grad.pow(2).sum()) for q in ref.parameters())
     stats = model.forward_stats
-    audit = layerbraid.audit_gradients(model, lambda: loss_of(model))
+    audit = layerbraid.accuracy.audit_gradients(model, lambda: loss_of(model))
     assert audit.error > 1e-6
     assert audit.error == pytest.approx(math.sqrt(num / den), rel=1e-9)
     assert model.forward_stats is stats
@@ -500,7 +500,7 @@ def test_audit_and_probe_of_a_layer_parallel_gru():
                             backward_options=opts(2, cfactor=2))
     more.load_state_dict(model.state_dict())
     loss_of(more).backward()
-    probe = layerbraid.probe_gradients(model, lambda: loss_of(model))
+    probe = layerbraid.accuracy.probe_gradients(model, lambda: loss_of(model))
     assert probe.iterations == [(2, 2)]
     assert probe.change == pytest.approx(_relative_change(model, more), rel=1e-9)
     assert model.forward_stats is stats
@@ -511,28 +511,28 @@ def test_audit_and_probe_of_a_layer_parallel_gru():
 def test_audit_arguments_are_checked():
     model = net(MPI.COMM_SELF, steps=4)
     with pytest.raises(ValueError, match="history must be an int >= 1, got 0"):
-        layerbraid.audit_gradients(model, lambda: None, history=0)
+        layerbraid.accuracy.audit_gradients(model, lambda: None, history=0)
     with pytest.raises(ValueError, match="layer-parallel"):
-        layerbraid.audit_gradients(nn.Linear(2, 2), lambda: None)
+        layerbraid.accuracy.audit_gradients(nn.Linear(2, 2), lambda: None)
     x, y = batch(n=4, seed=0)
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(TypeError, match="the closure must return the loss"):
-        layerbraid.audit_gradients(model, lambda: model(x))
+        layerbraid.accuracy.audit_gradients(model, lambda: model(x))
     assert model.solve_mode is None  # left as it was
     model.free()
 
 
 def test_audit_schedule_is_dense_at_the_start_then_every_k():
-    due = [b for b in range(320) if layerbraid.audit_due(b, 50)]
+    due = [b for b in range(320) if layerbraid.accuracy.audit_due(b, 50)]
     assert due == [0, 1, 2, 4, 8, 16, 32, 50, 100, 150, 200, 250, 300]
-    assert [b for b in range(10) if layerbraid.audit_due(b, 1)] == list(range(10))
-    assert [b for b in range(10) if layerbraid.audit_due(b, 3)] == [0, 1, 2, 3, 6, 9]
-    assert not any(layerbraid.audit_due(b, 0) for b in range(10))
+    assert [b for b in range(10) if layerbraid.accuracy.audit_due(b, 1)] == list(range(10))
+    assert [b for b in range(10) if layerbraid.accuracy.audit_due(b, 3)] == [0, 1, 2, 3, 6, 9]
+    assert not any(layerbraid.accuracy.audit_due(b, 0) for b in range(10))
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=f"batch must be an int >= 0, got {bad!r}"):
-            layerbraid.audit_due(bad, 50)
+            layerbraid.accuracy.audit_due(bad, 50)
         with pytest.raises(ValueError, match=f"every must be an int >= 0, got {bad!r}"):
-            layerbraid.audit_due(0, bad)
+            layerbraid.accuracy.audit_due(0, bad)
 
 
 def test_an_audit_at_round_off_leaves_the_calibration_alone():
@@ -582,7 +582,7 @@ def test_a_rank_that_stops_before_the_reduction_is_reported(monkeypatch, short_t
 
     assert WORLD.Get_size() == 2
     model, x, y = _trained_once_without_the_short_timeout(short_timeout)
-    measure = getattr(layerbraid, name)
+    measure = getattr(layerbraid.accuracy, name)
     if WORLD.rank == 1:
         def stop(*args, **kwargs):
             raise RuntimeError("rank 1 stops before the reduction")
@@ -606,7 +606,7 @@ def test_a_rank_that_stops_before_the_tuners_reduction_is_reported(monkeypatch, 
 
     assert WORLD.Get_size() == 2
     model, x, y = _trained_once_without_the_short_timeout(short_timeout)
-    tuner = layerbraid.IterationTuner(model, target)
+    tuner = layerbraid.accuracy.IterationTuner(model, target)
     if WORLD.rank == 1:
         real = audit_module.allreduce_floats
 

@@ -342,8 +342,8 @@ def test_audit_and_probe_on_the_gpu_measure_what_they_measure_on_the_cpu():
             return F.cross_entropy(model(x), y)
 
         closure().backward()
-        audit = layerbraid.audit_gradients(model, closure, calibrate=False)
-        probe = layerbraid.probe_gradients(model, closure)
+        audit = layerbraid.accuracy.audit_gradients(model, closure, calibrate=False)
+        probe = layerbraid.accuracy.probe_gradients(model, closure)
         found.append((audit.error, probe.change))
     (e1, p1), (e2, p2) = found
     assert e1 > 1e-6 and p1 > 1e-6  # a real error, not round-off

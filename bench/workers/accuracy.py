@@ -14,7 +14,7 @@ warm starts), warm1 (warm starts at 1 forward / 1 adjoint iteration), adaptive (
 adaptive_warm (adaptive, with warm starts), smooth and smooth3 (fixed, the loss plus the
 depth-smoothness penalty times the weight PENALTIES gives the mode, "smooth=0.1,smooth3=0.3"),
 serial_smooth and serial_smooth3 (plain PyTorch on rank 0 alone, with the penalty of smooth and
-smooth3), tuned (iterations tuned to TARGET by ``layerbraid.IterationTuner``,
+smooth3), tuned (iterations tuned to TARGET by ``layerbraid.accuracy.IterationTuner``,
 aiming the probe at TARGET / 2 (its default margin), probing every TUNE_EVERY batches and
 climbing within a batch whose probe is above that aim, from 2 forward / 1 adjoint iteration,
 the first down-cycle skipped; the tuner's time is part of the batch's, as it is part of
@@ -26,11 +26,11 @@ at a barrier), so that their times are paired: each batch's time in a mode is me
 few seconds of plain PyTorch's on the same batch, under the same load.  The timed part of a batch
 is zero_grad, the forward, the backward and the optimizer step.  Every LOG_EVERY batches, before
 the optimizer step, the layer-parallel gradients are compared with exact ones for the same
-weights and batch (``layerbraid.audit_gradients(..., calibrate=False)``); at the batches that
-``layerbraid.audit_due(batch, AUDIT_EVERY)`` names (AUDIT_EVERY default 50; 0: never; batches
+weights and batch (``layerbraid.accuracy.audit_gradients(..., calibrate=False)``); at the batches that
+``layerbraid.accuracy.audit_due(batch, AUDIT_EVERY)`` names (AUDIT_EVERY default 50; 0: never; batches
 counted over the whole run) an audit measures the true error and calibrates the estimate
 (Note [calibrated estimate]); the batches logged in between judge the calibrated estimate,
-which saw only the audits before them, and ``layerbraid.probe_gradients`` measures the
+which saw only the audits before them, and ``layerbraid.accuracy.probe_gradients`` measures the
 gradients' change with one more iteration (Note [gradient probe]) beside them.  Audits and
 probes are not timed.  Every row printed names its
 mode; an epoch's row carries each batch's time.
@@ -191,7 +191,7 @@ def main():
     opts = {m: torch.optim.Adam(models[m].parameters(), lr=lr) if opt_name == "adam" else
             torch.optim.SGD(models[m].parameters(), lr=lr, momentum=0.9) for m in modes}
     gamma = {m: penalties.get(m.removeprefix("serial_"), 0.0) for m in modes}
-    tuners = {m: layerbraid.IterationTuner(models[m], target, every=TUNE_EVERY)
+    tuners = {m: layerbraid.accuracy.IterationTuner(models[m], target, every=TUNE_EVERY)
               for m in modes if m.startswith("tuned")}
 
     def emit(row):
@@ -231,9 +231,9 @@ def main():
                               ran=tuning.ran, iterations=tuning.iterations,
                               climb=tuning.climb, aim=tuning.aim, seconds=tuning.seconds))
                 serial = m.startswith("serial")
-                if not serial and layerbraid.audit_due(epoch * per_epoch + b, audit_every):
+                if not serial and layerbraid.accuracy.audit_due(epoch * per_epoch + b, audit_every):
                     solves = _raw_solves(model)
-                    a = layerbraid.audit_gradients(model, lambda: objective()[1])
+                    a = layerbraid.accuracy.audit_gradients(model, lambda: objective()[1])
                     emit(dict(kind="audit", mode=m, epoch=epoch + 1, batch=b,
                               grad_error=a.error, estimate=a.estimate,
                               raw_estimate=a.raw_estimate, calibrated=a.calibrated,
@@ -241,8 +241,8 @@ def main():
                 elif not serial and b % log_every == 0:
                     f, g = _last_stats(model)
                     solves = _raw_solves(model)
-                    a = layerbraid.audit_gradients(model, lambda: objective()[1], calibrate=False)
-                    p = layerbraid.probe_gradients(model, lambda: objective()[1])
+                    a = layerbraid.accuracy.audit_gradients(model, lambda: objective()[1], calibrate=False)
+                    p = layerbraid.accuracy.probe_gradients(model, lambda: objective()[1])
                     emit(dict(kind="batch", mode=m, epoch=epoch + 1, batch=b,
                               grad_error=a.error, estimate=a.estimate,
                               raw_estimate=a.raw_estimate, calibration=a.calibration,

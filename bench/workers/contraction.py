@@ -114,7 +114,7 @@ def main():
                 m.free()
             m = build(opts(2), opts(1), sc, weights)
             F.cross_entropy(m(x), y).backward()
-            audit = layerbraid.audit_gradients(m, lambda: F.cross_entropy(m(x), y))
+            audit = layerbraid.accuracy.audit_gradients(m, lambda: F.cross_entropy(m(x), y))
             row["grad_error_2_1"] = audit.error
             m.free()
             if comm.rank == 0:

@@ -40,7 +40,7 @@ class OneChainPart(LayerParallelPart):
         error also enters the adjoint, through the states it is linearized at; its weight is the
         ratio of the two solves' shares of ``target_error``, Note [adaptive iterations]).  0.0
         for exact solves, None before a backward.  The same on every rank and for any rank
-        count.  Calibrated by the audits run so far (``layerbraid.audit_gradients``, Note
+        count.  Calibrated by the audits run so far (``layerbraid.accuracy.audit_gradients``, Note
         [calibrated estimate]); before the first audit it is the residuals' raw estimate,
         which on trained networks can be off by orders of magnitude."""
         return _gradient_estimate(self.forward_stats, self.backward_stats, "error_estimate")

@@ -185,7 +185,7 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
         """An estimate of the last backward's relative parameter-gradient error: the sum over
         the layers of what ``LayerParallelModule.gradient_error_estimate`` gives for one
         chain; None before a backward.  Calibrated by the audits run so far
-        (``layerbraid.audit_gradients``)."""
+        (``layerbraid.accuracy.audit_gradients``)."""
         return self._estimate("error_estimate")
 
     def _raw_gradient_error_estimate(self):
