@@ -16,7 +16,6 @@ import io
 import os
 import stat
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -25,6 +24,7 @@ from torch import nn
 
 from ._comm.mpi import gather_obj, raise_on_every_rank
 from ._engine.parts import sharded_parts
+from ._engine.warn import warn
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "CheckpointError"]
 
@@ -221,11 +221,10 @@ def read_checkpoint(path: Union[str, os.PathLike]) -> dict[str, Any]:
         ) from exc
     stale = _temp_files(path)
     if stale:
-        warnings.warn(
+        warn(
             f"beside checkpoint {path} lie {len(stale)} temporary file(s) of a save "
             f"that did not finish ({', '.join(p.name for p in stale[:3])}); the next "
-            "save removes them",
-            stacklevel=3,
+            "save removes them"
         )
     if not data:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes): its write did not finish")

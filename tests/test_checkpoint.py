@@ -200,8 +200,9 @@ def test_a_killed_saves_temporary_file_is_listed_by_a_load_and_removed_by_the_ne
     stale = tmp_path / ".c.ckpt.k1ll3d.tmp"
     stale.write_bytes(b"half a checkpoint")
     with pytest.warns(UserWarning, match=r"1 temporary file\(s\) of a save that did not "
-                                         r"finish \(\.c\.ckpt\.k1ll3d\.tmp\)"):
+                                         r"finish \(\.c\.ckpt\.k1ll3d\.tmp\)") as caught:
         model.load_checkpoint(path)
+    assert caught[0].filename == __file__  # the user's line, not layerbraid's
     model.save_checkpoint(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt"]
 

@@ -77,8 +77,9 @@ def test_to_serial_keeps_the_models_device():
 def test_a_hierarchy_smaller_than_asked_is_said():
     with pytest.warns(UserWarning, match=r"forward solve asked for 10 MGRIT levels with cfactor "
                                          r"16 over 8 steps, but only 1 level\(s\) form.*exact "
-                                         r"sequential stepping"):
+                                         r"sequential stepping") as caught:
         m = model(MPI.COMM_SELF, forward_options=MGRITOptions(max_levels=10, cfactor=16))
+    assert caught[0].filename == __file__  # the user's line, not layerbraid's
     assert m.mgrit_levels() == (1, 1)
     m.free()
     with warnings.catch_warnings():

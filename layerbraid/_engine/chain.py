@@ -35,6 +35,7 @@ from ..options import MGRITOptions
 from ..stats import SolveStats, contraction, error_estimate
 from .bridge import _Core
 from .steps import Run, Steps
+from .warn import warn
 
 __all__ = ["Run", "Steps"]  # (the interface types live in _steps)
 
@@ -471,16 +472,12 @@ def _warn_if_reduced(num_steps, options, levels, solve):
     sequential stepping."""
     if levels >= options.max_levels:
         return
-    import warnings
-
     what = "exact sequential stepping" if levels == 1 else f"{levels} levels"
-    warnings.warn(
+    warn(
         f"the {solve} solve asked for {options.max_levels} MGRIT levels with cfactor "
         f"{options.cfactor} over {num_steps} steps, but only {levels} level(s) form (a level is "
         f"coarsened while the coarser one keeps at least min_coarse={options.min_coarse} "
-        f"steps): it runs {what}",
-        UserWarning,
-        stacklevel=4,
+        f"steps): it runs {what}"
     )
 
 
