@@ -27,6 +27,7 @@ _CORE = ["cbridge/src", "cbridge/include", "layerbraid/_engine/bridge.py",
 # Everything the solve engine imports runs in every solve (tests/test_reports.py checks the
 # list against _engine/chain.py's imports), but for the exception classes of layerbraid/errors.py.
 _ENGINE = _CORE + ["layerbraid/_engine/chain.py", "layerbraid/_engine/steps.py",
+                   "layerbraid/_engine/warn.py",
                    "layerbraid/_comm/__init__.py", "layerbraid/_comm/mpi.py",
                    "layerbraid/_comm/transport.py", "layerbraid/_comm/timeouts.py",
                    "layerbraid/stats.py"]
