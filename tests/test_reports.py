@@ -222,7 +222,9 @@ def test_a_bound_job_gives_each_rank_cores_of_its_own():
     def sets(ranks, per_rank):
         out = harness.mpiexec(ranks, [sys.executable, "-c", _AFFINITY], timeout=120,
                               cores_per_rank=per_rank).stdout
-        return [tuple(ast.literal_eval(line)) for line in out.splitlines() if line.startswith("[")]
+        # every list the ranks printed, wherever it landed: two ranks' lines can arrive run
+        # together ("[0][1]"), which a line-by-line parse would take for one expression
+        return [tuple(ast.literal_eval(m)) for m in re.findall(r"\[[\d, ]*\]", out)]
 
     bound = sets(2, 1)
     assert len(bound) == 2 and all(len(s) == 1 for s in bound), bound
