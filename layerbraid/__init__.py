@@ -1,10 +1,11 @@
 """layerbraid: layer-parallel multigrid (MGRIT) training for PyTorch.
 
-The top level is the training surface: the module, its options, the process grid, spatial
-coarsening, gradient clipping, checkpoints, the stall timeout, the abort hook, the errors, and
-the general solver.  Around it: ``layerbraid.data`` (loaders), ``layerbraid.nn`` (step blocks,
-batch norms, RNNs), ``layerbraid.accuracy`` (gradient audits, probes, the iteration tuner),
-``layerbraid.cli`` (the examples' flags), ``layerbraid.plan`` (the work model).
+The top level is the training surface: the module, ``from_serial`` (a layer-parallel model from a
+serial network), its options, the process grid, spatial coarsening, gradient clipping,
+checkpoints, the stall timeout, the errors, and the general solver.  Around it:
+``layerbraid.data`` (loaders), ``layerbraid.nn`` (step blocks, batch norms, RNNs),
+``layerbraid.accuracy`` (gradient audits, probes, the iteration tuner), ``layerbraid.cli`` (the
+examples' flags), ``layerbraid.plan`` (the work model), ``layerbraid.launch`` (the abort hook).
 """
 
 import importlib
@@ -12,7 +13,7 @@ import warnings
 from typing import Any
 
 from .errors import DivergenceError, MGRITError, RemoteRankError, StallError
-from .launch import abort_on_exception, set_timeout
+from .launch import set_timeout
 from .mgrit import MGRIT
 from .options import MGRITOptions
 
@@ -27,8 +28,8 @@ __all__ = [
     "RemoteRankError",
     "SpatialCoarsening",
     "StallError",
-    "abort_on_exception",
     "clip_grad_norm_",
+    "from_serial",
     "load_checkpoint",
     "save_checkpoint",
     "set_timeout",
@@ -45,6 +46,7 @@ _LAZY = {
     "save_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
     "CheckpointError": "checkpoint",
+    "from_serial": "convert",
 }
 # Subpackages reachable as attributes after ``import layerbraid`` (loaded on first use).
 _SUBMODULES = {"accuracy", "cli", "data", "nn", "plan", "stats", "checkpoint", "launch", "mgrit"}
@@ -60,6 +62,7 @@ _MOVED = {
     "SolveStats": "stats",
     "MGRITResult": "mgrit",
     "check_launch": "launch",
+    "abort_on_exception": "launch",
 }
 
 

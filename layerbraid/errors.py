@@ -29,4 +29,5 @@ class DivergenceError(MGRITError, FloatingPointError):
 class StallError(MGRITError, TimeoutError):
     """A rank waited for another longer than the timeout (``layerbraid.set_timeout``, or the
     environment variable ``LAYERBRAID_TIMEOUT``); the message says what it waited for and, for a
-    message, from which rank.  Uncaught, it ends the job (``layerbraid.abort_on_exception``)."""
+    message, from which rank.  Uncaught, it ends the job
+    (``layerbraid.launch.abort_on_exception``)."""

@@ -36,7 +36,7 @@ def main():
 
     after_import = snapshot()
     if early:
-        layerbraid.abort_on_exception()
+        layerbraid.launch.abort_on_exception()
     grid = layerbraid.ProcessGrid(MPI.COMM_WORLD, data_parallel=1)
     after_build = snapshot()
     record = {"import": changed(before, after_import), "build": changed(before, after_build),

@@ -237,7 +237,7 @@ def test_a_launch_that_promises_more_ranks_than_mpi_has_is_a_clear_error(var, wh
 
 
 def test_the_abort_hook_can_be_switched_off():
-    code = ("import layerbraid, sys; layerbraid.abort_on_exception(False); "
+    code = ("import layerbraid, sys; layerbraid.launch.abort_on_exception(False); "
             "layerbraid.launch._enter(); assert sys.excepthook is sys.__excepthook__")
     proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=120, env=_env())

@@ -49,8 +49,8 @@ _ADJOINT_SHARE = 0.5
 
 
 class _SolveState(threading.local):
-    """Note [batch-norm stats] (nn/__init__.py): set while a forward solve runs, and while a
-    step of its final fine relaxation runs."""
+    """Note [batch-norm stats] (nn/batchnorm.py): ``in_solve`` while a solve (forward or
+    adjoint) runs, ``final`` while a step of the forward's final fine relaxation runs."""
 
     in_solve = False
     final = False
@@ -290,9 +290,13 @@ class _Chain:
             raise RuntimeError("backward through a layer-parallel forward that ran without grad")
         run.steps.begin_adjoint(run, grad)
         run.grads = {}
+        # Coarse adjoint steps may run a layer again (a custom rule, spatial coarsening): as in
+        # the forward's sweeps, its batch norms then leave their running statistics alone.
+        _solve_state.in_solve = True
         try:
             run.backward_stats, states = self._solve(self.bwd, run, self._warm_bwd)
         finally:
+            _solve_state.in_solve = _solve_state.final = False
             if not run.retain:
                 run.graphs = {}
         self.backward_stats = run.backward_stats

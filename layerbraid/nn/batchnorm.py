@@ -8,7 +8,13 @@ from torch import nn
 from .._comm.transport import allreduce_sum
 from .._engine.chain import _solve_state
 
-__all__ = ["LPBatchNorm1d", "LPBatchNorm2d", "LPBatchNorm3d", "plain_modules"]
+__all__ = [
+    "LPBatchNorm1d",
+    "LPBatchNorm2d",
+    "LPBatchNorm3d",
+    "layer_parallel_modules",
+    "plain_modules",
+]
 
 
 class _AllreduceSum(torch.autograd.Function):
@@ -105,6 +111,21 @@ def plain_modules(module: nn.Module) -> nn.Module:
     return module
 
 
+def layer_parallel_modules(module: nn.Module) -> nn.Module:
+    """The inverse of :func:`plain_modules`: ``module`` with every plain ``nn.BatchNorm1d/2d/3d``
+    replaced, in place, by the layer-parallel one with the same arguments and state (no
+    ``sync_comm``); returns it.  What a step layer built from a serial block needs: a plain
+    batch norm would update its running statistics at every sweep of a solve."""
+    if isinstance(module, _LayerParallelBatchNorm):
+        return module
+    kind = _LP_OF.get(type(module))
+    if kind is not None:
+        return _converted(module, kind)
+    for name, child in list(module.named_children()):
+        setattr(module, name, layer_parallel_modules(child))
+    return module
+
+
 def _plain_copy(module):
     """A deep copy of ``module`` (or None) with plain batch norms and no communicator."""
     if module is None:
@@ -123,8 +144,20 @@ def _plain_batch_norm(bn):
     kind = next(
         c for c in type(bn).__mro__ if c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
     )
+    return _converted(bn, kind)
+
+
+_LP_OF: dict[type, type] = {
+    nn.BatchNorm1d: LPBatchNorm1d,
+    nn.BatchNorm2d: LPBatchNorm2d,
+    nn.BatchNorm3d: LPBatchNorm3d,
+}
+
+
+def _converted(bn, kind):
+    """A batch norm of class ``kind`` with ``bn``'s arguments, state, mode and device."""
     ref = bn.weight if bn.weight is not None else bn.running_mean
-    plain = kind(
+    made = kind(
         bn.num_features,
         eps=bn.eps,
         momentum=bn.momentum,
@@ -133,6 +166,6 @@ def _plain_batch_norm(bn):
         device=None if ref is None else ref.device,
         dtype=None if ref is None else ref.dtype,
     )
-    plain.load_state_dict(bn.state_dict())
-    plain.train(bn.training)
-    return plain
+    made.load_state_dict(bn.state_dict())
+    made.train(bn.training)
+    return made
