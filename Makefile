@@ -9,7 +9,7 @@ export MPIR_CVAR_ENABLE_HEAVY_YIELD := 1
 
 SOURCES := setup.py pyproject.toml $(wildcard cbridge/*.py cbridge/include/*.h cbridge/src/*.c cbridge/src/*.h)
 
-.PHONY: demo test lint install bench reports stale clean
+.PHONY: demo test lint docs install bench reports stale clean
 
 install: $(STAMP)
 
@@ -44,6 +44,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check layerbraid
 	$(VENV)/bin/ruff format --check layerbraid
 	$(VENV)/bin/mypy
+
+# The documentation site (mkdocs.yml: the guide, the API reference from the docstrings, the
+# reports) into build/site; any warning fails the build.  CI runs it; the guide's code blocks
+# run in the tests (tests/test_guide.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 bench: $(STAMP)
 	$(PY) -m bench.resnet

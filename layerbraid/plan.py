@@ -445,6 +445,54 @@ def recommend(
     return best
 
 
+@dataclass
+class Setting:
+    """One row of :func:`settings_table`: the exact solve's and the fastest multilevel
+    settings' predicted speedups on ``ranks`` ranks for ``num_steps`` layers."""
+
+    num_steps: int
+    ranks: int
+    exact_speedup: float
+    levels: int
+    cfactor: int
+    multilevel_speedup: float
+
+    @property
+    def choice(self) -> str:
+        """The faster of the two, as the guide's table says it."""
+        if self.exact_speedup >= self.multilevel_speedup:
+            return "1 level (exact)"
+        return f"{self.levels} levels, cfactor {self.cfactor}"
+
+
+def settings_table(
+    depths: Sequence[int],
+    ranks_list: Sequence[int],
+    costs: Costs,
+    *,
+    min_fwd_iters: int = 2,
+    min_bwd_iters: int = 1,
+) -> list[Setting]:
+    """For each depth and rank count (at least one layer per rank, two ranks or more): the
+    predicted speedup of the exact solve (one level: the steps run one rank after another)
+    and of the fastest multilevel settings at the given iterations (:func:`recommend`).
+    Accuracy is not modelled: multilevel settings at few iterations give inexact gradients,
+    which an audit measures (``layerbraid.accuracy.audit_gradients``)."""
+    one = MGRITOptions(max_levels=1)
+    rows = []
+    for n in depths:
+        for p in ranks_list:
+            if p < 2 or p > n:
+                continue
+            exact = predict(n, p, one, one, costs)
+            best, fwd, _ = recommend(
+                n, p, costs, min_fwd_iters=min_fwd_iters, min_bwd_iters=min_bwd_iters
+            )
+            cf = fwd.cfactor if isinstance(fwd.cfactor, int) else fwd.cfactor[0]
+            rows.append(Setting(n, p, exact.speedup, fwd.max_levels, cf, best.speedup))
+    return rows
+
+
 def measure_step(
     layer: Any, x: Any, repeats: int = 20, dt: float = 0.1
 ) -> tuple[float, float, float]:

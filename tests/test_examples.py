@@ -155,22 +155,6 @@ def test_dahlquist_bad_flags_are_one_line_errors(flag, value, words):
     assert "Traceback" not in proc.stderr
 
 
-def test_readme_training_snippet_runs_on_two_ranks(tmp_path):
-    """The README's layer-parallel training loop, as written, for its first batches."""
-    text = (ROOT / "README.md").read_text()
-    code = text.split("## Training, layer-parallel", 1)[1].split("```python", 1)[1]
-    code = code.split("```", 1)[0]
-    loop = "for step, (x, y) in enumerate(loader):"
-    assert code.count(loop) == 1
-    script = tmp_path / "train.py"
-    script.write_text(code.replace(loop, "for step, (x, y) in zip(range(3), loader):"))
-    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.count("batch 0: loss") == 1
-    assert "MGRIT iterations 2 forward / 1 adjoint" in proc.stdout
-
-
 def test_tiny_imagenet_on_a_miniature_folder_learns(tmp_path):
     data = tmp_path / "tiny-imagenet-200"
     data.mkdir()

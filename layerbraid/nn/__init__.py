@@ -11,11 +11,18 @@ __all__ = [
     "LPBatchNorm3d",
     "LayerParallelGRU",
     "LayerParallelLSTM",
+    "layer_parallel_modules",
     "plain_modules",
 ]
 
 
-from .batchnorm import LPBatchNorm1d, LPBatchNorm2d, LPBatchNorm3d, plain_modules
+from .batchnorm import (
+    LPBatchNorm1d,
+    LPBatchNorm2d,
+    LPBatchNorm3d,
+    layer_parallel_modules,
+    plain_modules,
+)
 from .rnn import LayerParallelGRU, LayerParallelLSTM
 
 

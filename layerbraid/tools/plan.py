@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from .. import plan as _plan
 from ..options import MGRITOptions
-from ..plan import Costs, measure_step, recommend, sweep
+from ..plan import Costs, measure_step, recommend, settings_table, sweep
 
 
 def _parse(argv=None):
@@ -16,7 +16,13 @@ def _parse(argv=None):
         description=_plan.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--steps", type=int, required=True, help="layers (MGRIT fine steps) N")
+    p.add_argument(
+        "--steps",
+        type=int,
+        nargs="+",
+        required=True,
+        help="layers (MGRIT fine steps) N; with --table, one or more depths",
+    )
     p.add_argument(
         "--ranks",
         type=int,
@@ -58,11 +64,21 @@ def _parse(argv=None):
         action="store_true",
         help="also print the fastest settings for each rank count",
     )
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="print the guide's table: exact or multilevel, by depth (--steps) and --ranks",
+    )
     args = p.parse_args(argv)
+    if len(args.steps) > 1 and not args.table:
+        p.error("--steps takes one depth (several only with --table)")
+    depths = args.steps
+    args.steps = depths[0]
     if args.measure_conv is None and (args.step_seconds is None or args.vjp_seconds is None):
         p.error("give --step-seconds and --vjp-seconds, or --measure-conv B,C,H,W")
-    if args.steps < 1:
-        p.error(f"--steps must be >= 1, got {args.steps}")
+    if min(depths) < 1:
+        p.error(f"--steps must be >= 1, got {min(depths)}")
+    args.depths = depths
     bad = [r for r in args.ranks if r < 1]
     if bad:
         p.error(f"--ranks must be >= 1, got {bad[0]}")
@@ -74,8 +90,25 @@ def _parse(argv=None):
 def main(argv=None):
     parser, args = _parse(argv)
     costs, message_bytes = _costs(parser, args)
+    if args.table:
+        _print_settings(args, costs)
+        return
     fwd, bwd = _options(parser, args)
     _print_table(args, costs, fwd, bwd, message_bytes)
+
+
+def _print_settings(args, costs):
+    """The guide's table of recommended settings (Markdown), from the planner's predictions."""
+    rows = settings_table(
+        args.depths, args.ranks, costs, min_fwd_iters=args.fwd_iters, min_bwd_iters=args.bwd_iters
+    )
+    print("| layers | ranks | exact: speedup | fastest multilevel | its speedup | faster |")
+    print("|---:|---:|---:|---|---:|---|")
+    for r in rows:
+        print(
+            f"| {r.num_steps} | {r.ranks} | {r.exact_speedup:.2f} | {r.levels} levels, "
+            f"cfactor {r.cfactor} | {r.multilevel_speedup:.2f} | {r.choice} |"
+        )
 
 
 def _costs(parser, args):

@@ -1,0 +1,70 @@
+"""Every Python code block of the guide (docs/index.md, docs/guide/*.md) runs, as written, on the
+rank count it shows: a block preceded by the line ``<!-- ranks: 2 -->`` under ``mpiexec -n 2``,
+any other on one process.  A ``text`` block right after a code block is what it prints: each
+line must match, numbers aside (in any order: ranks print at once).  The README's training loop is the guide's first, and the
+tuning page's table is the planner's output."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
+FENCE = re.compile(r"(<!-- ranks: (\d) -->\n)?```python\n(.*?)```\n(\s*```text\n(.*?)```)?",
+                   re.S)
+NUMBER = re.compile(r"-?\d+(\.\d+)?(e[-+]?\d+)?")
+
+
+def _blocks():
+    for page in PAGES:
+        for k, m in enumerate(FENCE.finditer(page.read_text())):
+            ranks = int(m.group(2) or 1)
+            yield pytest.param(m.group(3), ranks, m.group(5),
+                               id=f"{page.relative_to(ROOT / 'docs')}:{k + 1}:{ranks}rank")
+
+
+def _pattern(line):
+    """A printed line, numbers replaced by any number."""
+    out, last = [], 0
+    for m in NUMBER.finditer(line):
+        out.append(re.escape(line[last:m.start()]) + NUMBER.pattern)
+        last = m.end()
+    return "".join(out) + re.escape(line[last:])
+
+
+@pytest.mark.parametrize("code, ranks, prints", list(_blocks()))
+def test_guide_code_block_runs(code, ranks, prints, tmp_path):
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    cmd = [sys.executable, str(script)]
+    if ranks > 1:
+        cmd = ["mpiexec", "-n", str(ranks)] + cmd
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if prints is not None:
+        got = [line for line in proc.stdout.splitlines() if line.strip()]
+        want = [line for line in prints.splitlines() if line.strip()]
+        assert len(got) == len(want), (got, want)
+        for g, w in zip(sorted(got), sorted(want)):  # the ranks' lines come in any order
+            assert re.fullmatch(_pattern(w), g), (g, w)
+
+
+def test_the_readme_loop_is_the_guides_first():
+    readme = FENCE.search((ROOT / "README.md").read_text())
+    guide = FENCE.search((ROOT / "docs" / "guide" / "getting-started.md").read_text())
+    assert readme is not None and guide is not None
+    assert readme.group(3) == guide.group(3)
+    assert readme.group(2) == guide.group(2) == "2"
+
+
+def test_the_tuning_table_is_the_planners():
+    page = (ROOT / "docs" / "guide" / "tuning.md").read_text()
+    command = re.search(r"```console\n\$ (python -m layerbraid.tools.plan --table[^\n]*)\n", page)
+    assert command is not None
+    args = command.group(1).split()[3:]
+    proc = subprocess.run([sys.executable, "-m", "layerbraid.tools.plan", *args],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stdout.strip() in page
