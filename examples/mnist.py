@@ -1,6 +1,6 @@
 """Train an ODE-ResNet on MNIST, layer-parallel with MGRIT.
 
-    mpiexec -n 2 python examples/mnist.py                    # layer-parallel on 2 ranks
+    mpiexec -n 2 python examples/mnist.py                    # layer-parallel on 2 ranks (exact)
     python examples/mnist.py --serial                        # the same network, plain PyTorch
     mpiexec -n 2 python examples/mnist.py --lp-levels 3 --lp-cfactor 2 --steps 16
 
@@ -41,12 +41,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_training_arguments(parser, steps=8, channels=8, batch_size=64, epochs=2, lr=0.05)
-    # 8 steps at cfactor 4 are two C-intervals, and one MGRIT iteration that relaxes its first
-    # down-cycle solves two intervals exactly: the F-relaxation makes the first interval exact,
-    # the coarse solve then the second C-point, the final relaxation the rest.  So at its
-    # default depth this network trains with serial's gradients, to round-off, at 1 forward / 1
-    # adjoint iteration (docs/accuracy.md, mode relaxed1); deeper (--steps) it needs more.
-    cli.add_lp_arguments(parser, fwd_iters=1, bwd_iters=1, skip=False)
+    # The default is what the guide recommends on 2 ranks: one level, exact stepping, serial's
+    # gradients.  On 2 ranks that is the fastest exact mode (docs/performance.md); more levels
+    # pay on more ranks (--lp-levels 2 --lp-cfactor 4: with the first down-cycle relaxed, one
+    # iteration solves this depth's two C-intervals exactly, docs/accuracy.md).
+    cli.add_lp_arguments(parser, levels=1, fwd_iters=1, bwd_iters=1, skip=False)
+    parser.add_argument("--compare-batches", type=int, default=10,
+                        help="after training, time this many batches layer-parallel and on the "
+                             "serial copy, in the same job (0: do not; default 10)")
     parser.add_argument("--dataset", choices=["mnist", "fashion"], default="mnist",
                         help="mnist (default) or fashion")
     args = cli.parse_args(parser, argv)

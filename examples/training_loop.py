@@ -321,15 +321,60 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
         if args.checkpoint:  # one file, atomic, loadable on any number of ranks
             layerbraid.save_checkpoint(model, args.checkpoint, optimizer,
                                        extra={"epoch": epoch + 1, "history": history})
+    comparison = None
+    if not args.serial and getattr(args, "compare_batches", 0):
+        comparison = compare_with_serial(model, loader, device, prepare, comm, rank,
+                                         args.compare_batches)
     if rank == 0:
         meta = {"example": name, "ranks": comm.Get_size() if comm is not None else 1,
-                "data_parallel": data_size,
+                "data_parallel": data_size, "serial_comparison": comparison,
                 "serial": bool(args.serial), "synthetic": synthetic,
                 "args": {k: v for k, v in vars(args).items()}, "history": history}
         (out_dir / "metrics.json").write_text(json.dumps(meta, indent=1, default=str))
         _plot(history, out_dir / "training_curve.png", name, synthetic)
         print(f"wrote {out_dir / 'metrics.json'} and {out_dir / 'training_curve.png'}")
     return history
+
+
+def _timed_batches(model, batches):
+    """Seconds of forward + backward of each batch (gradients zeroed, no optimizer step)."""
+    seconds = []
+    for xb, yb in batches:
+        model.zero_grad()
+        t0 = time.perf_counter()
+        F.cross_entropy(model(xb), yb).backward()
+        seconds.append(time.perf_counter() - t0)
+    model.zero_grad()
+    return seconds
+
+
+def compare_with_serial(model, loader, device, prepare, comm, rank, count):
+    """Times ``count`` batches' forward + backward on the layer-parallel model (every rank),
+    then on its serial copy on the first rank alone (the others wait), the same batches in the
+    same job; prints both, median [min-max], and returns them.  The first batch of each warms
+    up and is not counted."""
+    batches = []
+    for xb, yb in loader:
+        xb = prepare(xb) if prepare else xb
+        batches.append((xb.to(device), yb.to(device)))
+        if len(batches) == count + 1:
+            break
+    model.train()
+    parallel = _timed_batches(model, batches)[1:]
+    serial_model = model.to_serial()  # collective
+    serial = _timed_batches(serial_model, batches)[1:] if rank == 0 else []
+    if comm is not None:
+        comm.Barrier()
+    if rank != 0:
+        return None
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    lp, sp = med(parallel), med(serial)
+    print(f"time per batch, forward + backward, {len(parallel)} batches (median [min-max]): "
+          f"layer-parallel {1e3 * lp:.1f} [{1e3 * min(parallel):.1f}-{1e3 * max(parallel):.1f}] ms, "
+          f"serial PyTorch on one rank {1e3 * sp:.1f} [{1e3 * min(serial):.1f}-"
+          f"{1e3 * max(serial):.1f}] ms: speedup {sp / lp:.2f} (> 1: layer-parallel is faster)",
+          flush=True)
+    return {"layer_parallel_seconds": parallel, "serial_seconds": serial, "speedup": sp / lp}
 
 
 def _plot(history, path, name, synthetic):
