@@ -70,7 +70,7 @@ RUNS = {"mnist": dict(epochs=1, log_every=25, audit_every=100, max_batches="-"),
         "convchain": dict(epochs=1, log_every=10, audit_every=50, max_batches=300)}
 # Each example's default mode: what `mpiexec -n 2 python examples/EXAMPLE.py` runs
 # (tests/test_examples.py checks these against the examples' flags); convchain is no example.
-DEFAULTS = {"mnist": "relaxed1", "volumes3d": "exact", "sequence": "exact"}
+DEFAULTS = {"mnist": "exact", "volumes3d": "exact", "sequence": "exact"}
 # The levels, iterations and first down-cycle of those modes, as the examples' --help states
 # them (levels: 1, or the example's own hierarchy, "more").
 MODE_FLAGS = {"exact": {"levels": 1},

@@ -94,7 +94,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_training_arguments(parser, steps=8, channels=16, batch_size=64, epochs=1, lr=0.05)
-    cli.add_lp_arguments(parser)
+    # One level by default: exact, and the faster mode on 2 ranks.  At 2 levels and 2/1
+    # iterations (--synthetic, 8 batches, 2 ranks on 2 cores) the audited gradient error was
+    # 1.1 (110%) at 1137 ms/batch, against exact gradients at 954 ms/batch with one level.
+    cli.add_lp_arguments(parser, levels=1)
     parser.add_argument("--stages", type=int, default=3, choices=[1, 2, 3, 4],
                         help="stages of --steps steps each (default 3)")
     parser.add_argument("--max-per-class", type=cli.positive_int, default=None,

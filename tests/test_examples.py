@@ -56,6 +56,10 @@ def test_mnist_layer_parallel_on_two_ranks_learns(tmp_path):
     assert proc.stdout.count("audits (7): true gradient error median") == 1
     assert (tmp_path / "training_curve.png").stat().st_size > 1000
     assert "test accuracy" in proc.stdout
+    # after training: 10 batches timed layer-parallel and on the serial copy, in this job
+    comparison = metrics(tmp_path)["serial_comparison"]
+    assert len(comparison["layer_parallel_seconds"]) == len(comparison["serial_seconds"]) == 10
+    assert proc.stdout.count("serial PyTorch on one rank") == 1
     # resume on one rank from the two-rank checkpoint, for one more epoch
     run(1, "mnist.py", "--epochs", 2, "--max-batches", 10, "--test-limit", 500, "--steps", 8,
         "--out-dir", tmp_path / "resumed", "--resume", tmp_path / "ckpt.pt")
@@ -92,7 +96,7 @@ def test_a_hierarchy_smaller_than_asked_is_said_in_the_header_and_a_warning(tmp_
 
 def test_a_target_error_the_caps_cannot_reach_is_said_once_per_epoch(tmp_path):
     # 1/1 iterations that skip the first down-cycle (with it relaxed, 1/1 is exact here)
-    proc = run(2, "mnist.py", "--lp-target-error", "1e-6", "--lp-fwd-iters", 1,
+    proc = run(2, "mnist.py", "--lp-levels", 2, "--lp-target-error", "1e-6", "--lp-fwd-iters", 1,
                "--lp-bwd-iters", 1, "--lp-skip-downcycle", "--epochs", 2, "--max-batches", 3, "--test-limit", 100,
                "--out-dir", tmp_path, "--lp-audit-every", 0, "--lp-probe-every", 2)
     assert proc.stdout.count("solves ended above their share of --lp-target-error 1e-06") == 2
@@ -117,7 +121,8 @@ def test_tuned_iterations_follow_the_probe_and_are_recorded(tmp_path):
     a time, to the counts whose change met the aim or to the cap of 10, and the batches after
     it run those counts; the tunings are recorded as the batches' probes,
     on the schedule of 0, 1, 2, 4, and the epoch line names the counts and the aim."""
-    proc = run(2, "mnist.py", "--lp-tune-error", "1e-9", "--lp-fwd-iters", 1, "--lp-bwd-iters",
+    proc = run(2, "mnist.py", "--lp-levels", 2, "--lp-tune-error", "1e-9", "--lp-fwd-iters", 1,
+               "--lp-bwd-iters",
                1, "--lp-skip-downcycle", "--steps", 32, "--epochs", 1, "--max-batches", 5,
                "--test-limit", 100,
                "--out-dir", tmp_path, "--lp-audit-every", 0, "--lp-probe-every", 4,
@@ -161,7 +166,7 @@ def test_tiny_imagenet_on_a_miniature_folder_learns(tmp_path):
     make_tiny_imagenet(data, classes=3, per_class=8, val_per_class=2)
     run(2, "tiny_imagenet.py", "--data-dir", data, "--epochs", 4, "--batch-size", 8,
         "--steps", 2, "--stages", 2, "--channels", 4, "--lr", 0.02, "--optimizer", "adam",
-        "--out-dir", tmp_path / "out", "--log-interval", 1)
+        "--out-dir", tmp_path / "out", "--log-interval", 1, "--lp-levels", 2)
     hist = metrics(tmp_path / "out")["history"]
     assert len(hist) == 4 and not metrics(tmp_path / "out")["synthetic"]
     assert hist[-1]["train_loss"] < hist[0]["train_loss"]
@@ -226,3 +231,22 @@ def test_volumes3d_with_spatial_coarsening_runs_and_checks_its_flags(tmp_path):
                            "--lp-sc-mode", "coarse"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "--lp-sc-mode: invalid choice: 'coarse'" in proc.stderr
+
+
+# Each example at its own defaults (data aside), a few batches, every batch audited: the
+# defaults must give gradients within 1e-2 of exact (each is exact today: one level).
+DEFAULTS = {
+    "mnist.py": ["--compare-batches", 0],
+    "sequence_classification.py": ["--task", "synthetic"],
+    "volumes3d.py": [],
+    "tiny_imagenet.py": ["--synthetic"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(DEFAULTS))
+def test_each_examples_defaults_give_audited_gradients_within_1e_2(script, tmp_path):
+    run(2, script, *DEFAULTS[script], "--epochs", 1, "--max-batches", 3, "--test-limit", 32,
+        "--lp-audit-every", 1, "--out-dir", tmp_path)
+    audits = metrics(tmp_path)["history"][0]["audits"]
+    assert [a["batch"] for a in audits] == [0, 1, 2]
+    assert max(a["error"] for a in audits) <= 1e-2, audits
