@@ -52,6 +52,8 @@ def main(argv=None):
     parser.add_argument("--dataset", choices=["mnist", "fashion"], default="mnist",
                         help="mnist (default) or fashion")
     args = cli.parse_args(parser, argv)
+    if args.compare_batches < 0:
+        parser.error(f"--compare-batches must be >= 0, got {args.compare_batches}")
     comm = MPI.COMM_WORLD
     cli.check_run(parser, args, comm)
     torch.manual_seed(args.seed)

@@ -350,23 +350,23 @@ def _timed_batches(model, batches):
 
 def compare_with_serial(model, loader, device, prepare, comm, rank, count):
     """Times ``count`` batches' forward + backward on the layer-parallel model (every rank),
-    then on its serial copy on the first rank alone (the others wait), the same batches in the
-    same job; prints both, median [min-max], and returns them.  The first batch of each warms
-    up and is not counted."""
+    then on its serial copy on the first rank alone (the other ranks are done: their cores are
+    free), the same batches in the same job; prints both, median [min-max], and returns them
+    on the first rank.  One more batch first warms each up and is not counted."""
     batches = []
     for xb, yb in loader:
         xb = prepare(xb) if prepare else xb
         batches.append((xb.to(device), yb.to(device)))
         if len(batches) == count + 1:
             break
+    if len(batches) < 2:
+        return None  # too few batches to time after the warm-up (the same on every rank)
     model.train()
     parallel = _timed_batches(model, batches)[1:]
-    serial_model = model.to_serial()  # collective
-    serial = _timed_batches(serial_model, batches)[1:] if rank == 0 else []
-    if comm is not None:
-        comm.Barrier()
+    serial_model = model.to_serial()  # collective: the last one of the job
     if rank != 0:
         return None
+    serial = _timed_batches(serial_model, batches)[1:]
     med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     lp, sp = med(parallel), med(serial)
     print(f"time per batch, forward + backward, {len(parallel)} batches (median [min-max]): "

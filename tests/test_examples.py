@@ -85,6 +85,15 @@ def test_mnist_bad_flag_fails_before_training_on_every_rank(tmp_path):
     assert proc.stderr.count("usage:") == 1
 
 
+def test_a_negative_compare_batches_is_one_error_on_every_rank():
+    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "examples" / "mnist.py"),
+                           "--compare-batches", "-1"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("--compare-batches must be >= 0, got -1") == 1
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_hierarchy_smaller_than_asked_is_said_in_the_header_and_a_warning(tmp_path):
     proc = run(2, "mnist.py", "--steps", 3, "--lp-levels", 10, "--lp-cfactor", 16,
                "--epochs", 1, "--max-batches", 2, "--test-limit", 100, "--out-dir", tmp_path)

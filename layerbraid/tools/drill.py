@@ -129,6 +129,11 @@ SCENARIOS = {
         "InjectedFault: injected fault in step_layer",
         "faulty",
     ),
+    "from-serial": (
+        "rank 1 passes from_serial an empty list of blocks while rank 0 builds the model",
+        "ValueError: steps is empty",
+        "faulty",
+    ),
     "nan": (
         "the input holds Inf: named as bad input on every rank, before any step",
         "the input holds 256 NaN or Inf value(s)",
@@ -343,6 +348,12 @@ def job(scenario):
     if scenario == "stall-start" and one:
         sleep_forever()
     model = _Net(WORLD, num_steps=4)
+    if scenario == "from-serial":  # bad input on one rank, before the construction's collectives
+        blocks = [nn.Linear(4, 4) for _ in range(4)]
+        if one:
+            fault_here()
+            blocks = []
+        layerbraid.from_serial(steps=blocks, dt=0.25, comm=WORLD)
     if scenario == "stall-construction":
         if one:
             sleep_forever()
