@@ -71,10 +71,13 @@ def main(argv=None):
         model = model.to_serial()
     model.to(args.device)
     if comm.rank == 0:
-        kind = "serial PyTorch" if args.serial else (
-            f"{args.dp_size} data-parallel x {comm.size // args.dp_size} layer-parallel rank(s), "
-            f"{mgrit_summary(model, args)}, {args.lp_fwd_iters} forward / "
-            f"{args.lp_bwd_iters} backward iterations")
+        kind = "serial PyTorch"
+        if not args.serial:
+            solve = mgrit_summary(model, args)
+            if "(exact)" not in solve:  # iterations mean nothing at one level
+                solve += f", {args.lp_fwd_iters} forward / {args.lp_bwd_iters} backward iterations"
+            kind = (f"{args.dp_size} data-parallel x {comm.size // args.dp_size} layer-parallel "
+                    f"rank(s), {solve}")
         print(f"{args.dataset}: {len(data['train_x'])} training, {len(data['test_x'])} test images;"
               f" {args.steps} steps of {args.channels} channels; {kind}", flush=True)
     train(args, model, data, comm=comm, rank=comm.rank, name=args.dataset, grid=grid)

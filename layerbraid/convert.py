@@ -53,12 +53,12 @@ class _FromSerial(LayerParallelModule):
         open: nn.Module | None,
         blocks: Sequence[nn.Module],
         close: nn.Module | None,
-        dt: float,
+        t_final: float,
         rule: Rule | None,
         comm: Any,
         options: dict[str, Any],
     ):
-        super().__init__(len(blocks), dt * len(blocks), comm, **options)
+        super().__init__(len(blocks), t_final, comm, **options)
         self.open = copy.deepcopy(open)
         self.close = copy.deepcopy(close)
         object.__setattr__(self, "_rule", rule)
@@ -149,13 +149,13 @@ def from_serial(
         step_rule = own_skip_rule
         if dt is None and t_final is None:
             dt = 1.0
-    step = _step_size(dt, t_final, len(blocks))
+    final = _final_time(dt, t_final, len(blocks))
     for name, part in (("open", open), ("close", close)):
         if part is not None and not isinstance(part, nn.Module):
             raise TypeError(f"{name} must be an nn.Module or None, got {type(part).__name__}")
     if step_rule is not None and not callable(step_rule):
         raise TypeError(f"step_rule must be a function, got {type(step_rule).__name__}")
-    return _FromSerial(open, blocks, close, step, step_rule, comm, options)
+    return _FromSerial(open, blocks, close, final, step_rule, comm, options)
 
 
 def _check_blocks(steps: Sequence[nn.Module] | None) -> list[nn.Module]:
@@ -175,7 +175,8 @@ def _check_blocks(steps: Sequence[nn.Module] | None) -> list[nn.Module]:
     return blocks
 
 
-def _step_size(dt: float | None, t_final: float | None, n: int) -> float:
+def _final_time(dt: float | None, t_final: float | None, n: int) -> float:
+    """T, from the step size or T itself (given as T, it is kept to the bit)."""
     if (dt is None) == (t_final is None):
         raise TypeError(f"give exactly one of dt and t_final (got dt={dt!r}, t_final={t_final!r})")
     value, name = (dt, "dt") if dt is not None else (t_final, "t_final")
@@ -183,7 +184,7 @@ def _step_size(dt: float | None, t_final: float | None, n: int) -> float:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     if not 0 < value < float("inf"):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value) if dt is not None else float(value) / n
+    return float(value) * n if dt is not None else float(value)
 
 
 def _skeleton(block: nn.Module) -> nn.Module:

@@ -202,3 +202,19 @@ def test_shared_cores_model_shares_the_cores():
                               seen_late=1e-3)
     assert base < napped <= base + 3 * shared.NAP_MAX / 2 + 1e-12
     assert late == pytest.approx(napped + 3e-3)
+
+
+def test_settings_table_compares_exact_with_the_fastest_multilevel_settings():
+    """The guide's tuning table: one row per depth and rank count (2 ranks or more, at most one
+    rank per layer); the exact solve is sequential across the ranks, so it is never faster than
+    serial; the multilevel column is recommend()'s choice, and the choice the faster of the two."""
+    costs = plan.Costs(1e-3, 1e-3, message_bytes=4e5)
+    rows = plan.settings_table([8, 64], [1, 2, 16, 64], costs)
+    assert [(r.num_steps, r.ranks) for r in rows] == [(8, 2), (64, 2), (64, 16), (64, 64)]
+    for r in rows:
+        assert 0.9 < r.exact_speedup <= 1.0 + 1e-9
+        best, fwd, _ = plan.recommend(r.num_steps, r.ranks, costs)
+        assert (r.levels, r.multilevel_speedup) == (fwd.max_levels, best.speedup)
+        faster = r.multilevel_speedup > r.exact_speedup
+        assert r.choice == (f"{r.levels} levels, cfactor {r.cfactor}" if faster
+                            else "1 level (exact)")
