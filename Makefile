@@ -54,7 +54,8 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.resnet
 
-# Every report of docs/ regenerated on today's code (hours here; `python -m bench` lists them).
+# Every report of docs/ regenerated on today's code (about 3.5 hours on 2 cores: bench/README.md
+# gives each report's time; `python -m bench` lists them).
 # `make reports QUICK=1`: the smallest measurement of each, two reports at a time, into a
 # temporary directory (the test suite runs it), to check that every generator still runs.
 reports: $(STAMP)

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -22,6 +23,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # a temporary directory, so that the test suite can run every generator without touching docs/.
 DOCS = Path(os.environ.get("LAYERBRAID_BENCH_DOCS") or ROOT / "docs")
 QUICK = os.environ.get("LAYERBRAID_BENCH_QUICK") == "1"
+# Note [raw data]: a run's raw data (every batch, every output) stay on the machine that ran it,
+# under runs/reports/ (not committed); git holds the report and a compact summary of its data
+# (docs/NAME.json, at most about 100 kB: long lists of numbers become their quartiles, long
+# lists of rows their per-field quartiles, numbers 4 significant digits).  ``--report``
+# rewrites a report from the raw data, where they are.
+RAW = ROOT / "runs" / "reports" if DOCS == ROOT / "docs" else DOCS / "raw"
+LONG = 16  # a list longer than this is summarized
 
 
 def pick(full, quick):
@@ -145,11 +153,96 @@ def speedup(reference, times):
     return med, r[0], r[-1], cell
 
 
+def raw_path(out):
+    """Where the raw data of the report ``out`` are kept (Note [raw data])."""
+    return RAW / Path(out).with_suffix(".json").name
+
+
+def save_data(out, data):
+    """Keeps ``data`` whole as the raw data of the report ``out`` and writes its compact
+    summary beside the report (Note [raw data])."""
+    raw = raw_path(out)
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps(data, indent=1) + "\n")
+    where = raw.relative_to(ROOT) if raw.is_relative_to(ROOT) else raw
+    head = {"summary": f"a compact summary of the run's raw data ({where} where it ran)"}
+    text = json.dumps({**head, **summarize(data)}, indent=1)
+    # a list of numbers or short strings on one line (json's indent gives each its own)
+    text = re.sub(r"\[\s*([^\[\]{}]*?)\s*\]",
+                  lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text)
+    Path(out).with_suffix(".json").write_text(text + "\n")
+
+
+def load_raw(out):
+    """The raw data of the report ``out``'s last run on this machine (Note [raw data])."""
+    raw = raw_path(out)
+    if not raw.exists():
+        raise SystemExit(f"{raw}: no raw data of a run here (git holds only their summary, "
+                         f"{Path(out).with_suffix('.json').name}): rerun the report to measure")
+    return json.loads(raw.read_text())
+
+
+def _five(values):
+    """[min, q1, median, q3, max] of ``values``, 4 significant digits."""
+    v = sorted(values)
+    q = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0]] * 3
+    return [_round(x) for x in (v[0], q[0], q[1], q[2], v[-1])]
+
+
+def _round(x):
+    return float(f"{x:.4g}") if isinstance(x, float) else x
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _rows(rows):
+    """A long list of dicts, by their ``kind`` where they have one: per field, [min, q1,
+    median, q3, max] of its numbers, or its value where it has one, or its distinct values (at
+    most LONG of them)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(str(r.get("kind", "rows")), []).append(r)
+    out = {}
+    for kind, group in groups.items():
+        fields = {"n": len(group)}
+        for key in dict.fromkeys(k for r in group for k in r if k != "kind"):
+            values = [r[key] for r in group if key in r and r[key] is not None]
+            if values and all(_is_number(v) for v in values):
+                fields[key] = _five(values) if len(set(values)) > 1 else _round(values[0])
+                continue
+            distinct = list(dict.fromkeys(json.dumps(v, sort_keys=True)[:200] for v in values))
+            if len(distinct) == 1:
+                fields[key] = summarize(values[0])
+            else:
+                fields[key] = distinct[:LONG] + ([f"... {len(distinct) - LONG} more"]
+                                                 if len(distinct) > LONG else [])
+        out[kind] = fields
+    return out
+
+
+def summarize(data):
+    """The compact summary of ``data`` (Note [raw data])."""
+    if isinstance(data, dict):
+        return {k: summarize(v) for k, v in data.items()}
+    if isinstance(data, list):
+        if len(data) > LONG and all(_is_number(v) for v in data):
+            return {"n": len(data), "min_q1_median_q3_max": _five(data)}
+        if len(data) > LONG and all(isinstance(v, dict) for v in data):
+            return _rows(data)
+        return [summarize(v) for v in data[:LONG]] + (
+            [f"... {len(data) - LONG} more"] if len(data) > LONG else [])
+    if isinstance(data, str) and len(data) > 400:
+        return data[:200] + " [...] " + data[-200:]
+    return _round(data)
+
+
 def generate(out, measure, report, parser=None, argv=None, doc=None):
     """The main of every report generator: ``measure(args)`` returns the raw data, kept as
-    ``out``'s .json before ``report(data)`` writes the report (lines for ``out``'s .md, to which
+    raw data and their summary (:func:`save_data`) before ``report(data)`` writes the report (lines for ``out``'s .md, to which
     a last line adds the command and commit that wrote it, or None where ``report`` writes it
-    itself); with ``--report`` the data come from that .json instead, so a report can be
+    itself); with ``--report`` the data come from the raw data of the last run instead, so a report can be
     rewritten without measuring again (after a change to how it is written).  ``parser`` holds the generator's own
     options (an ``--out PATH`` among them replaces ``out``); ``doc`` is its help text."""
     p = parser or argparse.ArgumentParser(description=doc,
@@ -158,12 +251,11 @@ def generate(out, measure, report, parser=None, argv=None, doc=None):
                    help="rewrite the report from the raw data of the last run (its .json)")
     a = p.parse_args(argv)
     out = Path(getattr(a, "out", None) or out)
-    raw = out.with_suffix(".json")
     if a.report:
-        data = json.loads(raw.read_text())
+        data = load_raw(out)
     else:
         data = measure(a)
-        raw.write_text(json.dumps(data, indent=1) + "\n")
+        save_data(out, data)
     lines = report(data)
     if lines is not None:
         main = getattr(sys.modules["__main__"], "__spec__", None)

@@ -250,15 +250,19 @@ def regenerate(names, quick=False, docs=None, jobs=1):
         chosen = [n if n in REPORTS else by_name[n] for n in names]
     if quick and jobs > 1:
         return _regenerate_side_by_side(chosen, env, jobs)
+    times, start = {}, time.time()
     for report in chosen:
         for module in REPORTS[report][0]:
             print(f"--- {report}: python -m {module}" + (" (quick)" if quick else ""), flush=True)
             t0 = time.time()
             rc = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env).returncode
-            print(f"--- {time.time() - t0:.0f} s", flush=True)
+            times[module] = time.time() - t0
+            print(f"--- {times[module]:.0f} s", flush=True)
             if rc != 0:
                 print(f"python -m {module} failed ({rc})", file=sys.stderr)
                 return rc
+    print("--- minutes per module: " + ", ".join(f"{m} {t / 60:.1f}" for m, t in times.items())
+          + f"; all {(time.time() - start) / 60:.1f}", flush=True)
     return 0
 
 
@@ -277,8 +281,11 @@ def _regenerate_side_by_side(chosen, env, jobs):
                 return report, module, proc.returncode, out, time.time() - t0
         return report, None, 0, out, time.time() - t0
 
+    start = time.time()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         results = list(pool.map(one, chosen))
+    print(f"--- all {len(chosen)} reports (quick, {jobs} at a time): "
+          f"{(time.time() - start) / 60:.1f} minutes", flush=True)
     for report, module, rc, out, seconds in results:
         print("".join(out) + f"--- {seconds:.0f} s", flush=True)
     for report, module, rc, out, seconds in results:

@@ -2,7 +2,7 @@
 
     python -m bench.scaling_measured            (docs/scaling_measured.json, the "Measured"
                                                  section of docs/scaling.md and its plots)
-    python -m bench.scaling_measured --report   (rewrites the section and plots from the .json)
+    python -m bench.scaling_measured --report   (rewrites the section and plots from the last run's raw data)
 
 A 2-core machine cannot compute 64 ranks' layers, but it can run everything else of 64 ranks:
 bench/workers/emulated.py trains through the real path (LayerParallelModule's forward and adjoint
@@ -409,7 +409,7 @@ def _plot(table):
         ax.set_title(f"N = {n}, emulated layers")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(f"{OUT}_{n}.png", dpi=90)
+        fig.savefig(f"{OUT}_{n}.png", dpi=72)  # under 100 kB a figure
         plt.close(fig)
 
 

@@ -1,6 +1,7 @@
 """The reports under docs/ and the code they measure: the suite says which are stale."""
 import ast
 import importlib
+import json
 import re
 import subprocess
 import sys
@@ -257,6 +258,14 @@ def test_every_report_generator_runs_in_quick_mode(tmp_path):
     for report in reports:
         written = tmp_path / Path(report).name
         assert written.exists() and written.stat().st_size > 0, (report, out.stdout[-2000:])
+    # each generator kept its raw data apart (tmp_path/raw here, runs/reports/ for docs/) and
+    # wrote their summary beside its report
+    for raw in (tmp_path / "raw").glob("*.json"):
+        summary = json.loads((tmp_path / raw.name).read_text())
+        assert summary["summary"].startswith("a compact summary") and summary.keys() - {
+            "summary"} == json.loads(raw.read_text()).keys(), raw.name
+    assert {p.name for p in (tmp_path / "raw").glob("*.json")} >= {
+        "bench_core.json", "accuracy.json", "reliability.json", "performance.json"}
     # the 2-rank benchmark-layer job measured its costs with every rank busy, and the report
     # shows the bound they give
     performance = (tmp_path / "performance.md").read_text()
@@ -414,3 +423,31 @@ def test_rank_work_counts_the_schedules_steps_and_vjps():
     assert rank_work(16, 2, 2, 2, 1, 0.0, 1.0, 1.0) == [10.0, 10.0]
     assert rank_work(16, 2, 2, 2, 1, 0.0, 0.0, 1.0) == [8.0, 8.0]
     assert rank_work(64, 1, 1, 1, 1, 1.0, 0.0, 1.0) == [128.0]
+
+
+def test_no_committed_file_under_docs_exceeds_100_kib():
+    """Git holds reports and compact summaries (Note [raw data] in bench/harness.py), not raw
+    per-batch data: every file under docs/ is at most 100 KiB."""
+    big = {p.relative_to(ROOT).as_posix(): p.stat().st_size
+           for p in (ROOT / "docs").rglob("*") if p.is_file() and p.stat().st_size > 100 * 1024}
+    assert not big, big
+
+
+def test_a_summary_keeps_the_shape_and_quartiles_of_the_raw_data(tmp_path, monkeypatch):
+    harness = _bench("harness")
+    monkeypatch.setattr(harness, "RAW", tmp_path / "raw")
+    rows = [{"kind": "batch", "error": float(i), "mode": "fixed"} for i in range(101)]
+    rows += [{"kind": "epoch", "seconds": 3.0, "mode": "fixed"}]
+    data = {"commit": "abc", "times": [float(i) for i in range(1, 18)], "short": [1.0, 2.0],
+            "rows": rows, "log": "x" * 1000}
+    harness.save_data(tmp_path / "r.md", data)
+    assert harness.load_raw(tmp_path / "r.md") == data  # the raw data, whole
+    summary = json.loads((tmp_path / "r.json").read_text())
+    assert summary["commit"] == "abc" and summary["short"] == [1.0, 2.0]
+    assert summary["times"] == {"n": 17, "min_q1_median_q3_max": [1.0, 5.0, 9.0, 13.0, 17.0]}
+    assert summary["rows"]["batch"] == {"n": 101, "error": [0.0, 25.0, 50.0, 75.0, 100.0],
+                                        "mode": "fixed"}
+    assert summary["rows"]["epoch"] == {"n": 1, "seconds": 3.0, "mode": "fixed"}
+    assert len(summary["log"]) < 500
+    with pytest.raises(SystemExit, match="no raw data of a run here"):
+        harness.load_raw(tmp_path / "other.md")
