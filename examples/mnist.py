@@ -46,6 +46,10 @@ def main(argv=None):
     # pay on more ranks (--lp-levels 2 --lp-cfactor 4: with the first down-cycle relaxed, one
     # iteration solves this depth's two C-intervals exactly, docs/accuracy.md).
     cli.add_lp_arguments(parser, levels=1, fwd_iters=1, bwd_iters=1, skip=False)
+    parser.add_argument("--serial-reference", action=argparse.BooleanOptionalAction, default=True,
+                        help="train plain PyTorch beside the run on the first rank, from the same "
+                             "weights on the same batches, and show it in the printout and the "
+                             "figure (default: on; not with --resume or --dp-size > 1)")
     parser.add_argument("--compare-batches", type=int, default=10,
                         help="after training, time this many batches layer-parallel and on the "
                              "serial copy, in the same job (0: do not; default 10)")

@@ -40,6 +40,48 @@ def evaluate(model, dataset, device, batch_size=500, prepare=None):
     return correct / max(len(dataset), 1)
 
 
+class SerialReference:
+    """Plain PyTorch beside the layer-parallel model: the model's serial copy (``to_serial()``,
+    collective) from the same initial weights, trained on the first rank alone on the same
+    batches with the same optimizer; what a layer-parallel run should match.  Its steps are
+    timed, so that the epoch's time can leave them out (the other ranks wait meanwhile)."""
+
+    def __init__(self, model, args, rank):
+        serial = model.to_serial()  # every rank takes part; the first keeps it
+        self.model = serial if rank == 0 else None
+        self.optimizer = make_optimizer(args, serial.parameters()) if rank == 0 else None
+        self.smoothness = getattr(args, "lp_smoothness", 0.0)
+        self.losses, self.seconds = [], 0.0
+
+    def step(self, xb, yb):
+        if self.model is None:
+            return
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad()
+        loss = F.cross_entropy(self.model(xb), yb)
+        total = loss + self.smoothness * self.model.depth_smoothness() if self.smoothness else loss
+        total.backward()
+        self.optimizer.step()
+        self.losses.append(loss.item())
+        self.seconds += time.perf_counter() - t0
+
+    def epoch_end(self, test_set, device, prepare):
+        """{"losses", "test_accuracy"} of the epoch on the first rank (None elsewhere); resets."""
+        if self.model is None:
+            return None
+        out = {"losses": self.losses, "test_accuracy": evaluate(self.model, test_set, device,
+                                                                prepare=prepare)}
+        self.losses, self.seconds = [], 0.0
+        return out
+
+
+def _curve(losses, epoch, per_epoch, window):
+    """[(epoch, mean loss of a window of batches)] for the training curve."""
+    return [(epoch + (k + len(losses[k:k + window])) / per_epoch,
+             sum(losses[k:k + window]) / len(losses[k:k + window]))
+            for k in range(0, len(losses), window)]
+
+
 def _datasets(data):
     """(train, test) datasets from {"train", "test"} datasets or {"train_x", ...} tensors."""
     if "train" in data:
@@ -224,6 +266,12 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     per_epoch = len(loader)
     if args.max_batches:
         per_epoch = min(per_epoch, args.max_batches)
+    # plain PyTorch beside the run: from the same weights, so not after a resume; and on the
+    # whole batch, so not with data groups (each trains on its shard)
+    reference = None
+    if getattr(args, "serial_reference", False) and not args.serial and not args.resume \
+            and data_size == 1:
+        reference = SerialReference(model, args, rank)
     for epoch in range(start_epoch, args.epochs):
         bar = None
         if rank == 0:
@@ -264,6 +312,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                 probes.append({"batch": b, "change": p.change, "iterations": p.iterations,
                                "seconds": p.seconds})
             optimizer.step()
+            if reference is not None:
+                reference.step(xb, yb)
             solves.add(model)
             if data_size > 1:  # report the whole batch's loss, not this group's shard
                 losses.append(grid.data_comm.allreduce(loss.item()) / data_size)
@@ -280,14 +330,21 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
         probe_seconds = sum(p["seconds"] for p in probes if "tuned" not in p)
         tune_seconds = sum(p["seconds"] for p in probes if "tuned" in p)
         seconds = time.perf_counter() - t0 - audit_seconds - probe_seconds
+        if reference is not None:  # its steps (on the first rank) are not the run's time
+            seconds -= reference.seconds
         if bar is not None:
             bar.close()
         m = min(args.test_limit or len(test_set), len(test_set))
         acc = evaluate(model, Subset(test_set, range(m)), device, prepare=prepare)
-        w = args.log_interval
-        curve = [(epoch + (k + len(losses[k:k + w])) / per_epoch,
-                  sum(losses[k:k + w]) / len(losses[k:k + w])) for k in range(0, len(losses), w)]
+        curve = _curve(losses, epoch, per_epoch, args.log_interval)
+        serial = reference.epoch_end(Subset(test_set, range(m)), device, prepare) \
+            if reference is not None else None
+        if serial is not None:
+            serial = {"loss_curve": _curve(serial["losses"], epoch, per_epoch, args.log_interval),
+                      "train_loss": sum(serial["losses"]) / len(serial["losses"]),
+                      "test_accuracy": serial["test_accuracy"]}
         record = {"epoch": epoch + 1, "train_loss": sum(losses) / len(losses), "loss_curve": curve,
+                  "serial_reference": serial,
                   "test_accuracy": acc, "seconds_per_batch": seconds / len(losses),
                   "batches": len(losses), "first_losses": losses[:5], "last_losses": losses[-5:],
                   **solves.summary(), "audits": audits, "audit_seconds": audit_seconds,
@@ -302,6 +359,10 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                 print(_audit_line(audits, seconds), flush=True)
             if probes:
                 print(_probe_line(probes, seconds), flush=True)
+            if serial is not None:
+                print(f"  serial reference (plain PyTorch, the same initial weights and batches):"
+                      f" loss {serial['train_loss']:.4f} | test accuracy "
+                      f"{100 * serial['test_accuracy']:.2f}%", flush=True)
             missed = solves.missed_line(args)
             if missed:
                 print(missed, flush=True)
@@ -386,11 +447,20 @@ def _plot(history, path, name, synthetic):
     epochs = [h["epoch"] for h in history]
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
     curve = [pt for h in history for pt in h.get("loss_curve", [])]
-    ax[0].plot([c[0] for c in curve], [c[1] for c in curve], "o-", markersize=3)
+    ax[0].plot([c[0] for c in curve], [c[1] for c in curve], "o-", markersize=3, label="this run")
+    ax[1].plot(epochs, [100 * h["test_accuracy"] for h in history], "o-", label="this run")
+    serial = [h["serial_reference"] for h in history if h.get("serial_reference")]
+    if len(serial) == len(history):  # plain PyTorch, trained beside the run
+        ref = [pt for r in serial for pt in r["loss_curve"]]
+        ax[0].plot([c[0] for c in ref], [c[1] for c in ref], "--", color="k",
+                   label="serial PyTorch")
+        ax[1].plot(epochs, [100 * r["test_accuracy"] for r in serial], "--", color="k",
+                   marker="s", fillstyle="none", label="serial PyTorch")
+        ax[0].legend()
+        ax[1].legend()
     ax[0].set_xlabel("epoch")
     ax[0].set_ylabel("training loss (window mean)")
     ax[0].set_yscale("log")
-    ax[1].plot(epochs, [100 * h["test_accuracy"] for h in history], "o-", color="C1")
     ax[1].set_xlabel("epoch")
     ax[1].set_ylabel("test accuracy (%)")
     fig.suptitle(name + (" (SYNTHETIC random data: timing only)" if synthetic else ""))

@@ -56,6 +56,13 @@ def test_mnist_layer_parallel_on_two_ranks_learns(tmp_path):
     assert proc.stdout.count("audits (7): true gradient error median") == 1
     assert (tmp_path / "training_curve.png").stat().st_size > 1000
     assert "test accuracy" in proc.stdout
+    # plain PyTorch trained beside it on the first rank, from the same weights on the same
+    # batches: this mode is exact, so the two train alike (float32 round-off apart)
+    ref = h["serial_reference"]
+    assert abs(ref["train_loss"] - h["train_loss"]) < 1e-4, (ref["train_loss"], h["train_loss"])
+    assert abs(ref["test_accuracy"] - h["test_accuracy"]) <= 0.002
+    assert len(ref["loss_curve"]) == len(h["loss_curve"])
+    assert proc.stdout.count("serial reference (plain PyTorch") == 1
     # after training: 10 batches timed layer-parallel and on the serial copy, in this job
     comparison = metrics(tmp_path)["serial_comparison"]
     assert len(comparison["layer_parallel_seconds"]) == len(comparison["serial_seconds"]) == 10
