@@ -37,6 +37,11 @@ test: $(STAMP)
 	  timeout -k 10 900 mpiexec -n $$n $(PY) -m pytest -q -p no:cacheprovider \
 	    -m "shared_job and parallel[$$n]" || rc=1; \
 	done; \
+	for n in 2 3 4; do \
+	  echo "== the both_transports tests on $$n processes under torchrun (gloo), one job"; \
+	  timeout -k 10 900 $(PY) -m torch.distributed.run --standalone --nproc-per-node $$n \
+	    -m pytest -q -p no:cacheprovider -m "both_transports and parallel[$$n]" || rc=1; \
+	done; \
 	exit $$rc
 
 # The package's lint, format and type checks (configured in pyproject.toml); CI runs them.

@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 import layerbraid
 from layerbraid import cli
+from layerbraid.launch import world
 
 
 def main():
@@ -29,7 +30,7 @@ def main():
     p.add_argument("--max-iters", type=cli.positive_int, default=100)
     args = cli.parse_args(p)
 
-    comm = MPI.COMM_WORLD
+    comm = world()  # mpiexec's COMM_WORLD, or torchrun's process group
     if args.steps < comm.size:
         p.error(f"--steps {args.steps} is smaller than the number of ranks ({comm.size})")
     options = layerbraid.MGRITOptions(

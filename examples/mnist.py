@@ -17,6 +17,7 @@ from torch import nn
 
 import layerbraid
 from layerbraid import cli
+from layerbraid.launch import world
 from layerbraid.data import load_mnist
 from layerbraid.nn import ConvBlock
 
@@ -58,7 +59,7 @@ def main(argv=None):
     args = cli.parse_args(parser, argv)
     if args.compare_batches < 0:
         parser.error(f"--compare-batches must be >= 0, got {args.compare_batches}")
-    comm = MPI.COMM_WORLD
+    comm = world()  # mpiexec's COMM_WORLD, or torchrun's process group
     cli.check_run(parser, args, comm)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # one core per rank

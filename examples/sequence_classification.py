@@ -22,6 +22,7 @@ from mpi4py import MPI
 from torch import nn
 
 from layerbraid import cli
+from layerbraid.launch import world
 from layerbraid.data import load_mnist
 from layerbraid.nn import LayerParallelGRU, LayerParallelLSTM
 
@@ -73,7 +74,7 @@ def main(argv=None):
     parser.add_argument("--length", type=cli.positive_int, default=200,
                         help="sequence length of --task synthetic (default 200)")
     args = cli.parse_args(parser, argv)
-    comm = MPI.COMM_WORLD
+    comm = world()  # mpiexec's COMM_WORLD, or torchrun's process group
     if args.task == "rows":
         args.steps, flag = 28, "--task rows: the sequence length"
     elif args.task == "pixels":

@@ -23,6 +23,7 @@ from torch.utils.data import TensorDataset
 
 import layerbraid
 from layerbraid import cli
+from layerbraid.launch import world
 from layerbraid.data import TinyImageNet
 from layerbraid.nn import ConvBlock, LPBatchNorm2d
 
@@ -105,7 +106,7 @@ def main(argv=None):
     parser.add_argument("--synthetic", action="store_true",
                         help="random images and labels instead of Tiny-ImageNet: timing only")
     args = cli.parse_args(parser, argv)
-    comm = MPI.COMM_WORLD
+    comm = world()  # mpiexec's COMM_WORLD, or torchrun's process group
     cli.check_run(parser, args, comm, steps_flag="--steps (per stage)")
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)

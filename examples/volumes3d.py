@@ -25,6 +25,7 @@ from torch import nn
 
 import layerbraid
 from layerbraid import cli
+from layerbraid.launch import world
 from layerbraid.nn import ConvBlock
 
 from training_loop import mgrit_summary, train  # examples/training_loop.py, beside this script
@@ -88,7 +89,7 @@ def main(argv=None):
     parser.add_argument("--train-size", type=cli.positive_int, default=1024,
                         help="training volumes")
     args = cli.parse_args(parser, argv)
-    comm = MPI.COMM_WORLD
+    comm = world()  # mpiexec's COMM_WORLD, or torchrun's process group
     cli.check_run(parser, args, comm)
     if args.lp_sc_levels is None:
         args.lp_sc_levels = list(range(1, args.lp_levels))

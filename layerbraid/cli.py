@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
-from ._comm.mpi import Comm, world
+from ._comm.mpi import Comm, resolve, world
 from .options import MGRITOptions
 
 __all__ = [
@@ -437,7 +437,7 @@ def check_run(
     through ``parser.error`` before any training starts."""
     import torch
 
-    comm = world() if comm is None else comm
+    comm = resolve(comm)
     serial, dp = _flag(args, "serial", False), _flag(args, "dp_size", 1)
     if serial and comm.Get_size() > 1:
         parser.error("--serial trains in one process: run it without mpiexec")

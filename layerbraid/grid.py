@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from ._comm.mpi import Comm, finalized, is_null, split, start_allreduce_sum, wait, world
+from ._comm.mpi import Comm, finalized, is_null, resolve, split, start_allreduce_sum, wait
 from ._engine.parts import FreedOnExit
 from .launch import _enter
 from .options import check_int
@@ -30,7 +30,7 @@ class ProcessGrid(FreedOnExit):
     def __init__(self, comm: Optional[Comm] = None, data_parallel: int = 1):
         _enter()
 
-        comm = world() if comm is None else comm
+        comm = resolve(comm)
         size = comm.Get_size()
         check_int("data_parallel", data_parallel)
         if size % data_parallel:

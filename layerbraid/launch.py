@@ -19,7 +19,7 @@ from mpi4py import MPI
 from ._comm import mpi as _comm
 from ._comm.timeouts import set_timeout  # public here as well
 
-__all__ = ["abort_on_exception", "check_launch", "install_process_hooks", "set_timeout"]
+__all__ = ["abort_on_exception", "check_launch", "install_process_hooks", "set_timeout", "world"]
 
 # Variables through which launchers promise a number of processes.  A job started by one
 # launcher whose MPI library belongs to another (torchrun, or Open MPI's mpiexec with MPICH's
@@ -31,6 +31,16 @@ _PROMISES = [
     ("PMIX_SIZE", "a PMIx launcher"),
     ("MV2_COMM_WORLD_SIZE", "MVAPICH's launcher"),
 ]
+
+
+def world() -> Any:
+    """The job's communicator, the default wherever layerbraid takes ``comm``: MPI's
+    ``COMM_WORLD`` under mpiexec or srun (and in a plain one-process run); under torchrun the
+    default torch.distributed process group (made from torchrun's environment unless the
+    program made it first), as a communicator with the same ``rank``, ``size``, ``allreduce``
+    and ``bcast`` a training script uses from mpi4py."""
+    return _comm.world()
+
 
 _checked = False
 _hook_installed = False
@@ -56,12 +66,17 @@ def check_launch(world: Optional[MPI.Intracomm] = None) -> None:
     """Raises ``RuntimeError`` if the environment promises more processes than the MPI world has.
 
     ``torchrun --nproc_per_node 2 train.py`` (or a launcher from another MPI than mpi4py's)
-    starts processes that each see a world of one rank: they would silently train separate
-    copies and overwrite each other's files.  Launch with ``mpiexec -n N`` / ``mpirun`` from
-    the MPI that mpi4py uses (``.venv/bin/mpiexec`` with the pip ``mpich`` wheel), or
-    ``srun --mpi=pmi2`` / ``--mpi=pmix`` on Slurm.
+    under a launcher of another MPI than mpi4py's starts processes that each see a world of
+    one rank: they would silently train separate copies and overwrite each other's files.
+    Launch with ``mpiexec -n N`` / ``mpirun`` from the MPI that mpi4py uses
+    (``.venv/bin/mpiexec`` with the pip ``mpich`` wheel), or ``srun --mpi=pmi2`` /
+    ``--mpi=pmix`` on Slurm.  A job started by torchrun is not one of these: it runs on
+    torch.distributed (gloo, NCCL), and passes.
     """
     global _checked
+    if world is None and _comm.torch_launch():
+        _checked = True  # torch.distributed carries the job (Note [store notices] in _comm)
+        return
     world = MPI.COMM_WORLD if world is None else world
     size = world.Get_size()
     bad = [(var, who, n) for var, who, n in _promised() if n > size]
@@ -71,8 +86,8 @@ def check_launch(world: Optional[MPI.Intracomm] = None) -> None:
             f"this process was started by {who} ({var}={n}) but its MPI world has {size} "
             f"rank(s): the processes are not one MPI job and would each train alone.  Launch "
             f"with the MPI that mpi4py uses, e.g. `mpiexec -n {n} python script.py` (with the "
-            f"pip mpich wheel: `.venv/bin/mpiexec`), or `srun --mpi=pmi2 ...` on Slurm; not "
-            f"with torchrun."
+            f"pip mpich wheel: `.venv/bin/mpiexec`), or `srun --mpi=pmi2 ...` on Slurm, or "
+            f"with torchrun (torch.distributed)."
         )
     _checked = True
 
@@ -109,11 +124,16 @@ def install_process_hooks() -> None:
     ``abort_on_exception(False)`` undoes 1 and 2; 3 and 4 stay (they are inert once every
     rank has exited alike).
     """
-    if _comm.notices_started():
+    if _comm.notices_started() or _dist_notices[0]:
         _set_abort_hooks(True)
         return
     _set_abort_hooks(True)
-    _comm._start_notices()  # collective: the notices' communicator
+    if _comm.torch_launch():
+        _dist_notices[0] = True  # the store carries them: nothing to build
+        at_exit = _torch_at_exit
+    else:
+        _comm._start_notices()  # collective: the notices' communicator
+        at_exit = _comm.at_exit
     real_exit = sys.exit
 
     def exit(status=None):
@@ -122,7 +142,16 @@ def install_process_hooks() -> None:
 
     exit.__doc__ = real_exit.__doc__
     sys.exit = exit
-    atexit.register(_comm.at_exit)
+    atexit.register(at_exit)
+
+
+_dist_notices = [False]
+
+
+def _torch_at_exit() -> None:
+    from ._comm import dist
+
+    dist.at_exit(_comm._describe_exit(), _comm._notices["exit"] not in (None, 0))
 
 
 def _set_abort_hooks(on: bool) -> None:
@@ -143,7 +172,18 @@ _previous: dict[str, Any] = {}
 _switched_off = False
 
 
-def _abort(code=1):
+def _abort(code=1, why=""):
+    if _comm.torch_launch():
+        # No MPI_Abort across a torchrun job: tell the others through the store (a rank that
+        # waits raises RemoteRankError with the cause), then end this process; torchrun ends
+        # the ranks that do not wait.
+        from ._comm import dist
+
+        dist.post_notice(why or f"exit status {code}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(0.5)  # the notices first: a waiting rank names the cause, not a crash
+        os._exit(code)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -155,8 +195,16 @@ def _abort(code=1):
             MPI.COMM_WORLD.Abort(code)
 
 
+def _rank():
+    if _comm.torch_launch():
+        from ._comm import dist
+
+        return dist.world().Get_rank()
+    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() and not MPI.Is_finalized() else "?"
+
+
 def _abort_hook(exc_type, exc, tb):
-    rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() and not MPI.Is_finalized() else "?"
+    rank = _rank()
     _previous["sys"](exc_type, exc, tb)
     print(
         f"layerbraid: uncaught {exc_type.__name__} on rank {rank}: aborting every rank of the job",
@@ -167,7 +215,10 @@ def _abort_hook(exc_type, exc, tb):
         # This rank only relays another rank's exception, whose own hook aborts the job with
         # its traceback: let that abort come first, so that no rank's traceback is cut short.
         time.sleep(_RELAY_PAUSE)
-    _abort(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+    _abort(
+        130 if issubclass(exc_type, KeyboardInterrupt) else 1,
+        f"uncaught {exc_type.__name__}: {exc}",
+    )
 
 
 _RELAY_PAUSE = 2.0
@@ -176,17 +227,17 @@ _RELAY_PAUSE = 2.0
 def _abort_thread_hook(args):
     _previous["threading"](args)
     if args.exc_type is not SystemExit:
-        _abort(1)
+        _abort(1, f"uncaught {args.exc_type.__name__} in a thread: {args.exc_value}")
 
 
 def _enter():
     """Called by every entry point that starts collectives: the launch check, once, and the
     abort hook in a job of 2+ ranks (unless switched off)."""
     if not _checked:
-        check_launch(MPI.COMM_WORLD)
+        check_launch()
     # Not skipped when abort_on_exception() came first: the exit notices start here.
     if (
-        MPI.COMM_WORLD.Get_size() > 1
+        _comm.world().Get_size() > 1
         and os.environ.get(_ENV_ABORT, "1") != "0"
         and not _switched_off
     ):

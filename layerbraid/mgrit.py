@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ._comm.mpi import world
+from ._comm.mpi import resolve
 from .launch import _enter
 from .options import MGRITOptions, check_int
 
@@ -100,7 +100,7 @@ class MGRIT:
         if not isinstance(options, MGRITOptions):
             raise TypeError(f"options must be an MGRITOptions, got {type(options).__name__}")
         self.options = options
-        self.comm = world() if comm is None else comm
+        self.comm = resolve(comm)
         self.num_steps = num_steps
         self._core = _Core(
             self.comm,

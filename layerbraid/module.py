@@ -11,7 +11,7 @@ from torch import nn
 from ._comm.mpi import (
     Comm,
     is_comm,
-    world,
+    resolve,
 )
 from ._comm.transport import bcast_into
 from ._engine.autograd import _BroadcastFn, _ToFirstFn
@@ -385,7 +385,7 @@ def _check_arguments(num_steps, t_final, comm, flags, options):
         or not 0 < t_final < float("inf")
     ):
         raise ValueError(f"t_final must be a finite number > 0, got {t_final!r}")
-    comm = world() if comm is None else comm
+    comm = resolve(comm)
     grid = comm if isinstance(comm, ProcessGrid) else None
     comm = grid.layer_comm if grid is not None else comm
     if not is_comm(comm):

@@ -25,7 +25,9 @@ def _ranks_as_marked(request):
     else:
         wanted = marker.args[0] if marker.args else marker.kwargs.get("nprocs", 3)
         wanted = wanted[0] if isinstance(wanted, (list, tuple)) else wanted
-    size = MPI.COMM_WORLD.Get_size()
+    from transports import WORLD
+
+    size = WORLD.Get_size()  # MPI's, or torch.distributed's under torchrun
     child = os.environ.get("_PYTEST_MPI_CHILD_PROCESS") is not None
     if wanted > 1 and not child and size == 1:
         yield  # the launcher: the test itself runs in the job it starts
@@ -59,3 +61,17 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under torchrun (`make test` runs the both_transports tests there) every process is a
+    one-rank MPI job: mpi-pytest would start an mpiexec job per test.  Its markers stay (they
+    select the tests of this rank count); its per-test launch and MPI barrier are turned off,
+    and the tests run on torch.distributed (tests/transports.py)."""
+    from layerbraid._comm.dist import launched_by_torchrun
+
+    if launched_by_torchrun():
+        import pytest_mpi.plugin
+
+        pytest_mpi.plugin._plugin_in_use = False

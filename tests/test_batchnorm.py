@@ -10,8 +10,8 @@ from layerbraid import LayerParallelModule, MGRITOptions, ProcessGrid
 from layerbraid.nn import ConvBlock, LPBatchNorm2d
 from nets import batch, train
 from tolerances import CONVERGED, ROUNDOFF
+from transports import WORLD
 
-WORLD = MPI.COMM_WORLD
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +61,7 @@ def check_bn(model, tol):
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 3])
 def test_batch_norm_exact_mode_equals_serial_batch_norm():
     torch.manual_seed(0)
@@ -68,6 +69,7 @@ def test_batch_norm_exact_mode_equals_serial_batch_norm():
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 3])
 def test_batch_norm_multilevel_converges_to_serial():
     torch.manual_seed(0)

@@ -10,8 +10,8 @@ from torch import nn
 from layerbraid import LayerParallelModule, MGRITOptions, SpatialCoarsening
 from layerbraid.nn import ConvBlock
 from tolerances import CONVERGED, ROUNDOFF
+from transports import WORLD
 
-WORLD = MPI.COMM_WORLD
 
 
 @pytest.fixture(autouse=True)
@@ -157,6 +157,7 @@ class Net(LayerParallelModule):
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 3])
 def test_spatial_coarsening_converges_to_the_serial_answer():
     """Coarse levels coarse in space: MGRIT still converges to serial PyTorch (fine level

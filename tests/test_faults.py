@@ -226,13 +226,15 @@ def test_models_free_their_communicators():
 SUITE = sorted(set(drill.SCENARIOS) - {"loader", "clip", "checkpoint"})
 
 
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
 @pytest.mark.parametrize("scenario", SUITE)
-def test_a_fault_ends_every_rank_of_the_job_with_its_cause(scenario):
-    """Each scenario of layerbraid.tools.drill on 2 ranks (timeout 3 s): the job ends (no hang: the
-    wall-time limit kills it otherwise), nonzero, soon after the fault; the rank the scenario
-    names printed the cause (the faulty rank for a fault it raises itself, the other rank where
-    a collective caught it); no rank finished as if nothing happened."""
-    result = drill.run(scenario)
+def test_a_fault_ends_every_rank_of_the_job_with_its_cause(scenario, launcher):
+    """Each scenario of layerbraid.tools.drill on 2 ranks (timeout 3 s), under mpiexec (MPI) and
+    under torchrun (torch.distributed, gloo): the job ends (no hang: the wall-time limit kills
+    it otherwise), nonzero, soon after the fault; the rank the scenario names printed the cause
+    (the faulty rank for a fault it raises itself, the other rank where a collective caught
+    it); no rank finished as if nothing happened."""
+    result = drill.run(scenario, launcher=launcher)
     out = result["output"][-3000:]
     assert not result["hung"], out
     assert result["seconds"] is not None, out

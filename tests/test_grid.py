@@ -5,8 +5,8 @@ from mpi4py import MPI
 
 from layerbraid import ProcessGrid
 from nets import ODEResNet, train
+from transports import WORLD
 
-WORLD = MPI.COMM_WORLD
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +34,7 @@ def test_grid_layout():
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([4])
 def test_two_by_two_training_matches_one_by_four_and_serial():
     torch.manual_seed(0)

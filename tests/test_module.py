@@ -12,8 +12,9 @@ import layerbraid
 from layerbraid import LayerParallelModule, MGRITOptions
 from nets import ConvBlock, ODEResNet, assert_gradients_match, batch
 from tolerances import CONVERGED, ROUNDOFF
+from layerbraid._comm.mpi import allgather_obj
+from transports import WORLD
 
-WORLD = MPI.COMM_WORLD
 RANKS = [1, 2, 3, 4]
 
 
@@ -38,6 +39,7 @@ def compare_with_serial(model, x, y, tol):
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel(RANKS)
 def test_one_level_equals_serial_pytorch_to_roundoff():
     for n in (4, 9):  # 9: steps that do not divide evenly over the ranks
@@ -48,6 +50,7 @@ def test_one_level_equals_serial_pytorch_to_roundoff():
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 3])
 def test_three_levels_run_to_convergence_equal_serial():
     opts = MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)
@@ -84,6 +87,7 @@ def test_cheap_settings_are_approximate_and_warm_start_helps():
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 3])
 def test_training_follows_the_serial_loss_trajectory():
     torch.manual_seed(0)
@@ -106,10 +110,12 @@ def test_training_follows_the_serial_loss_trajectory():
         losses_s.append(loss_s.item())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_s), rtol=1e-10, atol=1e-10)
     assert losses[-1] < losses[0]
-    assert WORLD.allgather(losses) == [losses] * WORLD.size  # the same loss on every rank
+    # the same loss on every rank
+    assert allgather_obj(WORLD, losses, "the losses") == [losses] * WORLD.size
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 2])
 def test_gradients_accumulate():
     torch.manual_seed(0)
@@ -287,6 +293,7 @@ class Midpoint(ODEResNet):
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 2])
 def test_a_custom_step_rule_equals_serial():
     torch.manual_seed(0)

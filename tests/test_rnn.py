@@ -6,8 +6,8 @@ from mpi4py import MPI
 from layerbraid import MGRITOptions
 from layerbraid.nn import LayerParallelGRU, LayerParallelLSTM
 from tolerances import CONVERGED, ROUNDOFF
+from transports import WORLD
 
-WORLD = MPI.COMM_WORLD
 PAIRS = [(LayerParallelGRU, torch.nn.GRU), (LayerParallelLSTM, torch.nn.LSTM)]
 
 
@@ -59,6 +59,7 @@ def compare(cls, ref_cls, seq, tol, opts=None, layers=2, with_h0=False):
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 3])
 def test_exact_mode_equals_torch_rnns():
     for cls, ref in PAIRS:
@@ -67,6 +68,7 @@ def test_exact_mode_equals_torch_rnns():
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 3])
 def test_multilevel_converges_to_torch_rnns():
     opts = MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=40, tol=1e-13, nrelax=1)

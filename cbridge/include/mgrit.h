@@ -104,6 +104,24 @@ typedef struct mgrit_callbacks {
    * can finish outside the schedule goes here (Note [idle work] in cbridge/src/cycle.c);
    * nonzero fails the solve like any callback. */
   int (*idle)(void *app);
+  /* The application's transport: set all four in a core made by mgrit_create_app (its messages
+   * and allreduces go through them instead of MPI), none in one made by mgrit_create.  Each is
+   * non-blocking; the core waits by calling test (or try_recv) in its polled loop, so the
+   * timeout and the poll callback hold as they do under MPI.  A nonzero return is a failure of
+   * the transport (a peer that crashed): the core abandons the schedule and returns
+   * MGRIT_ERR_MPI, and the application raises its own error.
+   * isend: start sending state x to rank dest with tag; flag 1 marks a poisoned message (Note
+   * [poisoned messages] in comm.c), which carries no state (x is -1).  *handle names the send
+   * for test.
+   * try_recv: the message from rank src with tag, if it has arrived: *found 1, *flag its
+   * poison flag and *out its state (-1 when flagged); else *found 0 (called again later).
+   * iallreduce: start reducing the n doubles of in over the ranks (op 0 sum, 1 min, 2 max)
+   * into out, which the core keeps until test says done.
+   * test: *done 1 once the send or allreduce `handle` has completed. */
+  int (*isend)(void *app, int dest, int tag, int64_t flag, mgrit_vec x, int64_t *handle);
+  int (*try_recv)(void *app, int src, int tag, int *found, int64_t *flag, mgrit_vec *out);
+  int (*iallreduce)(void *app, const double *in, double *out, int n, int op, int64_t *handle);
+  int (*test)(void *app, int64_t handle, int *done);
 } mgrit_callbacks;
 
 typedef struct mgrit_core mgrit_core; /* opaque */
@@ -112,6 +130,11 @@ typedef struct mgrit_core mgrit_core; /* opaque */
  * steps over the ranks of *comm (which is duplicated).  Collective. */
 int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
                  const mgrit_callbacks *callbacks, void *app, mgrit_core **out);
+/* A solver whose messages and allreduces go through the application's transport callbacks
+ * (isend, try_recv, iallreduce, test: all four must be set) instead of MPI: this rank is `rank`
+ * of `size` in the application's group.  Collective (through the transport) in mgrit_setup. */
+int mgrit_create_app(int rank, int size, int64_t num_steps, double tstart, double tstop,
+                     const mgrit_callbacks *callbacks, void *app, mgrit_core **out);
 /* Why the last mgrit_create on this thread failed (e.g. MPI's message when the duplicate of the
  * communicator could not be made). */
 const char *mgrit_create_error(void);

@@ -53,13 +53,21 @@ typedef struct mgrit_i_opts {
   X(nrelax, (double)core->o.nnr) X(mirror, (double)core->mirror)                             \
   X(store_all, (double)core->o.store_all) X(timeout, core->o.timeout)
 
+/* A pending operation: an MPI request, or the application transport's handle (Note
+ * [application transport] in comm.c). */
+typedef struct mgrit_i_req {
+  MPI_Request mpi;
+  int64_t app;
+} mgrit_i_req;
+
 typedef struct mgrit_i_pending {
-  MPI_Request req;
+  mgrit_i_req req;
   char *buf;
 } mgrit_i_pending;
 
 typedef struct mgrit_i_comm {
-  MPI_Comm comm;
+  MPI_Comm comm; /* MPI_COMM_NULL when ext */
+  int ext;       /* messages go through the application's transport callbacks */
   int rank, size;
   mgrit_i_pending *pending;
   int npending, cap;
@@ -128,7 +136,11 @@ int mgrit_i_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_ve
 int mgrit_i_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec *out);
 int mgrit_i_wait_sends(mgrit_core *core);
 /* Waits for one request by polling (Note [polled waits] in comm.c); names `what` on a stall. */
-int mgrit_i_poll_wait(mgrit_core *core, MPI_Request *req, const char *what);
+int mgrit_i_poll_wait(mgrit_core *core, mgrit_i_req *req, const char *what);
+/* Starts reducing n doubles over the ranks (MGRIT_I_SUM, MIN or MAX) into out; wait on req. */
+enum { MGRIT_I_SUM = 0, MGRIT_I_MIN = 1, MGRIT_I_MAX = 2 };
+int mgrit_i_iallreduce(mgrit_core *core, const double *in, double *out, int n, int op,
+                       mgrit_i_req *req);
 int mgrit_i_allreduce_status(mgrit_core *core, double *sums, int n);
 int mgrit_i_tag(int l, int kind);
 

@@ -5,7 +5,15 @@
  * every message, flagged and without payload, and still receives (and drops) every message.
  * The schedule never depends on the data, so every rank reaches the next collective, where the
  * failure becomes known everywhere.  MPI return codes are checked (mpi4py sets
- * MPI_ERRORS_RETURN) and become MGRIT_ERR_MPI with MPI's message. */
+ * MPI_ERRORS_RETURN) and become MGRIT_ERR_MPI with MPI's message.
+ *
+ * Note [application transport]: a core made by mgrit_create_app sends, receives and reduces
+ * through the application's callbacks (isend, try_recv, iallreduce, test) instead of MPI: this
+ * is how a torch.distributed group carries the core's messages.  The application moves the
+ * state itself (no pack into a host buffer: on a GPU the state can stay on the device), and the
+ * poisoned flag travels beside it.  The core's waits, timeout, poll callback and schedule are
+ * the same; only the calls at the bottom differ, one branch per message.  A transport callback
+ * that fails (a peer that crashed) abandons the schedule with MGRIT_ERR_MPI. */
 #define _POSIX_C_SOURCE 200112L /* nanosleep */
 #include "_mgrit.h"
 
@@ -39,7 +47,15 @@ static void abort_nomem(mgrit_core *core, const char *what, size_t n) {
   fprintf(stderr, "layerbraid MGRIT core: rank %d is out of memory (%zu bytes for %s); "
                   "aborting the job\n", core->c.rank, n, what);
   fflush(stderr);
+  if (core->c.ext) _Exit(1); /* the launcher (torchrun) ends the other ranks */
   MPI_Abort(core->c.comm, 1);
+}
+
+static int transport_error(mgrit_core *core, const char *call) {
+  snprintf(core->msg, sizeof core->msg, "the transport failed on rank %d in %s", core->c.rank,
+           call);
+  core->abandoned = 1;
+  return MGRIT_ERR_MPI;
 }
 
 /* Note [polled waits]: every wait of the core tests its request (or probes) in a loop,
@@ -99,31 +115,29 @@ static int keep_waiting(mgrit_core *core, double t0, double *next, long *spins,
   return MGRIT_OK;
 }
 
-int mgrit_i_poll_wait(mgrit_core *core, MPI_Request *req, const char *what) {
+/* One test of a pending operation. */
+static int test_req(mgrit_core *core, mgrit_i_req *req, int *done) {
+  if (core->c.ext)
+    return core->cb.test(core->app, req->app, done) ? transport_error(core, "test") : MGRIT_OK;
+  MGRIT_I_MPI(core, MPI_Test(&req->mpi, done, MPI_STATUS_IGNORE));
+  return MGRIT_OK;
+}
+
+int mgrit_i_poll_wait(mgrit_core *core, mgrit_i_req *req, const char *what) {
   double t0 = MPI_Wtime(), next = t0 + 0.05;
   long spins = 0;
   for (;;) {
     int done = 0, rc;
-    MGRIT_I_MPI(core, MPI_Test(req, &done, MPI_STATUS_IGNORE));
+    if ((rc = test_req(core, req, &done))) return rc;
     for (int k = 1; k < TESTS_PER_WAKE && !done; k++)
-      MGRIT_I_MPI(core, MPI_Test(req, &done, MPI_STATUS_IGNORE));
+      if ((rc = test_req(core, req, &done))) return rc;
     if (done) return MGRIT_OK;
     if ((rc = keep_waiting(core, t0, &next, &spins, what, -1, -1, -1))) return rc;
   }
 }
 
-int mgrit_i_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_vec x) {
-  if (dest < 0) return MGRIT_OK;
-  mgrit_i_trace(core, l, MGRIT_OP_SEND, i, dest, 0);
-  if (core->virt) return MGRIT_OK;
-  int64_t n = 0;
-  if (x == MGRIT_NONE && !core->err) core->err = MGRIT_ERR_CALLBACK;
-  MGRIT_I_CB(core, core->cb.bufsize(core->app, x, &n));
-  if (!core->err && (n < 0 || n > INT_MAX - HEADER)) {
-    snprintf(core->msg, sizeof core->msg, "a state of %lld bytes is too large for one message",
-             (long long)n);
-    core->err = MGRIT_ERR_CALLBACK;
-  }
+/* A new entry of the list of pending sends. */
+static mgrit_i_pending *new_pending(mgrit_core *core) {
   mgrit_i_comm *c = &core->c;
   if (c->npending == c->cap) {
     int cap = c->cap ? 2 * c->cap : 16;
@@ -132,6 +146,33 @@ int mgrit_i_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_ve
     c->pending = p;
     c->cap = cap;
   }
+  mgrit_i_pending *s = &c->pending[c->npending++];
+  s->buf = NULL;
+  return s;
+}
+
+int mgrit_i_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_vec x) {
+  if (dest < 0) return MGRIT_OK;
+  mgrit_i_trace(core, l, MGRIT_OP_SEND, i, dest, 0);
+  if (core->virt) return MGRIT_OK;
+  if (x == MGRIT_NONE && !core->err) core->err = MGRIT_ERR_CALLBACK;
+  if (core->c.ext) { /* Note [application transport] */
+    mgrit_i_pending *s = new_pending(core);
+    int64_t flag = core->err ? 1 : 0;
+    if (core->cb.isend(core->app, dest, tag, flag, flag ? MGRIT_NONE : x, &s->req.app)) {
+      core->c.npending--;
+      return transport_error(core, "isend");
+    }
+    return MGRIT_OK;
+  }
+  int64_t n = 0;
+  MGRIT_I_CB(core, core->cb.bufsize(core->app, x, &n));
+  if (!core->err && (n < 0 || n > INT_MAX - HEADER)) {
+    snprintf(core->msg, sizeof core->msg, "a state of %lld bytes is too large for one message",
+             (long long)n);
+    core->err = MGRIT_ERR_CALLBACK;
+  }
+  mgrit_i_comm *c = &core->c;
   char *buf = malloc((size_t)(HEADER + (core->err ? 0 : n)));
   if (!buf && !core->err) { /* poison this rank; the message still goes, flagged */
     snprintf(core->msg, sizeof core->msg, "rank %d is out of memory (%lld bytes for a message)",
@@ -141,11 +182,35 @@ int mgrit_i_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_ve
   if (buf) MGRIT_I_CB(core, core->cb.pack(core->app, x, buf + HEADER, n));
   int64_t flag = core->err ? 1 : 0;
   if (flag) n = 0;
-  mgrit_i_pending *s = &c->pending[c->npending++];
+  mgrit_i_pending *s = new_pending(core);
   s->buf = buf; /* NULL: the static poisoned header is sent */
   if (buf) memcpy(buf, &flag, sizeof flag);
   MGRIT_I_MPI(core, MPI_Isend(buf ? (void *)buf : (void *)&poisoned_header, (int)(HEADER + n),
-                             MPI_BYTE, dest, tag, c->comm, &s->req));
+                             MPI_BYTE, dest, tag, c->comm, &s->req.mpi));
+  return MGRIT_OK;
+}
+
+/* mgrit_i_recv through the application's transport (Note [application transport]). */
+static int recv_app(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec *out,
+                    double t0) {
+  double next = t0 + 0.05;
+  long spins = 0;
+  int found = 0, rc;
+  int64_t flag = 0;
+  for (;;) {
+    for (int k = 0; k < TESTS_PER_WAKE && !found; k++)
+      if (core->cb.try_recv(core->app, src, tag, &found, &flag, out))
+        return transport_error(core, "try_recv");
+    if (found) break;
+    if ((rc = keep_waiting(core, t0, &next, &spins, "a state", src, l, i))) return rc;
+  }
+  core->comm_seconds += MPI_Wtime() - t0;
+  mgrit_i_trace(core, l, MGRIT_OP_RECV, i, src, 0);
+  if (flag && !core->err) core->err = MGRIT_ERR_REMOTE;
+  if (core->err && *out != MGRIT_NONE) { /* a poisoned rank computes nothing */
+    core->cb.free(core->app, *out);
+    *out = MGRIT_NONE;
+  }
   return MGRIT_OK;
 }
 
@@ -160,6 +225,7 @@ int mgrit_i_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec
   MPI_Status st;
   int count = 0, rc;
   double t0 = MPI_Wtime();
+  if (core->c.ext) return recv_app(core, src, tag, l, i, out, t0);
   /* Probe by polling (Note [polled waits]). */
   double next = t0 + 0.05;
   long spins = 0;
@@ -220,10 +286,9 @@ int mgrit_i_allreduce_status(mgrit_core *core, double *sums, int n) {
   for (int k = 0; k < n; k++) local[k] = core->err ? 0.0 : sums[k];
   local[n] = core->err ? 1.0 : 0.0;
   double t0 = MPI_Wtime();
-  MPI_Request req;
-  rc = MPI_Iallreduce(local, global, n + 1, MPI_DOUBLE, MPI_SUM, core->c.comm, &req);
-  if (rc != MPI_SUCCESS) rc = mgrit_i_mpi_error(core, rc, "MPI_Iallreduce");
-  else rc = mgrit_i_poll_wait(core, &req, "the residual allreduce");
+  mgrit_i_req req;
+  rc = mgrit_i_iallreduce(core, local, global, n + 1, MGRIT_I_SUM, &req);
+  if (!rc) rc = mgrit_i_poll_wait(core, &req, "the residual allreduce");
   /* after a failed wait the request may still write global: it is leaked with the core's
    * abandoned schedule rather than freed */
   if (rc) return rc;
@@ -233,10 +298,21 @@ int mgrit_i_allreduce_status(mgrit_core *core, double *sums, int n) {
   if (local != small) free(local);
   if (!poisoned) return MGRIT_OK;
   int own = core->err == MGRIT_ERR_CALLBACK || core->err == MGRIT_ERR_NOMEM;
-  int mine = own ? core->c.rank : core->c.size, first;
-  MGRIT_I_MPI(core, MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, core->c.comm, &req));
+  double mine = own ? core->c.rank : core->c.size, first;
+  if ((rc = mgrit_i_iallreduce(core, &mine, &first, 1, MGRIT_I_MIN, &req))) return rc;
   if ((rc = mgrit_i_poll_wait(core, &req, "the failure allreduce"))) return rc;
-  core->failed_rank = first;
+  core->failed_rank = (int)first;
   if (!core->err) core->err = MGRIT_ERR_REMOTE;
   return core->err;
+}
+
+int mgrit_i_iallreduce(mgrit_core *core, const double *in, double *out, int n, int op,
+                       mgrit_i_req *req) {
+  if (core->c.ext)
+    return core->cb.iallreduce(core->app, in, out, n, op, &req->app)
+               ? transport_error(core, "iallreduce")
+               : MGRIT_OK;
+  MPI_Op mop = op == MGRIT_I_SUM ? MPI_SUM : op == MGRIT_I_MIN ? MPI_MIN : MPI_MAX;
+  MGRIT_I_MPI(core, MPI_Iallreduce(in, out, n, MPI_DOUBLE, mop, core->c.comm, &req->mpi));
+  return MGRIT_OK;
 }

@@ -67,6 +67,34 @@ int mgrit_create(MPI_Comm *comm, int64_t num_steps, double tstart, double tstop,
   return MGRIT_OK;
 }
 
+int mgrit_create_app(int rank, int size, int64_t num_steps, double tstart, double tstop,
+                     const mgrit_callbacks *callbacks, void *app, mgrit_core **out) {
+  *out = NULL;
+  create_error[0] = 0;
+  if (num_steps < 1 || !(tstop > tstart) || !callbacks || size < 1 || rank < 0 ||
+      rank >= size) {
+    snprintf(create_error, sizeof create_error,
+             "bad problem: num_steps=%lld, tstart=%g, tstop=%g, rank %d of %d",
+             (long long)num_steps, tstart, tstop, rank, size);
+    return MGRIT_ERR_ARG;
+  }
+  if (!callbacks->isend || !callbacks->try_recv || !callbacks->iallreduce || !callbacks->test) {
+    snprintf(create_error, sizeof create_error,
+             "a solver over the application's transport needs all four of its callbacks "
+             "(isend, try_recv, iallreduce, test)");
+    return MGRIT_ERR_ARG;
+  }
+  mgrit_core *core = calloc(1, sizeof *core);
+  if (!core) return MGRIT_ERR_NOMEM;
+  core->c.comm = MPI_COMM_NULL;
+  core->c.ext = 1;
+  core->c.rank = rank;
+  core->c.size = size;
+  defaults(core, num_steps, tstart, tstop, callbacks, app);
+  *out = core;
+  return MGRIT_OK;
+}
+
 int mgrit_destroy(mgrit_core *core) {
   if (!core) return MGRIT_OK;
   mgrit_i_wait_sends(core);
@@ -74,7 +102,7 @@ int mgrit_destroy(mgrit_core *core) {
   free(core->c.pending);
   free(core->norms);
   free(core->trace);
-  if (!core->virt) {
+  if (!core->virt && !core->c.ext) {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized) MPI_Comm_free(&core->c.comm);

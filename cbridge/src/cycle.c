@@ -134,11 +134,11 @@ static int check_same_everywhere(mgrit_core *core) {
   for (int k = 0; k < core->o.ncf; k++) f[NSCALAR + k] = core->o.cf[k];
   for (int k = 0; k < core->o.nnr; k++) f[NSCALAR + 64 + k] = core->o.nrelax[k];
   double lo[N], hi[N];
-  MPI_Request req;
+  mgrit_i_req req;
   int rc;
-  MGRIT_I_MPI(core, MPI_Iallreduce(f, lo, N, MPI_DOUBLE, MPI_MIN, core->c.comm, &req));
+  if ((rc = mgrit_i_iallreduce(core, f, lo, N, MGRIT_I_MIN, &req))) return rc;
   if ((rc = mgrit_i_poll_wait(core, &req, "the options check at setup"))) return rc;
-  MGRIT_I_MPI(core, MPI_Iallreduce(f, hi, N, MPI_DOUBLE, MPI_MAX, core->c.comm, &req));
+  if ((rc = mgrit_i_iallreduce(core, f, hi, N, MGRIT_I_MAX, &req))) return rc;
   if ((rc = mgrit_i_poll_wait(core, &req, "the options check at setup"))) return rc;
   for (int k = 0; k < N; k++) {
     if (lo[k] != hi[k]) {

@@ -11,7 +11,6 @@ rank of the communicator exited (Note [exit notices]) raises :class:`RemoteRankE
 Nothing here blocks in MPI.
 """
 
-import os
 import pickle
 import sys
 import time
@@ -21,28 +20,61 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import RemoteRankError, StallError
-from .timeouts import timeout, wait_sleep
+from .base import Transport, exited, missing_ranks, poll
 
 __all__ = ["Comm"]
 
-Comm = MPI.Intracomm  # the communicators layerbraid takes (COMM_WORLD, a Split of it, ...)
+# The communicators layerbraid takes: an mpi4py one (COMM_WORLD, a Split of it, ...) or another
+# transport's (_comm/base.py: a torch.distributed group, _comm/dist.py).  Every function below
+# that takes one hands a Transport to its method of the same name.
+Comm = Any
 
 _INT_MAX = 2**31 - 1
 
 
 # ---------------------------------------------------------------- communicators
+def torch_launch() -> bool:
+    """Whether this job's ranks talk through torch.distributed: started by torchrun (its MPI
+    world then has one rank), or with a default process group that the program made itself."""
+    if MPI.COMM_WORLD.Get_size() > 1:
+        return False
+    if "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized():
+        return True
+    from . import dist
+
+    return dist.launched_by_torchrun()
+
+
 def world():
-    """MPI's COMM_WORLD."""
+    """The default communicator: MPI's COMM_WORLD, or under torchrun the default process group
+    (made from the launcher's environment if the program has not made it)."""
+    if torch_launch():
+        from . import dist
+
+        return dist.world()
     return MPI.COMM_WORLD
 
 
+def resolve(comm):
+    """The communicator a user passed: None is :func:`world`, a torch.distributed ProcessGroup
+    becomes a DistComm (_comm/dist.py), anything else is returned as it is."""
+    if comm is None:
+        return world()
+    dist_mod = sys.modules.get("torch.distributed")
+    if dist_mod is not None and isinstance(comm, dist_mod.ProcessGroup):
+        from . import dist
+
+        return dist.as_comm(comm)
+    return comm
+
+
 def is_comm(obj):
-    """Whether ``obj`` is an mpi4py intracommunicator."""
-    return isinstance(obj, MPI.Intracomm)
+    """Whether ``obj`` is a communicator layerbraid takes (mpi4py's or a Transport)."""
+    return isinstance(obj, (MPI.Intracomm, Transport))
 
 
 def is_null(comm):
-    return comm == MPI.COMM_NULL
+    return not isinstance(comm, Transport) and comm == MPI.COMM_NULL
 
 
 def finalized():
@@ -53,6 +85,8 @@ def split(comm, color, key, what):
     """``comm.Split(color, key)`` (a blocking collective), entered only once every rank has
     arrived, with the deadline."""
     barrier(comm, what)
+    if isinstance(comm, Transport):
+        return comm.Split(color, key)
     new = comm.Split(color, key)
     add_peers(new)
     return new
@@ -61,49 +95,21 @@ def split(comm, color, key, what):
 # ---------------------------------------------------------------- the polled wait
 def wait(requests, comm, what, statuses=None):
     """Waits, polling, for MPI ``requests`` of ``comm`` (Note [deadlines]), the way the MGRIT
-    core waits (Note [polled waits] in cbridge/src/comm.c): a short spin, then, between tests,
-    a yield of the core when every rank of this node has a core of its own (a nap would wake
-    late by up to its length, on every wait of a pipeline), else a nap of a tenth of the time
-    waited so far, between ``wait_sleep()`` and 1 ms; several tests per wake (MPI's progress
-    can need more than one call to finish what arrived during a nap); the exit notices and the
-    timeout checked about every 50 ms."""
-    limit = timeout()
-    t0 = time.perf_counter()
-    spins, sleep, next_check = 0, None, t0 + 0.05
-    while True:
-        for _ in range(4):
-            done = (
-                MPI.Request.Testall(requests, statuses)
-                if statuses is not None
-                else MPI.Request.Testall(requests)
-            )
-            if done:
-                return
-        spins += 1
-        if spins <= 100:
-            continue
-        now = time.perf_counter()
-        if sleep is None:
-            sleep = wait_sleep()
-        if sleep > 0:
-            time.sleep(min(max((now - t0) / 10, sleep), 1e-3))
-        else:
-            os.sched_yield()
-        if now < next_check:
-            continue
-        next_check = now + 0.05
-        check_exits(comm, what)
-        waited = now - t0
-        if limit and waited > limit:
-            raise StallError(
-                f"stalled: rank {comm.Get_rank()} waited {waited:.0f} s for {what}.  "
-                "LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit"
-            )
+    core waits (Note [polled waits] in cbridge/src/comm.c): see :func:`poll`."""
+    if isinstance(comm, Transport):
+        return comm.wait(requests, what)
+    if statuses is not None:
+        done = lambda: MPI.Request.Testall(requests, statuses)  # noqa: E731
+    else:
+        done = lambda: MPI.Request.Testall(requests)  # noqa: E731
+    poll(done, lambda: check_exits(comm, what), what, comm.Get_rank())
 
 
 def barrier(comm, what):
     """Waits until every rank of ``comm`` has reached this point (a non-blocking barrier, with
     the deadline): after the timeout, :class:`layerbraid.StallError` names ``what``."""
+    if isinstance(comm, Transport):
+        return comm.barrier(what)
     if comm.Get_size() == 1:
         return
     wait(
@@ -122,6 +128,8 @@ def arrive(comm, what):
     point too: one empty message each way, so that a stall names the rank that never came
     (a barrier cannot tell who is missing).  The collective that follows covers the others,
     with its own deadline."""
+    if isinstance(comm, Transport):
+        return comm.arrive(what)
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
         return
@@ -136,13 +144,7 @@ def arrive(comm, what):
         missing = [p for p, r in recvs.items() if not r.Test()]
         if not missing:
             raise
-        who = " and ".join(f"rank {p}" for p in missing)
-        raise StallError(
-            f"stalled: rank {rank} waited {timeout():.0f} s for {who} to reach {what}; "
-            f"{'it' if len(missing) == 1 else 'they'} never did (stopped, or called model(x) "
-            "or backward() a different number of times, or with another batch).  "
-            "LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit"
-        ) from exc
+        raise missing_ranks(rank, missing, what) from exc
 
 
 # ---------------------------------------------------------------- reductions
@@ -153,6 +155,8 @@ def allreduce_floats(comm, values, op, what):
     """``values`` (floats) reduced over ``comm`` with ``op`` ("sum", "max" or "min"), the same
     on every rank bit for bit (the reduction, then rank 0's result broadcast: MPI does not
     promise the same rounding everywhere)."""
+    if isinstance(comm, Transport):
+        return comm.allreduce_floats(values, op, what)
     values = np.asarray(values, dtype=np.float64)
     if comm.Get_size() == 1:
         return [float(v) for v in values]
@@ -166,6 +170,8 @@ def allreduce_floats(comm, values, op, what):
 def start_allreduce_sum(comm, flat):
     """Starts summing the numpy array ``flat`` over ``comm`` in place; returns the request
     (finish it with :func:`wait`)."""
+    if isinstance(comm, Transport):
+        return comm.start_allreduce_sum(flat)
     return comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
 
 
@@ -233,6 +239,8 @@ def _check_counts(sizes, what):
 
 def allgather_obj(comm, obj, what):
     """Every rank's ``obj`` (picklable, small: metadata and reports), in rank order."""
+    if isinstance(comm, Transport):
+        return comm.allgather_obj(obj, what)
     size = comm.Get_size()
     if size == 1:
         return [obj]
@@ -256,6 +264,8 @@ def allgather_obj(comm, obj, what):
 
 def gather_obj(comm, obj, root, what):
     """Every rank's ``obj`` in rank order on ``root``; None elsewhere."""
+    if isinstance(comm, Transport):
+        return comm.gather_obj(obj, root, what)
     size = comm.Get_size()
     if size == 1:
         return [obj]
@@ -287,6 +297,8 @@ def gather_obj(comm, obj, root, what):
 
 def bcast_obj(comm, obj, root, what):
     """``root``'s ``obj`` on every rank of ``comm``."""
+    if isinstance(comm, Transport):
+        return comm.bcast_obj(obj, root, what)
     if comm.Get_size() == 1:
         return obj
     is_root = comm.Get_rank() == root
@@ -303,6 +315,8 @@ def bcast_obj(comm, obj, root, what):
 def allgather_ints(comm, record: np.ndarray, what: str) -> np.ndarray:
     """Every rank's fixed-size int64 ``record``, as rows in rank order: one round, no pickle
     (the hot path's handshake)."""
+    if isinstance(comm, Transport):
+        return comm.allgather_ints(record, what)
     record = np.ascontiguousarray(record, dtype=np.int64)
     out = np.empty((comm.Get_size(), record.size), dtype=np.int64)
     if comm.Get_size() == 1:
@@ -314,6 +328,8 @@ def allgather_ints(comm, record: np.ndarray, what: str) -> np.ndarray:
 
 def bcast_ints(comm, record: np.ndarray, root: int, what: str) -> np.ndarray:
     """``root``'s fixed-size int64 ``record`` (every rank passes one of the same size)."""
+    if isinstance(comm, Transport):
+        return comm.bcast_ints(record, root, what)
     record = np.ascontiguousarray(record, dtype=np.int64).copy()
     if comm.Get_size() > 1:
         wait([comm.Ibcast(record, root=root)], comm, f"rank {root}'s {what}")
@@ -335,6 +351,8 @@ def exchange_bytes(comm, sends, recvs, tag, what):
     """Point-to-point: ``sends`` {dest: uint8 array} go out, ``recvs`` {source: uint8 array}
     are filled; each received message must have exactly its buffer's size (else
     RemoteRankError: the ranks disagree on what they exchange)."""
+    if isinstance(comm, Transport):
+        return comm.exchange_bytes(sends, recvs, tag, what)
     reqs, statuses, sizes = [], [], []
     for dest, buf in sends.items():
         reqs.append(comm.Isend([buf, MPI.BYTE], dest=dest, tag=tag))
@@ -394,6 +412,8 @@ def _start_notices():
 
 def add_peers(comm):
     """Records the world ranks of ``comm``: they are told when this rank exits early."""
+    if isinstance(comm, Transport):
+        return None
     if _notices["comm"] is None or comm.Get_size() == 1:
         return
     world = MPI.COMM_WORLD.Get_group()
@@ -424,6 +444,8 @@ def check_exits(comm, what, real=None):
     """Raises RemoteRankError when a rank of ``comm`` has said that it exited
     (Note [exit notices]).  ``real``: the ranks the user knows, by rank of ``comm`` (the MGRIT
     core's communicators may order the ranks otherwise)."""
+    if isinstance(comm, Transport):
+        return comm.check_exits(what, real)
     side = _notices["comm"]
     if side is None:
         return
@@ -445,15 +467,7 @@ def check_exits(comm, what, real=None):
                 local = MPI.Group.Translate_ranks(world, [src], group)[0]
                 group.Free()
                 world.Free()
-            me = comm.Get_rank()
-            if real is not None:
-                local, me = real[local], real[me]
-            name = f"rank {local}" if local == src else f"rank {local} (world rank {src})"
-            raise RemoteRankError(
-                f"{name} exited ({text}) while rank {me} waited for {what}",
-                local,
-                origin_raised=False,
-            )
+            raise exited(local, src, comm.Get_rank(), text, what, real)
 
 
 def _describe_exit():

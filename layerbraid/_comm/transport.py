@@ -10,6 +10,7 @@ numpy type.
 import torch
 from mpi4py import MPI
 
+from .base import Transport
 from .mpi import _check_received, allgather_obj, start_allreduce_sum, wait
 
 __all__ = []
@@ -40,6 +41,8 @@ def nbytes(t):
 def allreduce_sum(comm, tensors, what):
     """The sums over ``comm`` of ``tensors`` (one message, in float64), as new tensors of their
     shapes, dtypes and devices."""
+    if isinstance(comm, Transport):
+        return comm.allreduce_sum(tensors, what)
     tensors = list(tensors)
     flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors]).numpy()
     if comm.Get_size() > 1:
@@ -56,6 +59,8 @@ def allreduce_sum(comm, tensors, what):
 # ---------------------------------------------------------------- tensors
 def bcast_tensor(comm, t, shape, dtype, device, root, what="a broadcast tensor"):
     """``t`` of the root on every rank of ``comm`` (shape and dtype known everywhere)."""
+    if isinstance(comm, Transport):
+        return comm.bcast_tensor(t, shape, dtype, device, root, what)
     if comm.Get_rank() == root:
         _, buf = host_bytes(t)
         wait([comm.Ibcast(buf, root=root)], comm, f"rank {root}'s {what}")
@@ -66,11 +71,15 @@ def bcast_tensor(comm, t, shape, dtype, device, root, what="a broadcast tensor")
 
 
 def send_tensor(comm, t, dest, tag, what="a tensor"):
+    if isinstance(comm, Transport):
+        return comm.send_tensor(t, dest, tag, what)
     host, buf = host_bytes(t)
     wait([comm.Isend(buf, dest=dest, tag=tag)], comm, f"rank {dest} to take {what}")
 
 
 def recv_tensor(comm, shape, dtype, device, source, tag, what="a tensor"):
+    if isinstance(comm, Transport):
+        return comm.recv_tensor(shape, dtype, device, source, tag, what)
     host, buf = empty_bytes(shape, dtype)
     status = MPI.Status()
     wait([comm.Irecv(buf, source=source, tag=tag)], comm, f"{what} from rank {source}", [status])
@@ -81,6 +90,8 @@ def recv_tensor(comm, shape, dtype, device, source, tag, what="a tensor"):
 def bcast_into(comm, tensors, root=0, what="the weights"):
     """Overwrites ``tensors`` (the same shapes and dtypes on every rank) with the root's, in
     one message."""
+    if isinstance(comm, Transport):
+        return comm.bcast_into(tensors, root, what)
     tensors = list(tensors)
     if comm.Get_size() == 1 or not tensors:
         return
@@ -98,6 +109,8 @@ def neighbour_exchange(comm, first, last, what):
     """``(left's last, right's first)``: each rank sends ``first`` to the rank before it and
     ``last`` to the one after it (same shape and dtype everywhere), and receives theirs; None
     at the ends."""
+    if isinstance(comm, Transport):
+        return comm.neighbour_exchange(first, last, what)
     rank, size = comm.Get_rank(), comm.Get_size()
     reqs, got, keep, checks = [], {}, [], []
     for peer, mine, tag in ((rank - 1, first, 7401), (rank + 1, last, 7402)):
@@ -129,6 +142,8 @@ def allgather_rows(comm, t, what="every rank's rows"):
 
     Every rank sends as many rows as the largest block (a shorter block is padded), through
     MPI_Allgather: MPICH's Allgatherv of the same bytes was many times slower on one node."""
+    if isinstance(comm, Transport):
+        return comm.allgather_rows(t, what)
     counts = [int(c) for c in allgather_obj(comm, int(t.shape[0]), f"the row counts of {what}")]
     most, rest = max(counts), tuple(t.shape[1:])
     if t.shape[0] == most:

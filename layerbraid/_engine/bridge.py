@@ -15,20 +15,36 @@ import time
 import numpy as np
 from mpi4py import MPI as _MPI
 
+from .._comm.base import Transport
 from .._comm.mpi import add_peers, barrier, bcast_obj, check_exits
 from .._comm.timeouts import timeout, wait_sleep
 from ..errors import DivergenceError, MGRITError, RemoteRankError, StallError
 from .schedule import configure, ffi, lib, trace_array, trace_entries
-from .states import _as_state, _from_bytes, _header, _is_torch, _norm, _raw_bytes, _sum, _sum_into
+from .states import (
+    _as_state,
+    _from_bytes,
+    _from_parts,
+    _header,
+    _is_torch,
+    _norm,
+    _payload,
+    _raw_bytes,
+    _sum,
+    _sum_into,
+)
 
 __all__ = []
 
 
 # ---------------------------------------------------------------- the solver handle
-def _callback_table(coarsen, refine, step_interval, idle):
+def _callback_table(coarsen, refine, step_interval, idle, app_transport):
     """The core's callback table: every callback this module defines, the optional ones
-    (spatial coarsening, runs of steps, idle work) only where the solver has them."""
+    (spatial coarsening, runs of steps, idle work, the application's transport) only where the
+    solver has them."""
     cbs = ffi.new("mgrit_callbacks *")
+    if app_transport:
+        cbs.isend, cbs.try_recv = lib._lb_isend, lib._lb_try_recv
+        cbs.iallreduce, cbs.test = lib._lb_iallreduce, lib._lb_test
     cbs.init, cbs.clone, cbs.free = lib._lb_init, lib._lb_clone, lib._lb_free
     cbs.sum, cbs.norm, cbs.step = lib._lb_sum, lib._lb_norm, lib._lb_step
     cbs.bufsize, cbs.pack, cbs.unpack = lib._lb_bufsize, lib._lb_pack, lib._lb_unpack
@@ -48,7 +64,9 @@ class _Core:
     """One MGRIT solver over a communicator.
 
     Args:
-        comm: an mpi4py communicator.
+        comm: an mpi4py communicator, or a Transport (a torch.distributed group: the core's
+            messages then go through it, Note [application transport] in
+            cbridge/src/comm.c).
         num_steps, t_start, t_stop: the fine time grid.
         options: an MGRITOptions.
         init: ``init(app, t, index) -> state``: the initial value at index 0, the guess
@@ -121,12 +139,19 @@ class _Core:
         self.rank = comm.Get_rank()
         self._real = list(real_ranks) if real_ranks is not None else list(range(comm.Get_size()))
         self._handle = ffi.new_handle(self)
-        self._cbs = _callback_table(coarsen, refine, step_interval, idle)
+        app_transport = isinstance(comm, Transport)
+        self._reductions = {}  # the application transport's pending allreduces: handle -> out
+        self._cbs = _callback_table(coarsen, refine, step_interval, idle, app_transport)
         out = ffi.new("mgrit_core **")
-        comm_ptr = ffi.cast("MPI_Comm *", MPI._addressof(comm))
-        rc = lib.mgrit_create(
-            comm_ptr, int(num_steps), float(t_start), float(t_stop), self._cbs, self._handle, out
-        )
+        problem = (int(num_steps), float(t_start), float(t_stop), self._cbs, self._handle, out)
+        if app_transport:
+            # the core's own context (as MPI_Comm_dup gives it under MPI: Note [contexts])
+            self.comm = comm = comm.Dup()
+            self._owns_comm = True
+            rc = lib.mgrit_create_app(comm.Get_rank(), comm.Get_size(), *problem)
+        else:
+            comm_ptr = ffi.cast("MPI_Comm *", MPI._addressof(comm))
+            rc = lib.mgrit_create(comm_ptr, *problem)
         if rc != lib.MGRIT_OK:
             why = ffi.string(lib.mgrit_create_error()).decode()
             if rc == lib.MGRIT_ERR_MPI:
@@ -162,7 +187,9 @@ class _Core:
                 lib.mgrit_destroy(self._core)
             self._core = None
         comm = self.comm
-        if self._owns_comm and comm is not None and not finalized and comm != _MPI.COMM_NULL:
+        if isinstance(comm, Transport):
+            comm.Free()
+        elif self._owns_comm and comm is not None and not finalized and comm != _MPI.COMM_NULL:
             comm.Free()
         self.comm = None
         self._table.clear()
@@ -232,7 +259,8 @@ class _Core:
                 f"stalled: {msg}; LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit"
             )
         if rc == lib.MGRIT_ERR_MPI:
-            raise MGRITError(msg)
+            err, self._error = self._error, None  # a failed transport callback: its error
+            raise err if err is not None else MGRITError(msg)
         if rc == lib.MGRIT_ERR_NOMEM and self._error is None:
             self._error = MemoryError(msg or "the MGRIT core ran out of memory")
         if rc in (lib.MGRIT_ERR_CALLBACK, lib.MGRIT_ERR_REMOTE, lib.MGRIT_ERR_NOMEM):
@@ -526,4 +554,50 @@ def _poll_cb(self):
     between bytecodes), stored, and stops the wait; so is the notice of a rank of this
     communicator that exited (Note [exit notices] in _comm)."""
     check_exits(self.comm, "a message of an MGRIT solve", self._real)
+    return 0
+
+
+# ---------------------------------------------------------------- the application's transport
+# Note [application transport] in cbridge/src/comm.c: with a torch.distributed group the core's
+# messages go through these four; the state itself travels (on its device where the group
+# serves it: Note [device-resident messages] in _comm/dist.py), not a packed host buffer.
+_REDUCE_OPS = ("sum", "min", "max")
+
+
+@_callback("_lb_isend", "isend")
+def _isend_cb(self, dest, tag, flag, x, handle):
+    if flag:
+        handle[0] = self.comm.isend_state(dest, tag, 1, b"", None)
+    else:
+        s = self._table[x]
+        handle[0] = self.comm.isend_state(dest, tag, 0, _header(s), _payload(s))
+    return 0
+
+
+@_callback("_lb_try_recv", "try_recv")
+def _try_recv_cb(self, src, tag, found, flag, out):
+    got = self.comm.try_recv_state(src, tag)
+    found[0] = 0 if got is None else 1
+    if got is not None:
+        flag[0] = got[0]
+        out[0] = -1 if got[0] else self._put(_from_parts(got[1], got[2], self._device), True)
+    return 0
+
+
+@_callback("_lb_iallreduce", "iallreduce")
+def _iallreduce_cb(self, values, out, n, op, handle):
+    v = np.frombuffer(ffi.buffer(values, 8 * n), dtype=np.float64).copy()
+    h = self.comm.iallreduce_doubles(v, _REDUCE_OPS[op])
+    self._reductions[h] = (out, n)
+    handle[0] = h
+    return 0
+
+
+@_callback("_lb_test", "test")
+def _test_cb(self, handle, done):
+    result = self.comm.test(handle)
+    done[0] = 0 if result is None else 1
+    if result is not None and handle in self._reductions:
+        out, n = self._reductions.pop(handle)
+        ffi.buffer(out, 8 * n)[:] = np.ascontiguousarray(result, dtype=np.float64).tobytes()
     return 0

@@ -194,3 +194,36 @@ def _from_bytes(buf, device):
         t = t.to(torch.bool) if dtype == torch.bool else t.view(dtype)
         t = t.reshape(shape)
     return t.to(device) if device is not None and device.type != "cpu" else t
+
+
+def _payload(x):
+    """The state's bytes as a flat uint8 torch tensor, on the state's device (a numpy state's
+    on the CPU): what a torch.distributed transport sends (Note [device-resident messages] in
+    _comm/dist.py)."""
+    import torch
+
+    if not _is_torch(x):
+        return torch.from_numpy(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+    flat = x.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return flat.contiguous().view(torch.uint8)
+
+
+def _from_parts(head, payload, device):
+    """A state from its header bytes and its payload (a flat uint8 torch tensor, on any
+    device), on ``device`` (None: where the payload is)."""
+    kind, code, ndim = struct.unpack_from("<BBH", head, 0)
+    shape = struct.unpack_from(f"<{ndim}q", head, 4)
+    if kind == 0:
+        return payload.cpu().numpy().copy().view(_NP_DTYPES[code]).reshape(shape)
+    import torch
+
+    dtype = getattr(torch, _TORCH_DTYPE_NAMES[code])
+    if payload.numel() == 0:
+        t = torch.empty(shape, dtype=dtype, device=payload.device)
+    elif dtype == torch.bool:
+        t = payload.to(torch.bool).reshape(shape)
+    else:
+        t = payload.view(dtype).reshape(shape)
+    return t if device is None else t.to(device)

@@ -54,7 +54,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .._comm.mpi import world
+from .._comm.mpi import resolve
 from .._comm.transport import bcast_into
 from .._engine.chain import Run, _Chain, _ChainFn, _check_target, _gradient_estimate
 from .._engine.handshake import agree_on_settings
@@ -103,7 +103,7 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
         ):
             check_int(name, v)
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
-        comm = world() if comm is None else comm
+        comm = resolve(comm)
         self.comm = comm.layer_comm if isinstance(comm, ProcessGrid) else comm
         self.target_error = _check_target(target_error)
         self.forward_options = _fc(forward_options)

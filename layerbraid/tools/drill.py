@@ -218,7 +218,7 @@ SCENARIOS = {
 TIMEOUT = 3  # LAYERBRAID_TIMEOUT (seconds) for every scenario
 
 
-def run(scenario, ranks=2, limit=60, mpiexec="mpiexec"):
+def run(scenario, ranks=2, limit=60, mpiexec="mpiexec", launcher="mpiexec"):
     """Runs the job under a wall-time limit (enforced whether or not output arrives: the whole
     job is killed at ``limit`` s).  Returns {"rc", "hung", "seconds" (fault to the end of the
     job), "faulty" (the rank that printed FAULT), "outputs" ({rank: its lines}), "job" (lines
@@ -248,8 +248,9 @@ def run(scenario, ranks=2, limit=60, mpiexec="mpiexec"):
     }
 
 
-def _launch(scenario, ranks, mpiexec):
-    """The scenario's job, each line of output tagged with its rank (``mpiexec -l``)."""
+def _launch(scenario, ranks, mpiexec, launcher="mpiexec"):
+    """The scenario's job, each line of output tagged with its rank (``mpiexec -l``, or
+    torchrun's ``--tee 3``, whose tags _watch rewrites as mpiexec's)."""
     # Not the calling process's MPI job: a fresh one (no PMI variables of a singleton).
     env = {
         k: v
@@ -258,6 +259,9 @@ def _launch(scenario, ranks, mpiexec):
     }
     env.update(PYTHONUNBUFFERED="1", LAYERBRAID_TIMEOUT=str(TIMEOUT))
     cmd = [mpiexec, "-l", "-n", str(ranks), sys.executable, "-m", "layerbraid.tools.drill"]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--tee", "3"]
+        cmd += ["--nproc-per-node", str(ranks), "-m", "layerbraid.tools.drill"]
     return subprocess.Popen(
         [*cmd, "--job", scenario],
         stdout=subprocess.PIPE,
@@ -275,6 +279,7 @@ def _watch(proc, scenario, limit):
 
     def read():
         for line in proc.stdout:  # the job's output, as it comes; each line tagged "[rank] "
+            line = re.sub(r"\[default(\d+)\]:", r"[\1] ", line)  # torchrun's tags
             lines.append(line)
             found = re.match(r"\[(\d+)\] FAULT (\d+\.\d+)", line)
             if found and state["fault"] is None:
@@ -481,6 +486,12 @@ def main(argv=None):
     )
     p.add_argument("--limit", type=float, default=60, help="seconds before a job is a hang")
     p.add_argument("--mpiexec", default="mpiexec", help="an MPICH (Hydra) mpiexec")
+    p.add_argument(
+        "--launcher",
+        choices=["mpiexec", "torchrun"],
+        default="mpiexec",
+        help="start each job with mpiexec (MPI) or torchrun (torch.distributed, gloo)",
+    )
     p.add_argument("--job", metavar="SCENARIO", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.job is not None:
@@ -490,7 +501,7 @@ def main(argv=None):
         p.error(f"--ranks must be at least 2, got {a.ranks}")
     failed = 0
     for scenario in a.scenarios:
-        result = run(scenario, a.ranks, a.limit, a.mpiexec)
+        result = run(scenario, a.ranks, a.limit, a.mpiexec, a.launcher)
         wrong = problems(scenario, result, a.limit)
         failed += bool(wrong)
         took = "-" if result["seconds"] is None else f"{result['seconds']:.1f} s after the fault"
