@@ -20,9 +20,19 @@ the job, which is ending.
 Note [contexts]: MPI isolates the messages of two communicators over the same ranks; a process
 group does not.  Each DistComm made by Dup or Split gets a context number, agreed on by its
 ranks, that prefixes every tag it sends with, so that two models' solves, or a forward and its
-adjoint, never take each other's messages.  NCCL ignores tags and matches point-to-point
-messages in order per pair of ranks: the core sends the messages of a pair in the order they are
-received (tests/test_plan.py holds the virtual schedules to that).
+adjoint, never take each other's messages.  NCCL ignores tags and matches a pair's messages in
+the order they were posted: there the isolation is the program order itself (a solve receives
+every message it was sent before it ends, in its final allreduce, and the Python-level exchanges
+happen between solves in the same order on every rank), and Note [state streams] orders the
+messages within a solve.
+
+Note [state streams]: the core's messages between two ranks travel as one ordered stream (one
+tag), each led by a record that carries the core's tag, and the receiver keeps a message that
+arrives before the one it waits for until the core asks for it.  NCCL has no tags (it matches
+a pair's messages in the order they were posted), and the core does not always receive in the
+order it sends: on a coarse level rank r can send a second state before rank r + 1 takes a
+fine-level one sent in between (tests/test_plan.py finds such schedules).  A stream keeps gloo
+and NCCL on the same code.
 
 Note [store notices]: the exit notices (Note [exit notices] in _comm/mpi.py) and the failure
 notices of the abort hook go through the job's key-value store (the one torchrun's rendezvous
@@ -243,7 +253,8 @@ class DistComm(Transport):
         self._order = [list(dist.get_process_group_ranks(group)).index(g) for g in self.members]
         self._next = 0
         self._pending: dict[int, tuple] = {}
-        self._inbox: dict[tuple[int, int], dict] = {}
+        self._readers: dict[int, dict] = {}  # Note [state streams]
+        self._mail: dict[tuple[int, int], list] = {}
 
     def __repr__(self):
         return f"DistComm(rank {self.rank} of {self.size}, members={self.members})"
@@ -562,61 +573,74 @@ class DistComm(Transport):
         return self._next
 
     def isend_state(self, dest: int, tag: int, flag: int, head: bytes, payload: Any) -> int:
-        """Starts sending a state: its record [flag, header bytes, payload bytes], then (not
-        poisoned) the header and the payload; with the payload on the CPU, header and payload
-        go as one message.  The sub-tags 3 tag, 3 tag + 1, 3 tag + 2 keep them apart."""
+        """Starts sending a state on the pair's stream (Note [state streams]): its record
+        [tag, flag, header bytes, payload bytes], then (not poisoned) the header and the
+        payload, as one message when the payload is on the CPU."""
         n = 0 if flag else payload.numel()
-        meta = torch.tensor([flag, len(head), n], dtype=torch.int64, device=self.device)
+        meta = torch.tensor([tag, flag, len(head), n], dtype=torch.int64, device=self.device)
         keep = [meta]
-        works = [self._start_p2p(True, meta, dest, 3 * tag)]
+        works = [self._start_p2p(True, meta, dest, _STATE_TAG)]
         if not flag:
             headt = torch.frombuffer(bytearray(head), dtype=torch.uint8)
             if self.device.type == "cpu":
                 body = torch.cat([headt, payload.reshape(-1).to("cpu")])
                 keep.append(body)
-                works.append(self._start_p2p(True, body, dest, 3 * tag + 1))
+                works.append(self._start_p2p(True, body, dest, _STATE_TAG))
             else:
                 headt, body = headt.to(self.device), payload.reshape(-1).to(self.device)
                 keep += [headt, body]
-                works.append(self._start_p2p(True, headt, dest, 3 * tag + 1))
-                works.append(self._start_p2p(True, body, dest, 3 * tag + 2))
+                works.append(self._start_p2p(True, headt, dest, _STATE_TAG))
+                works.append(self._start_p2p(True, body, dest, _STATE_TAG))
         return self._handle(("send", works, keep))
 
     def try_recv_state(self, src: int, tag: int) -> Optional[tuple[int, bytes, Any]]:
-        """The state message from ``src`` with ``tag`` once it is complete: (flag, header bytes,
-        payload as a flat uint8 tensor on the message device); None until then."""
-        key = (src, tag)
-        box = self._inbox.get(key)
-        if box is None:
-            meta = torch.zeros(3, dtype=torch.int64, device=self.device)
-            box = {"meta": meta, "works": [self._start_p2p(False, meta, src, 3 * tag)]}
-            self._inbox[key] = box
-        for w in box["works"]:
-            if not _finished(w):
+        """The state message from ``src`` with ``tag`` once it is complete: (flag, header
+        bytes, payload as a flat uint8 tensor on the message device); None until then.
+        Messages of other tags that arrive first are kept for their own call."""
+        while True:
+            box = self._mail.get((src, tag))
+            if box:
+                return box.pop(0)
+            if not self._read(src):
                 return None
+
+    def _read(self, src: int) -> bool:
+        """Advances the reader of ``src``'s stream by what has completed; True when it
+        delivered a message into the mailbox."""
+        r = self._readers.get(src)
+        if r is None:
+            meta = torch.zeros(4, dtype=torch.int64, device=self.device)
+            r = {"meta": meta, "works": [self._start_p2p(False, meta, src, _STATE_TAG)]}
+            self._readers[src] = r
+        for w in r["works"]:
+            if not _finished(w):
+                return False
             _settle(w, self, f"a state from rank {src}")
-        if "body" not in box:
-            flag, hlen, n = (int(v) for v in box["meta"].cpu().tolist())
+        if "body" not in r:
+            tag, flag, hlen, n = (int(v) for v in r["meta"].cpu().tolist())
+            r.update(tag=tag, hlen=hlen)
             if flag:
-                del self._inbox[key]
-                return 1, b"", None
-            box["hlen"] = hlen
+                return self._deliver(src, r, (1, b"", None))
             if self.device.type == "cpu":
-                box["body"] = torch.empty(hlen + n, dtype=torch.uint8)
-                box["works"] = [self._start_p2p(False, box["body"], src, 3 * tag + 1)]
+                r["body"] = torch.empty(hlen + n, dtype=torch.uint8)
+                r["works"] = [self._start_p2p(False, r["body"], src, _STATE_TAG)]
             else:
-                box["head"] = torch.empty(hlen, dtype=torch.uint8, device=self.device)
-                box["body"] = torch.empty(n, dtype=torch.uint8, device=self.device)
-                box["works"] = [
-                    self._start_p2p(False, box["head"], src, 3 * tag + 1),
-                    self._start_p2p(False, box["body"], src, 3 * tag + 2),
+                r["head"] = torch.empty(hlen, dtype=torch.uint8, device=self.device)
+                r["body"] = torch.empty(n, dtype=torch.uint8, device=self.device)
+                r["works"] = [
+                    self._start_p2p(False, r["head"], src, _STATE_TAG),
+                    self._start_p2p(False, r["body"], src, _STATE_TAG),
                 ]
-            return None
-        del self._inbox[key]
+            return False
+        hlen, body = r["hlen"], r["body"]
         if self.device.type == "cpu":
-            body, hlen = box["body"], box["hlen"]
-            return 0, bytes(body[:hlen].numpy()), body[hlen:]
-        return 0, bytes(box["head"].cpu().numpy()), box["body"]
+            return self._deliver(src, r, (0, bytes(body[:hlen].numpy()), body[hlen:]))
+        return self._deliver(src, r, (0, bytes(r["head"].cpu().numpy()), body))
+
+    def _deliver(self, src: int, r: dict, message: tuple) -> bool:
+        del self._readers[src]
+        self._mail.setdefault((src, r["tag"]), []).append(message)
+        return True
 
     def iallreduce_doubles(self, values: Any, op: str) -> int:
         t = torch.from_numpy(np.array(values, dtype=np.float64)).to(self.small)
@@ -636,3 +660,4 @@ class DistComm(Transport):
 
 
 _ARRIVE_TAG = 7602
+_STATE_TAG = 1  # the core's state messages: one stream per pair (Note [state streams])
