@@ -94,18 +94,55 @@ def mpiexec(ranks, argv, timeout=3600, env=None, check=True, cores_per_rank=None
     return proc
 
 
-def python(ranks, module, *args, timeout=3600, env=None, cores_per_rank=None):
-    """``python -m module args`` on ``ranks`` ranks (see :func:`mpiexec`)."""
+def torchrun(ranks, argv, timeout=3600, env=None, cores_per_rank=None):
+    """Runs ``argv`` (a module and its arguments) on ``ranks`` processes under torchrun
+    (torch.distributed, gloo), from the repository's root; the same contract as
+    :func:`mpiexec`.  torchrun binds nothing: with ``cores_per_rank`` each process binds itself
+    to cores of its own (:func:`bind_self`, through BENCH_CORES_PER_RANK), as mpiexec's
+    ``-bind-to`` does for MPI jobs."""
+    env = dict(os.environ if env is None else env)
+    if cores_per_rank is not None and binding(ranks, cores_per_rank):
+        env["BENCH_CORES_PER_RANK"] = str(cores_per_rank)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(ranks), *map(str, argv)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def bind_self():
+    """Under torchrun with BENCH_CORES_PER_RANK=k: binds this process (local rank r) to cores
+    r*k .. r*k + k - 1 of those it may use (see :func:`binding`)."""
+    k = os.environ.get("BENCH_CORES_PER_RANK")
+    if not k or "LOCAL_RANK" not in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    r, k = int(os.environ["LOCAL_RANK"]), int(k)
+    os.sched_setaffinity(0, cores[r * k:(r + 1) * k])
+
+
+def python(ranks, module, *args, timeout=3600, env=None, cores_per_rank=None,
+           launcher="mpiexec"):
+    """``python -m module args`` on ``ranks`` ranks (see :func:`mpiexec`), or under torchrun
+    (:func:`torchrun`) with ``launcher="torchrun"``."""
+    if launcher == "torchrun":
+        return torchrun(ranks, ["-m", module, *args], timeout=timeout, env=env,
+                        cores_per_rank=cores_per_rank)
     return mpiexec(ranks, [sys.executable, "-m", module, *args], timeout=timeout, env=env,
                    cores_per_rank=cores_per_rank)
 
 
-def launch(worker, ranks, *args, timeout=3600, echo=True, env=None, cores_per_rank=None):
+def launch(worker, ranks, *args, timeout=3600, echo=True, env=None, cores_per_rank=None,
+           launcher="mpiexec"):
     """Runs the worker bench/workers/<worker>.py on ``ranks`` ranks; returns the JSON objects
     it printed (one per line; other lines are ignored).  Raises with the worker's output on
-    failure.  ``cores_per_rank``: see :func:`mpiexec`."""
+    failure.  ``cores_per_rank``: see :func:`mpiexec`; ``launcher``: "mpiexec" (MPI) or
+    "torchrun" (torch.distributed, gloo)."""
     proc = python(ranks, f"bench.workers.{worker}", *args, timeout=timeout, env=env,
-                  cores_per_rank=cores_per_rank)
+                  cores_per_rank=cores_per_rank, launcher=launcher)
     rows = []
     for line in proc.stdout.splitlines():
         line = line.strip()

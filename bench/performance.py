@@ -23,6 +23,8 @@ alike):
 3. Memory: the growth of each rank's peak resident set over one forward+backward, against
    plain PyTorch's (separate processes).
 4. The planner's projection to 4-4096 ranks from step costs measured here.
+5. The transports: the benchmark layer's 2-rank N=64 rows (1 and 2 levels) under torchrun
+   (torch.distributed, gloo) too, in the same rounds, beside the MPI rows of 2.
 
 Every job binds each rank to cores of its own (bench.harness.binding): one per thread.
 
@@ -69,6 +71,10 @@ LAYER_ROWS = [
     (2, 16, 2, 2, 1, 1 / 1.07, "0.8x TorchBraid's 1.32-1.35x"),
     (2, 16, 2, 1, 1, 1 / 0.83, "0.8x TorchBraid's 1.03-1.05x"),
 ]
+# The transports: the benchmark layer's 2-rank N=64 rows under torchrun (torch.distributed,
+# gloo) as well, in the same rounds; the MPI rows are LAYER_ROWS' own.
+TRANSPORT_ROWS = [(2, 64, 1, 1, 1), (2, 64, 2, 2, 1)]
+
 # Memory: (label, ranks, worker arguments)
 MEMORY = [
     ("plain PyTorch", 1, ["--memory", "serial", "--steps", 64]),
@@ -177,6 +183,7 @@ def measure(a):
     layer_rows = pick(LAYER_ROWS, [LAYER_ROWS[0], LAYER_ROWS[3]])  # quick: 1 and 2 ranks
     demo = {label: [] for label, _, _ in rows}
     layer = {_layer_label(*row[:5]): [] for row in layer_rows}
+    transport = {_layer_label(*row): [] for row in pick(TRANSPORT_ROWS, TRANSPORT_ROWS[1:])}
     t0 = time.time()
     for r in range(a.rounds):
         for label, ranks, args in rows:
@@ -195,11 +202,21 @@ def measure(a):
                                        timeout=900, echo=False, cores_per_rank=1)[-1])
             print(f"round {r + 1}: {label}: speedup "
                   f"{layer[label][-1]['speedup']:.2f}", flush=True)
+        for ranks, steps, levels, fwd, bwd in pick(TRANSPORT_ROWS, TRANSPORT_ROWS[1:]):
+            label = _layer_label(ranks, steps, levels, fwd, bwd)
+            transport[label].append(launch("resnet", ranks, "--steps", steps, "--levels", levels,
+                                           "--fwd-iters", fwd, "--bwd-iters", bwd, "--serial",
+                                           "--repeats", a.repeats, *pick([], ["--batch", 2]),
+                                           timeout=900, echo=False, cores_per_rank=1,
+                                           launcher="torchrun")[-1])
+            print(f"round {r + 1}: {label}, torchrun: speedup "
+                  f"{transport[label][-1]['speedup']:.2f}", flush=True)
     memory = {label: launch("resnet", ranks, *args, *pick([], ["--batch", 2]), timeout=900,
                             echo=False, cores_per_rank=1)[-1]
               for label, ranks, args in pick(MEMORY, MEMORY[:2])}  # quick: 1-rank jobs only
     return {**provenance(), "rounds": a.rounds, "batches": a.batches, "repeats": a.repeats,
-            "seconds": time.time() - t0, "demo": demo, "layer": layer, "memory": memory,
+            "seconds": time.time() - t0, "demo": demo, "layer": layer, "transport": transport,
+            "memory": memory,
             "projection": _projection()}
 
 
@@ -348,6 +365,56 @@ def _verdict(med, lo, target):
     if med >= target:
         return "met by the median, not in every measurement"
     return "not met"
+
+
+def _transport_table(layer, transport):
+    """The benchmark layer on 2 ranks under both transports, from the same rounds: MPI
+    (mpiexec) and torch.distributed with gloo (torchrun), each job paired with plain PyTorch."""
+    rows = [r for r in TRANSPORT_ROWS if _layer_label(*r) in transport]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## The transports: MPI and torch.distributed (gloo)",
+        "",
+        "The benchmark layer's 2-rank N=64 rows run once more per round under torchrun: the",
+        "same worker (bench/workers/resnet.py) with the default process group, gloo on",
+        "loopback, each process bound to a core of its own.  Each job pairs its",
+        "forward+backward with plain PyTorch's, as above (so plain PyTorch is a row of each",
+        "job).  `messages ms`: the time in the core's sends, receives and allreduces",
+        "(waiting included), the most over the ranks, median over the rounds.",
+        "",
+        "| configuration | transport | ms | plain PyTorch ms | speedup | messages ms | "
+        "err param grad |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    findings = []
+    for row in rows:
+        label = _layer_label(*row)
+        times = {}
+        for name, runs in (("MPI (mpiexec)", layer.get(label)), ("gloo (torchrun)",
+                                                                  transport[label])):
+            if not runs:
+                continue
+            lp_t = [t for r in runs for t in r["lp_times"]]
+            pl_t = [t for r in runs for t in r["serial_times"]]
+            times[name] = (lp_t, speedup(pl_t, lp_t))
+            msgs = statistics.median(r["mpi_seconds"] for r in runs)
+            lines.append(
+                f"| {label} | {name} | {spread(lp_t, '.0f', 1e3)} | {spread(pl_t, '.0f', 1e3)} "
+                f"| {times[name][1][3]} | {1e3 * msgs:.0f} | "
+                f"{statistics.median(r['err_param_grad'] for r in runs):.1e} |")
+        if len(times) == 2:
+            (mpi_t, mpi_s), (gloo_t, gloo_s) = times["MPI (mpiexec)"], times["gloo (torchrun)"]
+            ratio = statistics.median(gloo_t) / statistics.median(mpi_t)
+            overlap = gloo_s[1] <= mpi_s[2] and mpi_s[1] <= gloo_s[2]
+            findings.append(
+                f"- {label}: under gloo {ratio:.2f}x MPI's time (medians); speedups "
+                f"{gloo_s[0]:.2f} against {mpi_s[0]:.2f}, "
+                + ("their spreads overlap." if overlap else "their spreads do not overlap."))
+    if findings:
+        lines += ["", "### What the transport rows show", "", *findings]
+    return lines
 
 
 def report(data):
@@ -527,6 +594,7 @@ def report(data):
                      + ("" if book is None else
                         f"; the solves' bookkeeping is {100 * book:.0f}% of its time") + ".")
 
+    lines += _transport_table(layer, data.get("transport", {}))
     lines += [
         "",
         "## Memory",

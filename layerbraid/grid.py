@@ -4,6 +4,7 @@ from typing import Optional
 
 import torch
 
+from ._comm.base import Transport
 from ._comm.mpi import Comm, finalized, is_null, resolve, split, start_allreduce_sum, wait
 from ._engine.parts import FreedOnExit
 from .launch import _enter
@@ -119,7 +120,12 @@ class _GradAverager:
             if len(dtypes) == 1 and grads[0].dtype in (torch.float32, torch.float64)
             else torch.float64
         )
-        flat = torch.cat([g.reshape(-1).to("cpu", dtype) for g in grads]).numpy()
+        # MPI sums host memory (Note [staging]); a torch.distributed group sums on its own
+        # device (Note [device-resident messages] in _comm/dist.py: on the GPU with NCCL)
+        device = self.comm.device if isinstance(self.comm, Transport) else "cpu"
+        flat = torch.cat([g.reshape(-1).to(device, dtype) for g in grads])
+        if device == "cpu" and not isinstance(self.comm, Transport):
+            flat = flat.numpy()
         req = start_allreduce_sum(self.comm, flat)
         self.pending.append((req, params, flat))
 
@@ -136,7 +142,10 @@ class _GradAverager:
             off = 0
             for p in params:
                 n = p.grad.numel()
-                avg = torch.from_numpy(flat[off : off + n] / self.size).view(p.grad.shape)
+                part = flat[off : off + n] / self.size
+                avg = (torch.from_numpy(part) if not torch.is_tensor(part) else part).view(
+                    p.grad.shape
+                )
                 p.grad.copy_(avg.to(p.grad.device, p.grad.dtype))
                 off += n
         self._reset()

@@ -1,6 +1,7 @@
 """The GPU path: models, states and gradients on a CUDA device, every MPI message staged through
 host memory (MPI is not assumed CUDA-aware), on 1 to 4 ranks sharing the machine's GPUs (rank r
-takes GPU r % count, as the examples do).  Each test compares with the serial network on the
+takes GPU r % count, as the examples do).  The 2-rank tests run again under torchrun: with gloo
+(CUDA states staged through the host) and, given two GPUs, with NCCL (states stay on the GPU).  Each test compares with the serial network on the
 same device, or with the same layer-parallel run on the CPU.  Skipped where no GPU is present."""
 import os
 import subprocess
@@ -20,8 +21,8 @@ from layerbraid import LayerParallelModule, MGRITOptions, ProcessGrid, SpatialCo
 from layerbraid.nn import ConvBlock, LayerParallelGRU, LayerParallelLSTM, LPBatchNorm2d
 from nets import ODEResNet, assert_gradients_match, batch
 from tolerances import CONVERGED, ROUNDOFF
+from transports import WORLD
 
-WORLD = MPI.COMM_WORLD
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -357,5 +358,44 @@ def test_the_mnist_example_trains_on_the_gpu_on_two_ranks(tmp_path):
            "--log-interval", "10", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "test accuracy" in proc.stdout
+
+
+def _torchrun_the_two_rank_tests(backend):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LAYERBRAID_DIST_BACKEND": backend,
+           "_PYTEST_MPI_CHILD_PROCESS": "1"}  # run the tests here, not in an mpiexec job
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "parallel[2]",
+           str(Path(__file__).resolve())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="starts its own job")
+def test_the_two_rank_gpu_tests_pass_under_torchrun_with_gloo():
+    """Two processes sharing the GPU(s) over gloo: every CUDA state and gradient staged through
+    the host (Note [device-resident messages] in layerbraid/_comm/dist.py)."""
+    _torchrun_the_two_rank_tests("gloo")
+
+
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="starts its own job")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per process")
+def test_the_two_rank_gpu_tests_pass_under_torchrun_with_nccl():
+    """Two processes, one GPU each, over NCCL: states, tensors and gradient buckets never leave
+    the GPU."""
+    _torchrun_the_two_rank_tests("nccl")
+
+
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="starts its own job")
+def test_the_mnist_example_trains_on_the_gpu_under_torchrun(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(ROOT / "examples" / "mnist.py"), "--device", "cuda", "--epochs", "1",
+           "--max-batches", "30", "--test-limit", "500", "--out-dir", str(tmp_path)]
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1",
+                               "LAYERBRAID_DIST_BACKEND": backend})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "test accuracy" in proc.stdout

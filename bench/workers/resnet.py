@@ -27,7 +27,8 @@ import torch
 from mpi4py import MPI
 
 import layerbraid
-from bench.harness import steady_allocator
+from layerbraid.launch import world
+from bench.harness import bind_self, steady_allocator
 from layerbraid.nn import ConvBlock
 
 
@@ -75,8 +76,9 @@ def main():
                         "each rank's peak resident set over its resident set before it")
     args = p.parse_args()
     steady_allocator()
+    bind_self()
     torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
+    comm = world()  # MPI's COMM_WORLD, or torchrun's process group (the transport rows)
 
     # F-relaxation on the fine level, FCF on coarse levels, first down-cycle skipped.
     nrelax = tuple([0] + [1] * (args.levels - 2)) if args.levels > 2 else 0

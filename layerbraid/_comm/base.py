@@ -81,7 +81,10 @@ def missing_ranks(rank: int, missing: Sequence[int], what: str) -> StallError:
 
 
 class Transport(ABC):
-    """A communicator: ranks 0..size-1, in the order this object gives them."""
+    """A communicator: ranks 0..size-1, in the order this object gives them.  ``device``: where
+    its messages' tensors live (the CPU, or the GPU of a transport that moves device memory)."""
+
+    device: Any
 
     # ---- what mpi4py's Intracomm offers and the package calls
     @abstractmethod

@@ -77,10 +77,15 @@ _world: list[Optional["DistComm"]] = [None]
 
 def world() -> "DistComm":
     """The default process group as a DistComm; ``init_process_group`` from the launcher's
-    environment first when the program has not called it (gloo for CPU tensors, and NCCL for
-    CUDA tensors where CUDA is available: torch's default)."""
+    environment first when the program has not called it: gloo for CPU tensors, and NCCL for
+    CUDA tensors where CUDA is available (torch's default), or the backend that
+    ``LAYERBRAID_DIST_BACKEND`` names ("gloo": CUDA states staged through the host, as when
+    several processes share one GPU, which NCCL refuses)."""
     if not dist.is_initialized():
-        dist.init_process_group()
+        backend = os.environ.get("LAYERBRAID_DIST_BACKEND") or None
+        if backend not in (None, "gloo", "nccl", "mpi"):
+            raise ValueError(f"LAYERBRAID_DIST_BACKEND must be gloo, nccl or mpi, got {backend!r}")
+        dist.init_process_group(backend=backend)
     comm = _world[0]
     if comm is None:
         comm = _world[0] = DistComm(dist.group.WORLD)
@@ -272,6 +277,12 @@ class DistComm(Transport):
 
     def allgather(self, obj: Any) -> list[Any]:
         return self.allgather_obj(obj, "comm.allgather")
+
+    def gather(self, obj: Any, root: int = 0) -> Optional[list[Any]]:
+        return self.gather_obj(obj, root, "comm.gather")
+
+    def Barrier(self) -> None:
+        self.barrier("comm.Barrier")
 
     # ---- ranks and groups
     def Get_rank(self) -> int:
