@@ -1,6 +1,6 @@
 """Every Python code block of the guide (docs/index.md, docs/guide/*.md) runs, as written, on the
 rank count it shows: a block preceded by the line ``<!-- ranks: 2 -->`` under ``mpiexec -n 2``,
-any other on one process.  A ``text`` block right after a code block is what it prints: each
+``<!-- ranks: 2 torchrun -->`` under ``torchrun --nproc-per-node 2``, any other on one process.  A ``text`` block right after a code block is what it prints: each
 line must match, numbers aside (in any order: ranks print at once).  The README's training loop is the guide's first, and the
 tuning page's table is the planner's output."""
 
@@ -13,17 +13,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
-FENCE = re.compile(r"(<!-- ranks: (\d) -->\n)?```python\n(.*?)```\n(\s*```text\n(.*?)```)?",
-                   re.S)
+FENCE = re.compile(r"(<!-- ranks: (\d)( torchrun)? -->\n)?```python\n(.*?)```\n"
+                   r"(\s*```text\n(.*?)```)?", re.S)
 NUMBER = re.compile(r"-?\d+(\.\d+)?(e[-+]?\d+)?")
 
 
 def _blocks():
     for page in PAGES:
         for k, m in enumerate(FENCE.finditer(page.read_text())):
-            ranks = int(m.group(2) or 1)
-            yield pytest.param(m.group(3), ranks, m.group(5),
-                               id=f"{page.relative_to(ROOT / 'docs')}:{k + 1}:{ranks}rank")
+            ranks, launcher = int(m.group(2) or 1), "torchrun" if m.group(3) else "mpiexec"
+            yield pytest.param(m.group(4), ranks, launcher, m.group(6),
+                               id=f"{page.relative_to(ROOT / 'docs')}:{k + 1}:{ranks}rank"
+                                  + ("-torchrun" if m.group(3) else ""))
 
 
 def _pattern(line):
@@ -35,12 +36,15 @@ def _pattern(line):
     return "".join(out) + re.escape(line[last:])
 
 
-@pytest.mark.parametrize("code, ranks, prints", list(_blocks()))
-def test_guide_code_block_runs(code, ranks, prints, tmp_path):
+@pytest.mark.parametrize("code, ranks, launcher, prints", list(_blocks()))
+def test_guide_code_block_runs(code, ranks, launcher, prints, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(code)
     cmd = [sys.executable, str(script)]
-    if ranks > 1:
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(ranks), str(script)]
+    elif ranks > 1:
         cmd = ["mpiexec", "-n", str(ranks)] + cmd
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -56,7 +60,7 @@ def test_the_readme_loop_is_the_guides_first():
     readme = FENCE.search((ROOT / "README.md").read_text())
     guide = FENCE.search((ROOT / "docs" / "guide" / "getting-started.md").read_text())
     assert readme is not None and guide is not None
-    assert readme.group(3) == guide.group(3)
+    assert readme.group(4) == guide.group(4)
     assert readme.group(2) == guide.group(2) == "2"
 
 

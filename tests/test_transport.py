@@ -5,8 +5,8 @@ from mpi4py import MPI
 
 from layerbraid._comm.transport import allgather_rows, bcast_into, bcast_tensor, recv_tensor, \
     send_tensor
+from transports import WORLD
 
-WORLD = MPI.COMM_WORLD
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.complex64, torch.int64,
           torch.uint8, torch.bool]
 
@@ -19,6 +19,7 @@ def make(dtype, shape, seed):
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 3])
 def test_buffers_carry_every_dtype_exactly():
     for dtype in DTYPES:
@@ -40,3 +41,26 @@ def check(dtype):
             send_tensor(WORLD, ref[:, ::2], size - 1, 5)  # not contiguous
         if rank == size - 1:
             assert torch.equal(recv_tensor(WORLD, (3, 2), dtype, "cpu", 0, 5), ref[:, ::2])
+
+
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="starts its own job")
+def test_the_core_over_cuda_aware_mpi_mode_equals_serial():
+    """LAYERBRAID_CUDA_AWARE_MPI=1 routes the core's messages through DeviceMessages (Note
+    [CUDA-aware MPI] in layerbraid/_comm/transport.py).  Here, with CPU states (MPI takes host
+    buffers whatever it is), the tests of one level equal to serial and of converged MGRIT run
+    through that path on 3 ranks; only the handing of device pointers to MPI is left to a
+    machine with a CUDA-aware MPI."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA", "_PYTEST_MPI"))}
+    env["LAYERBRAID_CUDA_AWARE_MPI"] = "1"
+    cmd = ["mpiexec", "-n", "3", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-m", "both_transports and parallel[3]", "tests/test_module.py", "tests/test_rnn.py"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout, proc.stdout[-2000:]

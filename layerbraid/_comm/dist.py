@@ -23,16 +23,8 @@ ranks, that prefixes every tag it sends with, so that two models' solves, or a f
 adjoint, never take each other's messages.  NCCL ignores tags and matches a pair's messages in
 the order they were posted: there the isolation is the program order itself (a solve receives
 every message it was sent before it ends, in its final allreduce, and the Python-level exchanges
-happen between solves in the same order on every rank), and Note [state streams] orders the
-messages within a solve.
-
-Note [state streams]: the core's messages between two ranks travel as one ordered stream (one
-tag), each led by a record that carries the core's tag, and the receiver keeps a message that
-arrives before the one it waits for until the core asks for it.  NCCL has no tags (it matches
-a pair's messages in the order they were posted), and the core does not always receive in the
-order it sends: on a coarse level rank r can send a second state before rank r + 1 takes a
-fine-level one sent in between (tests/test_plan.py finds such schedules).  A stream keeps gloo
-and NCCL on the same code.
+happen between solves in the same order on every rank), and Note [state streams] in
+_comm/stream.py orders the messages within a solve.
 
 Note [store notices]: the exit notices (Note [exit notices] in _comm/mpi.py) and the failure
 notices of the abort hook go through the job's key-value store (the one torchrun's rendezvous
@@ -54,6 +46,7 @@ import torch.distributed as dist
 
 from ..errors import RemoteRankError, StallError
 from .base import Transport, exited, missing_ranks, poll
+from .stream import StateStream
 
 __all__ = ["DistComm", "as_comm", "is_process_group", "launched_by_torchrun", "world"]
 
@@ -236,7 +229,7 @@ _groups: dict[tuple[int, ...], Any] = {}
 _contexts = [0]
 
 
-class DistComm(Transport):
+class DistComm(StateStream, Transport):
     """A torch.distributed process group, its ranks in ``members`` order (global ranks): rank k
     of this communicator is global rank ``members[k]``."""
 
@@ -256,10 +249,7 @@ class DistComm(Transport):
         )
         self.small = torch.device("cpu") if has_cpu else self.device
         self._order = [list(dist.get_process_group_ranks(group)).index(g) for g in self.members]
-        self._next = 0
-        self._pending: dict[int, tuple] = {}
-        self._readers: dict[int, dict] = {}  # Note [state streams]
-        self._mail: dict[tuple[int, int], list] = {}
+        self._stream_init()
 
     def __repr__(self):
         return f"DistComm(rank {self.rank} of {self.size}, members={self.members})"
@@ -496,8 +486,15 @@ class DistComm(Transport):
 
     # ---- tensors (Note [device-resident messages])
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` flat and contiguous on the message device."""
-        return t.detach().reshape(-1).to(self.device).contiguous()
+        """``t``'s bytes, flat and contiguous on the message device: every dtype travels as its
+        bytes (bool, complex and bfloat16 included, which not every backend reduces or moves),
+        as under MPI (Note [staging] in _comm/transport.py)."""
+        return t.detach().reshape(-1).to(self.device).contiguous().view(torch.uint8)
+
+    def _empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        """A flat byte buffer on the message device for a tensor of ``shape`` and ``dtype``."""
+        n = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        return torch.empty(n, dtype=torch.uint8, device=self.device)
 
     def allreduce_sum(self, tensors: Sequence[Any], what: str) -> list[Any]:
         tensors = list(tensors)
@@ -514,30 +511,26 @@ class DistComm(Transport):
         return out
 
     def bcast_tensor(self, t, shape, dtype, device, root, what="a broadcast tensor"):
-        buf = (
-            self._wire(t)
-            if self.rank == root
-            else torch.empty(int(np.prod(shape)), dtype=dtype, device=self.device)
-        )
+        buf = self._wire(t) if self.rank == root else self._empty(shape, dtype)
         self.wait(
             [dist.broadcast(buf, self._global(root), group=self.group, async_op=True)],
             f"rank {root}'s {what}",
         )
-        return t if self.rank == root else buf.reshape(shape).to(device)
+        return t if self.rank == root else buf.view(dtype).reshape(shape).to(device)
 
     def send_tensor(self, t, dest, tag, what="a tensor"):
         self.wait([self._start_p2p(True, self._wire(t), dest, tag)], f"rank {dest} to take {what}")
 
     def recv_tensor(self, shape, dtype, device, source, tag, what="a tensor"):
-        buf = torch.empty(int(np.prod(shape)), dtype=dtype, device=self.device)
+        buf = self._empty(shape, dtype)
         self.wait([self._start_p2p(False, buf, source, tag)], f"{what} from rank {source}")
-        return buf.reshape(shape).to(device)
+        return buf.view(dtype).reshape(shape).to(device)
 
     def bcast_into(self, tensors, root=0, what="the weights"):
         tensors = list(tensors)
         if self.size == 1 or not tensors:
             return
-        flat = torch.cat([self._wire(t).view(torch.uint8) for t in tensors])
+        flat = torch.cat([self._wire(t) for t in tensors])
         self.wait(
             [dist.broadcast(flat, self._global(root), group=self.group, async_op=True)],
             f"rank {root}'s {what}",
@@ -565,8 +558,8 @@ class DistComm(Transport):
             self.wait(works, f"its neighbours' layers for {what}")
         left, right = got.get(self.rank - 1), got.get(self.rank + 1)
         return (
-            None if left is None else left.reshape(first.shape).to(first.device),
-            None if right is None else right.reshape(last.shape).to(last.device),
+            None if left is None else left.view(first.dtype).reshape(first.shape).to(first.device),
+            None if right is None else right.view(last.dtype).reshape(last.shape).to(last.device),
         )
 
     def allgather_rows(self, t, what="every rank's rows"):
@@ -574,83 +567,15 @@ class DistComm(Transport):
         most, rest = max(counts), tuple(t.shape[1:])
         padded = torch.zeros((most,) + rest, dtype=t.dtype, device=self.device)
         padded[: t.shape[0]] = t.detach().to(self.device)
-        rows = self._allgather(padded, f"every rank's part of {what}")
+        rows = self._allgather(self._wire(padded), f"every rank's part of {what}")
+        rows = [r.view(t.dtype).reshape((most,) + rest) for r in rows]
         return torch.cat([r[:c] for r, c in zip(rows, counts)]).to(t.device)
 
-    # ---- the MGRIT core's messages (Note [application transport] in cbridge/src/comm.c)
-    def _handle(self, entry: tuple) -> int:
-        self._next += 1
-        self._pending[self._next] = entry
-        return self._next
-
-    def isend_state(self, dest: int, tag: int, flag: int, head: bytes, payload: Any) -> int:
-        """Starts sending a state on the pair's stream (Note [state streams]): its record
-        [tag, flag, header bytes, payload bytes], then (not poisoned) the header and the
-        payload, as one message when the payload is on the CPU."""
-        n = 0 if flag else payload.numel()
-        meta = torch.tensor([tag, flag, len(head), n], dtype=torch.int64, device=self.device)
-        keep = [meta]
-        works = [self._start_p2p(True, meta, dest, _STATE_TAG)]
-        if not flag:
-            headt = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-            if self.device.type == "cpu":
-                body = torch.cat([headt, payload.reshape(-1).to("cpu")])
-                keep.append(body)
-                works.append(self._start_p2p(True, body, dest, _STATE_TAG))
-            else:
-                headt, body = headt.to(self.device), payload.reshape(-1).to(self.device)
-                keep += [headt, body]
-                works.append(self._start_p2p(True, headt, dest, _STATE_TAG))
-                works.append(self._start_p2p(True, body, dest, _STATE_TAG))
-        return self._handle(("send", works, keep))
-
-    def try_recv_state(self, src: int, tag: int) -> Optional[tuple[int, bytes, Any]]:
-        """The state message from ``src`` with ``tag`` once it is complete: (flag, header
-        bytes, payload as a flat uint8 tensor on the message device); None until then.
-        Messages of other tags that arrive first are kept for their own call."""
-        while True:
-            box = self._mail.get((src, tag))
-            if box:
-                return box.pop(0)
-            if not self._read(src):
-                return None
-
-    def _read(self, src: int) -> bool:
-        """Advances the reader of ``src``'s stream by what has completed; True when it
-        delivered a message into the mailbox."""
-        r = self._readers.get(src)
-        if r is None:
-            meta = torch.zeros(4, dtype=torch.int64, device=self.device)
-            r = {"meta": meta, "works": [self._start_p2p(False, meta, src, _STATE_TAG)]}
-            self._readers[src] = r
-        for w in r["works"]:
-            if not _finished(w):
-                return False
-            _settle(w, self, f"a state from rank {src}")
-        if "body" not in r:
-            tag, flag, hlen, n = (int(v) for v in r["meta"].cpu().tolist())
-            r.update(tag=tag, hlen=hlen)
-            if flag:
-                return self._deliver(src, r, (1, b"", None))
-            if self.device.type == "cpu":
-                r["body"] = torch.empty(hlen + n, dtype=torch.uint8)
-                r["works"] = [self._start_p2p(False, r["body"], src, _STATE_TAG)]
-            else:
-                r["head"] = torch.empty(hlen, dtype=torch.uint8, device=self.device)
-                r["body"] = torch.empty(n, dtype=torch.uint8, device=self.device)
-                r["works"] = [
-                    self._start_p2p(False, r["head"], src, _STATE_TAG),
-                    self._start_p2p(False, r["body"], src, _STATE_TAG),
-                ]
+    # ---- the MGRIT core's messages (StateStream's, over this group's point-to-point)
+    def _done(self, work: Any) -> bool:
+        if not _finished(work):
             return False
-        hlen, body = r["hlen"], r["body"]
-        if self.device.type == "cpu":
-            return self._deliver(src, r, (0, bytes(body[:hlen].numpy()), body[hlen:]))
-        return self._deliver(src, r, (0, bytes(r["head"].cpu().numpy()), body))
-
-    def _deliver(self, src: int, r: dict, message: tuple) -> bool:
-        del self._readers[src]
-        self._mail.setdefault((src, r["tag"]), []).append(message)
+        _settle(work, self, "a message of an MGRIT solve")
         return True
 
     def iallreduce_doubles(self, values: Any, op: str) -> int:
@@ -658,17 +583,5 @@ class DistComm(Transport):
         work = dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
         return self._handle(("reduce", [work], t))
 
-    def test(self, handle: int) -> Optional[Any]:
-        """None while the send or allreduce ``handle`` is pending; then True (a send) or the
-        reduced values (a numpy array)."""
-        kind, works, keep = self._pending[handle]
-        for w in works:
-            if not _finished(w):
-                return None
-            _settle(w, self, "a message of an MGRIT solve")
-        del self._pending[handle]
-        return keep.cpu().numpy() if kind == "reduce" else True
-
 
 _ARRIVE_TAG = 7602
-_STATE_TAG = 1  # the core's state messages: one stream per pair (Note [state streams])

@@ -5,32 +5,70 @@ Note [staging]: MPI here is not assumed to be CUDA-aware.  A tensor on a GPU is 
 host memory (one copy each way) and arrives on the device the receiver names.  Every dtype
 travels as its bytes (bool as one byte each), so float64 stays float64 and bfloat16 needs no
 numpy type.
+
+Note [CUDA-aware MPI]: ``LAYERBRAID_CUDA_AWARE_MPI=1`` says the MPI is CUDA-aware (checked
+against mpi4py's ``Query_cuda_support`` where the MPI offers one).  Then the MGRIT core's state
+messages go through :class:`DeviceMessages` (the core's application transport, Note
+[application transport] in cbridge/src/comm.c): each state is handed to MPI as the device
+tensor it is, nothing staged; so are the tensors sent, received and broadcast here.  Small
+values and the weights' broadcast stay on the host.
 """
 
+import os
+
+import numpy as np
 import torch
 from mpi4py import MPI
 
 from .base import Transport
-from .mpi import _check_received, allgather_obj, start_allreduce_sum, wait
+from .mpi import _OPS, _check_received, allgather_obj, start_allreduce_sum, wait
+from .stream import StateStream
 
 __all__ = []
 
 
 # ---------------------------------------------------------------- staging (Note [staging])
+_aware: list = []
+
+
+def cuda_aware() -> bool:
+    """Whether MPI may be handed device memory (Note [CUDA-aware MPI])."""
+    if not _aware:
+        on = os.environ.get("LAYERBRAID_CUDA_AWARE_MPI", "0") not in ("", "0")
+        query = getattr(MPI, "Query_cuda_support", None)
+        if on and query is not None and not query():
+            raise RuntimeError(
+                "LAYERBRAID_CUDA_AWARE_MPI=1, but this MPI says it is not CUDA-aware "
+                f"(mpi4py's Query_cuda_support(): False; {MPI.Get_library_version()[:60]!r}): "
+                "unset it, or use an MPI built with CUDA support"
+            )
+        _aware.append(on)
+    return _aware[0]
+
+
 def host_bytes(t):
-    """A contiguous CPU copy of ``t`` (``t`` itself when it is one) and its bytes as a uint8
-    numpy array sharing its memory."""
+    """A contiguous copy of ``t`` that MPI can read (``t`` itself when it is one: on the CPU,
+    or on the GPU with a CUDA-aware MPI) and its bytes (a uint8 numpy array sharing its
+    memory, or the device tensor's uint8 view)."""
     host = t.detach().reshape(-1)
-    if host.device.type != "cpu":
+    if host.device.type != "cpu" and not cuda_aware():
         host = host.to("cpu")
     host = host.contiguous()
-    return host, host.view(torch.uint8).numpy()
+    raw = host.view(torch.uint8)
+    return host, raw.numpy() if raw.device.type == "cpu" else raw
 
 
-def empty_bytes(shape, dtype):
-    """A new CPU tensor of ``shape`` and ``dtype`` (flat) and its bytes, to receive into."""
-    host = torch.empty(shape, dtype=dtype).reshape(-1)
-    return host, host.view(torch.uint8).numpy()
+def empty_bytes(shape, dtype, device=None):
+    """A new tensor of ``shape`` and ``dtype`` (flat) and its bytes, to receive into: on the
+    CPU, or on ``device`` when that is a GPU and MPI is CUDA-aware."""
+    on = (
+        device
+        if device is not None and torch.device(device).type != "cpu" and cuda_aware()
+        else "cpu"
+    )
+    host = torch.empty(shape, dtype=dtype, device=on).reshape(-1)
+    raw = host.view(torch.uint8)
+    return host, raw.numpy() if raw.device.type == "cpu" else raw
 
 
 def nbytes(t):
@@ -65,7 +103,7 @@ def bcast_tensor(comm, t, shape, dtype, device, root, what="a broadcast tensor")
         _, buf = host_bytes(t)
         wait([comm.Ibcast(buf, root=root)], comm, f"rank {root}'s {what}")
         return t
-    host, buf = empty_bytes(shape, dtype)
+    host, buf = empty_bytes(shape, dtype, device)
     wait([comm.Ibcast(buf, root=root)], comm, f"rank {root}'s {what}")
     return host.reshape(shape).to(device)
 
@@ -80,10 +118,10 @@ def send_tensor(comm, t, dest, tag, what="a tensor"):
 def recv_tensor(comm, shape, dtype, device, source, tag, what="a tensor"):
     if isinstance(comm, Transport):
         return comm.recv_tensor(shape, dtype, device, source, tag, what)
-    host, buf = empty_bytes(shape, dtype)
+    host, buf = empty_bytes(shape, dtype, device)
     status = MPI.Status()
     wait([comm.Irecv(buf, source=source, tag=tag)], comm, f"{what} from rank {source}", [status])
-    _check_received(status, buf.size, f"{what} from rank {source}")
+    _check_received(status, host.numel() * host.element_size(), f"{what} from rank {source}")
     return host.reshape(shape).to(device)
 
 
@@ -118,10 +156,10 @@ def neighbour_exchange(comm, first, last, what):
             host, buf = host_bytes(mine)
             keep.append(host)
             reqs.append(comm.Isend(buf, dest=peer, tag=tag))
-            into, ibuf = empty_bytes(mine.shape, mine.dtype)
+            into, ibuf = empty_bytes(mine.shape, mine.dtype, mine.device)
             # the left neighbour sends its last (tag 7402), the right one its first (7401)
             reqs.append(comm.Irecv(ibuf, source=peer, tag=7402 if peer < rank else 7401))
-            checks.append((len(reqs) - 1, peer, ibuf.size))
+            checks.append((len(reqs) - 1, peer, into.numel() * into.element_size()))
             got[peer] = into
     statuses = [MPI.Status() for _ in reqs]
     if reqs:
@@ -163,3 +201,37 @@ def allgather_rows(comm, t, what="every rank's rows"):
         else torch.cat([host[k, :c] for k, c in enumerate(counts)])
     )
     return rows.to(t.device)
+
+
+# ---------------------------------------------------------------- Note [CUDA-aware MPI]
+class DeviceMessages(StateStream):
+    """The MGRIT core's messages over an mpi4py communicator (its own: the core's duplicate)
+    with device buffers: the application transport of a core under CUDA-aware MPI.  MPI
+    matches a pair's messages of one tag in order, as the stream needs."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        self._stream_init()
+
+    def _start_p2p(self, send, t, peer, tag):
+        buf = t.numpy() if t.device.type == "cpu" else t
+        op = self.comm.Isend if send else self.comm.Irecv
+        return op(buf, peer, tag)
+
+    def _done(self, work):
+        return work.Test()
+
+    def iallreduce_doubles(self, values, op):
+        values = np.ascontiguousarray(values, dtype=np.float64)
+        out = np.empty_like(values)
+        req = self.comm.Iallreduce(values, out, op=_OPS[op])
+        return self._handle(("reduce", [req], out))
+
+    def free(self):
+        if not MPI.Is_finalized():
+            self.comm.Free()

@@ -18,6 +18,7 @@ from mpi4py import MPI as _MPI
 from .._comm.base import Transport
 from .._comm.mpi import add_peers, barrier, bcast_obj, check_exits
 from .._comm.timeouts import timeout, wait_sleep
+from .._comm.transport import DeviceMessages, cuda_aware
 from ..errors import DivergenceError, MGRITError, RemoteRankError, StallError
 from .schedule import configure, ffi, lib, trace_array, trace_entries
 from .states import (
@@ -114,6 +115,7 @@ class _Core:
     ):
         MPI = _MPI
         self._core = None  # what close() frees, set before anything here can fail
+        self._messages = None
         self.comm = None
         self._owns_comm = False
         # MPI_Comm_dup below is a blocking collective: every rank arrives first, with the
@@ -139,15 +141,23 @@ class _Core:
         self.rank = comm.Get_rank()
         self._real = list(real_ranks) if real_ranks is not None else list(range(comm.Get_size()))
         self._handle = ffi.new_handle(self)
-        app_transport = isinstance(comm, Transport)
+        # The core's messages through Python (Note [application transport] in comm.c): over a
+        # torch.distributed group, on the core's own context (as MPI_Comm_dup gives it under
+        # MPI: Note [contexts] in _comm/dist.py); over CUDA-aware MPI, on the core's duplicate
+        # (Note [CUDA-aware MPI] in _comm/transport.py).  Else the core calls MPI itself.
+        self._messages = None
+        if isinstance(comm, Transport):
+            self.comm = comm = comm.Dup()
+            self._owns_comm = True
+            self._messages = comm
+        elif cuda_aware():
+            self._messages = DeviceMessages(comm.Dup())
+        app_transport = self._messages is not None
         self._reductions = {}  # the application transport's pending allreduces: handle -> out
         self._cbs = _callback_table(coarsen, refine, step_interval, idle, app_transport)
         out = ffi.new("mgrit_core **")
         problem = (int(num_steps), float(t_start), float(t_stop), self._cbs, self._handle, out)
         if app_transport:
-            # the core's own context (as MPI_Comm_dup gives it under MPI: Note [contexts])
-            self.comm = comm = comm.Dup()
-            self._owns_comm = True
             rc = lib.mgrit_create_app(comm.Get_rank(), comm.Get_size(), *problem)
         else:
             comm_ptr = ffi.cast("MPI_Comm *", MPI._addressof(comm))
@@ -186,6 +196,9 @@ class _Core:
             if not finalized:
                 lib.mgrit_destroy(self._core)
             self._core = None
+        if isinstance(self._messages, DeviceMessages) and not finalized:
+            self._messages.free()
+        self._messages = None
         comm = self.comm
         if isinstance(comm, Transport):
             comm.Free()
@@ -567,16 +580,16 @@ _REDUCE_OPS = ("sum", "min", "max")
 @_callback("_lb_isend", "isend")
 def _isend_cb(self, dest, tag, flag, x, handle):
     if flag:
-        handle[0] = self.comm.isend_state(dest, tag, 1, b"", None)
+        handle[0] = self._messages.isend_state(dest, tag, 1, b"", None)
     else:
         s = self._table[x]
-        handle[0] = self.comm.isend_state(dest, tag, 0, _header(s), _payload(s))
+        handle[0] = self._messages.isend_state(dest, tag, 0, _header(s), _payload(s))
     return 0
 
 
 @_callback("_lb_try_recv", "try_recv")
 def _try_recv_cb(self, src, tag, found, flag, out):
-    got = self.comm.try_recv_state(src, tag)
+    got = self._messages.try_recv_state(src, tag)
     found[0] = 0 if got is None else 1
     if got is not None:
         flag[0] = got[0]
@@ -587,7 +600,7 @@ def _try_recv_cb(self, src, tag, found, flag, out):
 @_callback("_lb_iallreduce", "iallreduce")
 def _iallreduce_cb(self, values, out, n, op, handle):
     v = np.frombuffer(ffi.buffer(values, 8 * n), dtype=np.float64).copy()
-    h = self.comm.iallreduce_doubles(v, _REDUCE_OPS[op])
+    h = self._messages.iallreduce_doubles(v, _REDUCE_OPS[op])
     self._reductions[h] = (out, n)
     handle[0] = h
     return 0
@@ -595,7 +608,7 @@ def _iallreduce_cb(self, values, out, n, op, handle):
 
 @_callback("_lb_test", "test")
 def _test_cb(self, handle, done):
-    result = self.comm.test(handle)
+    result = self._messages.test(handle)
     done[0] = 0 if result is None else 1
     if result is not None and handle in self._reductions:
         out, n = self._reductions.pop(handle)
