@@ -12,8 +12,8 @@ from layerbraid import MGRITOptions
 from layerbraid.nn import ConvBlock, LayerParallelGRU, LPBatchNorm2d
 from nets import ODEResNet, batch
 from tolerances import CALIBRATED_FACTOR, ROUNDOFF
+from transports import WORLD
 
-WORLD = MPI.COMM_WORLD
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +52,7 @@ def serial_error(model, x, y):
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 3])
 def test_audit_measures_the_serial_error_and_changes_nothing():
     assert WORLD.Get_size() in (1, 2, 3)
@@ -127,6 +128,7 @@ def test_audit_and_probe_leave_batch_norm_statistics_and_warm_starts_alone():
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 3])
 def test_estimates_hold_on_a_trained_amplifying_network():
     """24 ReLU conv steps, 2/1 iterations, SGD with momentum: as training makes the steps

@@ -19,8 +19,8 @@ import layerbraid
 from layerbraid.checkpoint import CheckpointError, _encode, read_checkpoint
 from layerbraid.nn import ConvBlock
 from nets import ODEResNet, batch
+from transports import WORLD
 
-WORLD = MPI.COMM_WORLD
 HERE = Path(__file__).resolve().parent
 
 
@@ -60,6 +60,7 @@ def step(model, opt, seed):
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([2, 3])
 def test_a_staged_model_saved_on_many_ranks_resumes_on_one():
     torch.manual_seed(0)

@@ -1,5 +1,7 @@
-"""Short real runs of the examples under mpiexec: the loss must fall."""
+"""Short real runs of the examples under mpiexec (and torchrun, where a test says so): the loss
+must fall."""
 import json
+import re
 import os
 import subprocess
 import sys
@@ -13,8 +15,13 @@ from tolerances import FLOAT32
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(ranks, script, *args, timeout=240):
+def run(ranks, script, *args, timeout=240, launcher="mpiexec"):
+    """``script`` on ``ranks`` ranks under ``launcher`` (mpiexec, or torchrun:
+    torch.distributed with gloo); 0 ranks: plain python."""
     cmd = ([sys.executable] if ranks == 0 else ["mpiexec", "-n", str(ranks), sys.executable])
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(ranks)]
     cmd += [str(ROOT / "examples" / script), *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -162,6 +169,16 @@ def test_tuned_iterations_follow_the_probe_and_are_recorded(tmp_path):
                              "(forward/adjoint), aiming the probe at 2.5e-10") == 1
 
 
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_dahlquist_converges_to_the_sequential_answer(launcher):
+    """The general solver over numpy states on 3 ranks, under MPI and under torch.distributed:
+    the same residual history, to the sequential answer."""
+    proc = run(3, "dahlquist.py", "--steps", 64, "--levels", 3, launcher=launcher)
+    err = float(re.search(r"max \|u - sequential\| = (\S+)", proc.stdout).group(1))
+    assert err < 1e-9, proc.stdout
+    assert "MGRIT on 3 rank(s)" in proc.stdout
+
+
 @pytest.mark.parametrize("flag, value, words", [
     ("--levels", "0", "expected a positive integer, got '0'"),
     ("--cfactor", "1", "expected an integer >= 2, got '1'"),
@@ -259,10 +276,11 @@ DEFAULTS = {
 }
 
 
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
 @pytest.mark.parametrize("script", sorted(DEFAULTS))
-def test_each_examples_defaults_give_audited_gradients_within_1e_2(script, tmp_path):
+def test_each_examples_defaults_give_audited_gradients_within_1e_2(script, launcher, tmp_path):
     run(2, script, *DEFAULTS[script], "--epochs", 1, "--max-batches", 3, "--test-limit", 32,
-        "--lp-audit-every", 1, "--out-dir", tmp_path)
+        "--lp-audit-every", 1, "--out-dir", tmp_path, launcher=launcher)
     audits = metrics(tmp_path)["history"][0]["audits"]
     assert [a["batch"] for a in audits] == [0, 1, 2]
     assert max(a["error"] for a in audits) <= 1e-2, audits

@@ -13,7 +13,7 @@ from layerbraid import LayerParallelModule, MGRITOptions
 from nets import ConvBlock, ODEResNet, assert_gradients_match, batch
 from tolerances import CONVERGED, ROUNDOFF
 from layerbraid._comm.mpi import allgather_obj
-from transports import WORLD
+from transports import WORLD, user_comm
 
 RANKS = [1, 2, 3, 4]
 
@@ -47,6 +47,21 @@ def test_one_level_equals_serial_pytorch_to_roundoff():
         model = ODEResNet(WORLD, num_steps=n)
         compare_with_serial(model, *batch(), tol=ROUNDOFF)
         assert model.forward_stats.iterations == 0 and model.backward_stats.iterations == 0
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([2, 3])
+def test_the_communicator_a_user_passes_equals_serial():
+    """comm=dist.group.WORLD under torchrun (mpi4py's COMM_WORLD under mpiexec): one level
+    equal to plain PyTorch to round-off, three converged levels to CONVERGED, float64."""
+    torch.manual_seed(0)
+    compare_with_serial(ODEResNet(user_comm(), num_steps=9), *batch(), tol=ROUNDOFF)
+    opts = MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=40,
+                        tol=1e-13, nrelax=1)
+    model = ODEResNet(user_comm(), num_steps=12, forward_options=opts, backward_options=opts)
+    compare_with_serial(model, *batch(), tol=CONVERGED)
+    assert model.forward_stats.iterations > 1
 
 
 @pytest.mark.shared_job

@@ -21,8 +21,8 @@ from layerbraid.data import LayerParallelLoader
 from layerbraid.nn import ConvBlock, LayerParallelGRU, LPBatchNorm2d
 from nets import ODEResNet, batch
 from tolerances import ROUNDOFF
+from transports import WORLD
 
-WORLD = MPI.COMM_WORLD
 HERE = Path(__file__).resolve().parent
 
 
@@ -37,6 +37,7 @@ def _dataset(n=21):
 
 # ---------------------------------------------------------------- the loader
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 3])
 def test_loader_gives_every_rank_the_same_shuffled_batches():
     loader = LayerParallelLoader(_dataset(), 4, comm=WORLD)  # seed drawn on rank 0
@@ -50,6 +51,7 @@ def test_loader_gives_every_rank_the_same_shuffled_batches():
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([4])
 def test_loader_shards_across_data_groups_and_agrees_within_a_layer_group():
     grid = ProcessGrid(WORLD, data_parallel=2)
@@ -123,6 +125,7 @@ def _serial_clip(serial, x, y, max_norm, norm_type):
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 3])
 def test_clip_grad_norm_is_global_and_clips_as_serial():
     for norm_type in (2.0, 1.0, float("inf")):  # one job for the three
@@ -191,6 +194,7 @@ class BNNet(LayerParallelModule):
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([2])
 def test_to_serial_is_a_plain_picklable_module_with_plain_batch_norms():
     grid = ProcessGrid(WORLD, data_parallel=2)  # batch statistics synced over 2 data groups
