@@ -1,0 +1,230 @@
+"""Moving a layer-parallel network between depths: its step weights, and its optimizer's state,
+from N steps to N * cf (interpolation) and back (restriction).  These are the transfers of
+training over a hierarchy of depths (nested iteration: train shallow, refine, go on deeper).
+
+Step i of an N-step network sits at time t_i = i * T / N.  Interpolation to N * cf steps gives
+fine step j the coarse weights at its time: ``"injection"`` takes the coarse step that starts at
+or before it (step j // cf), ``"linear"`` interpolates between that step and the next (with
+weight (j % cf) / cf on the next; past the last coarse step, the last one).  Restriction gives
+coarse step k the fine step at its time (``"injection"``: step k * cf) or the mean of the cf fine
+steps it covers (``"average"``).  Floating-point state (parameters, running statistics, the
+optimizer's moments) is combined; integer state (batch-norm counters, Adam's step count) comes
+from the first source step.
+
+Collective over the layer group: each rank computes the steps it owns in the target network and
+receives, in one exchange with the deadline of every collective, only the source steps that
+another rank owns (Note [depth transfers]).
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ._comm.mpi import allgather_obj, exchange_bytes
+from .module import LayerParallelModule
+
+__all__ = ["interpolate", "restrict"]
+
+_DEPTH_TAG = 7311
+_RULES = {"interpolate": ("injection", "linear"), "restrict": ("injection", "average")}
+
+
+def interpolate(
+    coarse: LayerParallelModule,
+    fine: LayerParallelModule,
+    rule: str = "linear",
+    optimizers: Optional[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = None,
+) -> None:
+    """Sets ``fine``'s step weights (N * cf steps) from ``coarse``'s (N steps) by ``rule``
+    (``"injection"`` or ``"linear"``); with ``optimizers=(coarse_opt, fine_opt)``, the state of
+    ``coarse_opt`` for the coarse steps' parameters (SGD's momentum, Adam's moments) becomes
+    ``fine_opt``'s for the fine steps', by the same rule.  The open and close layers are not
+    touched (they do not depend on the depth: copy them as you wish).  Both models span the
+    same layer group, with the same kind of step layer."""
+    cf = _factor(fine.num_steps, coarse.num_steps, "interpolate")
+    _check_rule(rule, "interpolate")
+    n = coarse.num_steps
+
+    def sources(j: int) -> list[tuple[int, float]]:
+        k, s = divmod(j, cf)
+        if rule == "injection" or s == 0 or k + 1 >= n:
+            return [(k, 1.0)]
+        return [(k, 1.0 - s / cf), (k + 1, s / cf)]
+
+    _transfer(coarse, fine, sources, optimizers, f"interpolate ({rule})")
+
+
+def restrict(
+    fine: LayerParallelModule,
+    coarse: LayerParallelModule,
+    rule: str = "injection",
+    optimizers: Optional[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = None,
+) -> None:
+    """Sets ``coarse``'s step weights (N steps) from ``fine``'s (N * cf steps) by ``rule``
+    (``"injection"``: fine step k * cf; ``"average"``: the mean of fine steps k * cf .. k * cf +
+    cf - 1); with ``optimizers=(fine_opt, coarse_opt)``, the optimizer state too.  See
+    :func:`interpolate`."""
+    cf = _factor(fine.num_steps, coarse.num_steps, "restrict")
+    _check_rule(rule, "restrict")
+
+    def sources(k: int) -> list[tuple[int, float]]:
+        if rule == "injection":
+            return [(k * cf, 1.0)]
+        return [(k * cf + s, 1.0 / cf) for s in range(cf)]
+
+    _transfer(fine, coarse, sources, optimizers, f"restrict ({rule})")
+
+
+def _factor(fine_steps: int, coarse_steps: int, what: str) -> int:
+    if fine_steps % coarse_steps or fine_steps < coarse_steps:
+        raise ValueError(
+            f"{what}: the fine network's {fine_steps} steps are not a multiple of the coarse "
+            f"network's {coarse_steps}"
+        )
+    return fine_steps // coarse_steps
+
+
+def _check_rule(rule: str, what: str) -> None:
+    if rule not in _RULES[what]:
+        raise ValueError(f"{what}: rule must be one of {_RULES[what]}, got {rule!r}")
+
+
+# Note [depth transfers]: every rank reports the source steps it owns and the ones its target
+# steps read (one allgather of index lists); each source step then goes once from its owner to
+# every other rank that reads it, as the bytes of its state (and of its optimizer state), in
+# one exchange.  A rank's target steps are computed from its own and the received source
+# states, so every target step is computed once, by its owner, and a distribution that changes
+# with the depth (the blocks move between ranks) costs only the steps that cross.
+def _transfer(
+    src: LayerParallelModule,
+    dst: LayerParallelModule,
+    sources: Callable[[int], list[tuple[int, float]]],
+    optimizers: Optional[tuple[Any, Any]],
+    what: str,
+) -> None:
+    comm = src.comm
+    if dst.comm.Get_size() != comm.Get_size():
+        raise ValueError(f"{what}: the two networks span different numbers of ranks")
+    rank = comm.Get_rank()
+    mine = {i: layer for i, layer in src.owned_steps()}
+    targets = dst.owned_steps()
+    reads = sorted({i for j, _ in targets for i, _ in sources(j)})
+    table = allgather_obj(comm, (sorted(mine), reads), f"the steps of {what}")
+    owner = {i: r for r, (owned, _) in enumerate(table) for i in owned}
+    src_opt, dst_opt = optimizers if optimizers is not None else (None, None)
+
+    def state(i: int) -> list[torch.Tensor]:
+        return _step_state(mine[i], src_opt)
+
+    template = _step_state(targets[0][1], dst_opt, like=src_opt) if targets else []
+    sends = {}
+    for r, (_, theirs) in enumerate(table):
+        wanted = [i for i in theirs if i in mine and r != rank]
+        if wanted:
+            sends[r] = np.concatenate([_bytes(t) for i in wanted for t in state(i)])
+    incoming = {}
+    for r in sorted({owner[i] for i in reads if owner[i] != rank}):
+        idx = [i for i in reads if owner[i] == r]
+        incoming[r] = (idx, np.empty(len(idx) * _nbytes(template), dtype=np.uint8))
+    exchange_bytes(
+        comm,
+        sends,
+        {r: buf for r, (_, buf) in incoming.items()},
+        _DEPTH_TAG,
+        f"the steps of {what}",
+    )
+    got = {i: state(i) for i in reads if i in mine}
+    for idx, buf in incoming.values():
+        size = _nbytes(template)
+        for k, i in enumerate(idx):
+            got[i] = _from_bytes(buf[k * size : (k + 1) * size], template)
+    for j, layer in targets:
+        combined = _combine([(got[i], w) for i, w in sources(j)])
+        _set_step_state(layer, dst_opt, combined, like=src_opt)
+
+
+def _slots(opt: Any) -> list[str]:
+    """The per-parameter state an optimizer keeps that moves between depths."""
+    if opt is None:
+        return []
+    if isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam
+        return ["step", "exp_avg", "exp_avg_sq"]
+    if isinstance(opt, torch.optim.SGD):
+        return ["momentum_buffer"]
+    raise TypeError(
+        f"moving the state of {type(opt).__name__} between depths is not supported: pass SGD "
+        "or Adam/AdamW, or leave optimizers out and start the new optimizer afresh"
+    )
+
+
+def _step_state(layer: torch.nn.Module, opt: Any, like: Any = None) -> list[torch.Tensor]:
+    """A step layer's state as a list of tensors: its state_dict, then, per parameter, the
+    optimizer's slots (zeros where the optimizer has none yet, as a fresh SGD or Adam would
+    start).  ``like``: whose slots (the source's optimizer) the list follows."""
+    out = [t.detach() for t in layer.state_dict().values()]
+    for name in _slots(like if like is not None else opt):
+        for p in layer.parameters():
+            have = opt.state.get(p, {}).get(name) if opt is not None else None
+            if have is None:
+                have = torch.zeros(() if name == "step" else p.shape)
+            # float64 on the wire: the optimizers keep their step count as float32 or float64
+            out.append(have.detach().to(p.device, torch.float64))
+    return out
+
+
+def _set_step_state(layer: torch.nn.Module, opt: Any, values: Sequence[torch.Tensor], like: Any):
+    states = list(layer.state_dict().values())
+    with torch.no_grad():
+        for t, v in zip(states, values):
+            t.copy_(v.to(t.device, t.dtype))
+    rest = list(values[len(states) :])
+    if opt is None or like is None:
+        return
+    params = list(layer.parameters())
+    for s, name in enumerate(_slots(like)):
+        for p, v in zip(params, rest[s * len(params) : (s + 1) * len(params)]):
+            slot = opt.state.setdefault(p, {})
+            if name == "step":  # as the optimizer would have made it
+                old = slot.get(name)
+                dtype = old.dtype if old is not None else torch.get_default_dtype()
+                slot[name] = v.detach().to("cpu", dtype).clone()
+            else:
+                slot[name] = v.detach().to(p.device, p.dtype).clone()
+
+
+def _combine(parts: list[tuple[list[torch.Tensor], float]]) -> list[torch.Tensor]:
+    """The weighted sum of the sources' float tensors; the first source's others."""
+    first = parts[0][0]
+    out = []
+    for k, t in enumerate(first):
+        if not t.is_floating_point() and not t.is_complex():
+            out.append(t.clone())
+            continue
+        total = parts[0][1] * t
+        for values, w in parts[1:]:
+            total = total + w * values[k]
+        out.append(total)
+    return out
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.contiguous().view(torch.uint8).numpy()
+
+
+def _from_bytes(buf: np.ndarray, template: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for t in template:
+        n = t.numel() * t.element_size()
+        raw = torch.from_numpy(buf[off : off + n].copy())
+        out.append(raw.view(t.dtype).reshape(t.shape).to(t.device))
+        off += n
+    return out

@@ -1,0 +1,160 @@
+"""Moving between depths (layerbraid.depth): step weights and optimizer state, interpolated and
+restricted on 1-3 ranks, equal to the same transfer done serially on the gathered networks."""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import layerbraid
+from layerbraid import depth
+from layerbraid._comm.mpi import allgather_obj
+from nets import ODEResNet, batch
+from transports import WORLD
+
+
+@pytest.fixture(autouse=True)
+def _all_float64(float64):
+    pass
+
+
+def pair(n, cf, seed=0):
+    torch.manual_seed(seed)
+    coarse = ODEResNet(WORLD, num_steps=n)
+    torch.manual_seed(seed + 1)
+    fine = ODEResNet(WORLD, num_steps=n * cf)
+    return coarse, fine
+
+
+def serial_steps(model):
+    """[state_dict of every step], in order, on every rank (collective)."""
+    return [{k: v.clone() for k, v in layer.state_dict().items()}
+            for layer in model.to_serial().layers]
+
+
+def expected(steps, sources):
+    return {k: sum(w * steps[i][k] for i, w in sources) for k in steps[sources[0][0]]}
+
+
+def interp_sources(j, cf, n, rule):
+    k, s = divmod(j, cf)
+    if rule == "injection" or s == 0 or k + 1 >= n:
+        return [(k, 1.0)]
+    return [(k, 1.0 - s / cf), (k + 1, s / cf)]
+
+
+def train(model, opt, steps=2):
+    for k in range(steps):
+        x, y = batch(seed=k)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def gathered_slots(model, opt, names):
+    """{step: [{slot: tensor} per parameter]} of the whole network, on every rank."""
+    mine = {i: [{n: opt.state[p][n].clone() for n in names} for p in layer.parameters()]
+            for i, layer in model.owned_steps()}
+    out = {}
+    for part in allgather_obj(WORLD, mine, "the optimizer's slots"):
+        out.update(part)
+    return out
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parametrize("rule", ["injection", "linear"])
+def test_interpolated_weights_equal_the_serial_interpolation(rule):
+    # 5 -> 10 and 5 -> 15 steps: uneven blocks, and blocks that move between ranks with depth
+    for n, cf in ((5, 2), (5, 3), (4, 2)):
+        coarse, fine = pair(n, cf)
+        steps = serial_steps(coarse)
+        depth.interpolate(coarse, fine, rule)
+        got = serial_steps(fine)
+        for j in range(n * cf):
+            want = expected(steps, interp_sources(j, cf, n, rule))
+            for k, v in want.items():
+                torch.testing.assert_close(got[j][k], v, rtol=1e-15, atol=0,
+                                           msg=lambda m: f"{rule} {n}x{cf} step {j} {k}: {m}")
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2, 3])
+def test_restriction_inverts_injection_and_averages_as_serial():
+    n, cf = 5, 3
+    coarse, fine = pair(n, cf)
+    depth.interpolate(coarse, fine, "linear")
+    back = ODEResNet(WORLD, num_steps=n)
+    depth.restrict(fine, back, "injection")
+    for a, b in zip(serial_steps(coarse), serial_steps(back)):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    torch.manual_seed(5)
+    fine2 = ODEResNet(WORLD, num_steps=n * cf)
+    steps = serial_steps(fine2)
+    depth.restrict(fine2, back, "average")
+    got = serial_steps(back)
+    for c in range(n):
+        want = expected(steps, [(c * cf + s, 1.0 / cf) for s in range(cf)])
+        for k, v in want.items():
+            torch.testing.assert_close(got[c][k], v, rtol=1e-14, atol=1e-16)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parametrize("make, names", [
+    (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), ["momentum_buffer"]),
+    (lambda p: torch.optim.Adam(p, lr=1e-3), ["step", "exp_avg", "exp_avg_sq"]),
+])
+def test_optimizer_state_moves_with_the_weights(make, names):
+    """After training the coarse network, its optimizer's slots interpolate onto a fresh
+    optimizer of the fine one as the weights do; then both train on."""
+    n, cf, rule = 5, 2, "linear"
+    coarse, fine = pair(n, cf)
+    opt_c, opt_f = make(coarse.parameters()), make(fine.parameters())
+    train(coarse, opt_c)
+    slots = gathered_slots(coarse, opt_c, names)
+    depth.interpolate(coarse, fine, rule, optimizers=(opt_c, opt_f))
+    for j, layer in fine.owned_steps():
+        src = interp_sources(j, cf, n, rule)
+        for q, p in enumerate(layer.parameters()):
+            for name in names:
+                want = sum(w * slots[i][q][name] for i, w in src)
+                torch.testing.assert_close(opt_f.state[p][name].to(torch.float64),
+                                           want.to(torch.float64), rtol=1e-15, atol=0)
+    train(fine, opt_f, steps=1)  # the moved state is usable as it is
+
+
+@pytest.mark.parallel([1])
+def test_bad_depths_and_rules_are_clear_errors():
+    from mpi4py import MPI
+
+    coarse = ODEResNet(MPI.COMM_SELF, num_steps=3)
+    fine = ODEResNet(MPI.COMM_SELF, num_steps=7)
+    with pytest.raises(ValueError, match="7 steps are not a multiple of the coarse network's 3"):
+        depth.interpolate(coarse, fine)
+    fine = ODEResNet(MPI.COMM_SELF, num_steps=6)
+    with pytest.raises(ValueError, match="rule must be one of .*'cubic'"):
+        depth.interpolate(coarse, fine, "cubic")
+    with pytest.raises(ValueError, match="rule must be one of .*'linear'"):
+        depth.restrict(fine, coarse, "linear")
+    with pytest.raises(TypeError, match="RMSprop"):
+        depth.interpolate(coarse, fine, optimizers=(torch.optim.RMSprop(coarse.parameters()),
+                                                    torch.optim.RMSprop(fine.parameters())))
+
+
+@pytest.mark.parallel([2])
+def test_a_rank_that_never_transfers_is_reported(short_timeout):
+    """Rank 1 never calls interpolate: rank 0 raises StallError naming the transfer after the
+    timeout instead of waiting forever."""
+    layerbraid.set_timeout(120)
+    coarse, fine = pair(4, 2)
+    layerbraid.set_timeout(short_timeout)
+    if WORLD.rank == 0:
+        with pytest.raises(layerbraid.StallError, match="the steps of interpolate"):
+            depth.interpolate(coarse, fine)
+    else:  # still running when rank 0 gives up (an exit would be reported as such instead)
+        time.sleep(short_timeout + 3)
