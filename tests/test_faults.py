@@ -226,15 +226,31 @@ def test_models_free_their_communicators():
 SUITE = sorted(set(drill.SCENARIOS) - {"loader", "clip", "checkpoint"})
 
 
+@pytest.fixture(scope="module")
+def drill_jobs(request):
+    """The drill's result of (scenario, launcher), for every pair this session selected: run
+    two jobs at a time, the first time one is asked for (a job is mostly start-up and a
+    stall's timeout, not work; one at a time, the 46 jobs took about 5 minutes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    name = "test_a_fault_ends_every_rank_of_the_job_with_its_cause"
+    wanted = [(item.callspec.params["scenario"], item.callspec.params["launcher"])
+              for item in request.session.items
+              if getattr(item, "originalname", None) == name]
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {key: pool.submit(drill.run, key[0], launcher=key[1]) for key in wanted}
+        return {key: job.result() for key, job in jobs.items()}
+
+
 @pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
 @pytest.mark.parametrize("scenario", SUITE)
-def test_a_fault_ends_every_rank_of_the_job_with_its_cause(scenario, launcher):
+def test_a_fault_ends_every_rank_of_the_job_with_its_cause(scenario, launcher, drill_jobs):
     """Each scenario of layerbraid.tools.drill on 2 ranks (timeout 3 s), under mpiexec (MPI) and
     under torchrun (torch.distributed, gloo): the job ends (no hang: the wall-time limit kills
     it otherwise), nonzero, soon after the fault; the rank the scenario names printed the cause
     (the faulty rank for a fault it raises itself, the other rank where a collective caught
     it); no rank finished as if nothing happened."""
-    result = drill.run(scenario, launcher=launcher)
+    result = drill_jobs[(scenario, launcher)]
     out = result["output"][-3000:]
     assert not result["hung"], out
     assert result["seconds"] is not None, out
