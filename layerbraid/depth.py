@@ -25,7 +25,7 @@ import torch
 from ._comm.mpi import allgather_obj, exchange_bytes
 from .module import LayerParallelModule
 
-__all__ = ["interpolate", "restrict"]
+__all__ = ["depths", "interpolate", "nested_iteration", "refine", "restrict"]
 
 _DEPTH_TAG = 7311
 _RULES = {"interpolate": ("injection", "linear"), "restrict": ("injection", "average")}
@@ -41,19 +41,10 @@ def interpolate(
     (``"injection"`` or ``"linear"``); with ``optimizers=(coarse_opt, fine_opt)``, the state of
     ``coarse_opt`` for the coarse steps' parameters (SGD's momentum, Adam's moments) becomes
     ``fine_opt``'s for the fine steps', by the same rule.  The open and close layers are not
-    touched (they do not depend on the depth: copy them as you wish).  Both models span the
-    same layer group, with the same kind of step layer."""
-    cf = _factor(fine.num_steps, coarse.num_steps, "interpolate")
-    _check_rule(rule, "interpolate")
-    n = coarse.num_steps
-
-    def sources(j: int) -> list[tuple[int, float]]:
-        k, s = divmod(j, cf)
-        if rule == "injection" or s == 0 or k + 1 >= n:
-            return [(k, 1.0)]
-        return [(k, 1.0 - s / cf), (k + 1, s / cf)]
-
-    _transfer(coarse, fine, sources, optimizers, f"interpolate ({rule})")
+    touched (:func:`refine` copies them too).  Both models span the same layer group, with the
+    same kind of step layer."""
+    sources = interpolation(rule, coarse.num_steps, fine.num_steps)
+    move_state(coarse, fine, sources, optimizers, f"interpolate ({rule})")
 
 
 def restrict(
@@ -66,15 +57,136 @@ def restrict(
     (``"injection"``: fine step k * cf; ``"average"``: the mean of fine steps k * cf .. k * cf +
     cf - 1); with ``optimizers=(fine_opt, coarse_opt)``, the optimizer state too.  See
     :func:`interpolate`."""
-    cf = _factor(fine.num_steps, coarse.num_steps, "restrict")
+    sources = restriction(rule, fine.num_steps, coarse.num_steps)
+    move_state(fine, coarse, sources, optimizers, f"restrict ({rule})")
+
+
+Sources = Callable[[int], list[tuple[int, float]]]
+
+
+def interpolation(rule: str, coarse_steps: int, fine_steps: int) -> Sources:
+    """``sources(j)``: the coarse steps and weights whose combination is fine step ``j``."""
+    cf = _factor(fine_steps, coarse_steps, "interpolate")
+    _check_rule(rule, "interpolate")
+    n = coarse_steps
+
+    def sources(j: int) -> list[tuple[int, float]]:
+        k, s = divmod(j, cf)
+        if rule == "injection" or s == 0 or k + 1 >= n:
+            return [(k, 1.0)]
+        return [(k, 1.0 - s / cf), (k + 1, s / cf)]
+
+    return sources
+
+
+def restriction(rule: str, fine_steps: int, coarse_steps: int) -> Sources:
+    """``sources(k)``: the fine steps and weights whose combination is coarse step ``k``.
+    ``rule`` is ``"injection"``, ``"average"`` or, for gradients, ``"adjoint"`` (the
+    transpose of linear interpolation: every fine step's share of each coarse step it is
+    interpolated from, summed; see layerbraid.mgopt)."""
+    cf = _factor(fine_steps, coarse_steps, "restrict")
+    if rule == "adjoint":
+        inverse: dict[int, list[tuple[int, float]]] = {}
+        for j in range(fine_steps):
+            for k, w in interpolation("linear", coarse_steps, fine_steps)(j):
+                inverse.setdefault(k, []).append((j, w))
+        return lambda k: inverse[k]
     _check_rule(rule, "restrict")
+    if rule == "injection":
+        return lambda k: [(k * cf, 1.0)]
+    return lambda k: [(k * cf + s, 1.0 / cf) for s in range(cf)]
 
-    def sources(k: int) -> list[tuple[int, float]]:
-        if rule == "injection":
-            return [(k * cf, 1.0)]
-        return [(k * cf + s, 1.0 / cf) for s in range(cf)]
 
-    _transfer(fine, coarse, sources, optimizers, f"restrict ({rule})")
+def refine(
+    coarse: LayerParallelModule,
+    fine: LayerParallelModule,
+    rule: str = "linear",
+    optimizers: Optional[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = None,
+) -> None:
+    """One step of nested iteration: ``fine`` (N * cf steps) takes over the trained
+    ``coarse`` network (N steps): its step weights interpolated by ``rule``
+    (:func:`interpolate`), its open and close layers copied, and with
+    ``optimizers=(coarse_opt, fine_opt)`` their optimizer state moved alike (the open and
+    close layers' state copied).  Collective over the layer group."""
+    interpolate(coarse, fine, rule, optimizers)
+    for name in ("open", "close"):
+        src, dst = getattr(coarse, name), getattr(fine, name)
+        if (src is None) != (dst is None):
+            raise ValueError(f"refine: one network has a {name} layer and the other none")
+        if src is None:
+            continue
+        dst.load_state_dict(src.state_dict())
+        if optimizers is not None:
+            src_opt, dst_opt = optimizers
+            for p, q in zip(src.parameters(), dst.parameters()):
+                if p in src_opt.state:
+                    dst_opt.state[q] = {
+                        k: v.clone() if torch.is_tensor(v) else v
+                        for k, v in src_opt.state[p].items()
+                    }
+
+
+def depths(num_steps: int, levels: int, factor: int = 2, ranks: int = 1) -> list[int]:
+    """The depths of nested iteration, coarsest first: ``num_steps / factor**(levels - 1)``,
+    ..., ``num_steps``; each at least ``ranks`` (a layer-parallel network needs a step per
+    rank).  Raises ``ValueError`` naming the value that does not divide or is too small."""
+    if levels < 1:
+        raise ValueError(f"nested iteration needs levels >= 1, got {levels}")
+    if factor < 2:
+        raise ValueError(f"the depth factor must be >= 2, got {factor}")
+    out = [num_steps]
+    for _ in range(levels - 1):
+        if out[0] % factor:
+            raise ValueError(
+                f"{levels} depth levels with factor {factor}: {out[0]} steps are not a "
+                f"multiple of {factor} (num_steps {num_steps})"
+            )
+        out.insert(0, out[0] // factor)
+    if out[0] < ranks:
+        raise ValueError(
+            f"{levels} depth levels with factor {factor} from {num_steps} steps: the coarsest "
+            f"network would have {out[0]} step(s), fewer than the {ranks} layer-parallel ranks "
+            "(each rank needs a step): use fewer levels or more steps"
+        )
+    return out
+
+
+def nested_iteration(
+    build: Callable[[int], LayerParallelModule],
+    steps: Sequence[int],
+    make_optimizer: Callable[[LayerParallelModule], torch.optim.Optimizer],
+    train: Callable[[LayerParallelModule, torch.optim.Optimizer, int], None],
+    rule: str = "linear",
+    keep_optimizer_state: bool = True,
+) -> tuple[LayerParallelModule, torch.optim.Optimizer]:
+    """Training over a hierarchy of depths: train a shallow network, refine it to a deeper
+    one, train that, up to the full depth.
+
+    ``build(n)`` makes the network of ``n`` steps (on the same layer group each time; the
+    blocks of each depth are layerbraid's even distribution over the ranks), ``steps`` the
+    depths, coarsest first, each a multiple of the last (:func:`depths` makes them),
+    ``make_optimizer(model)`` a model's optimizer, and ``train(model, optimizer, level)``
+    trains at depth ``steps[level]``.  Between depths, :func:`refine` moves the weights by
+    ``rule`` (``"linear"`` or ``"injection"``) and, with ``keep_optimizer_state``, the
+    optimizer's state (SGD's momentum, Adam's moments and step count); each shallower
+    network is freed once refined.  Collective over the layer group.  Returns the full-depth
+    network and its optimizer."""
+    if not steps:
+        raise ValueError("nested_iteration needs at least one depth")
+    for a, b in zip(steps, steps[1:]):
+        _factor(b, a, "nested_iteration")
+    _check_rule(rule, "interpolate")
+    model = build(steps[0])
+    optimizer = make_optimizer(model)
+    for level, n in enumerate(steps):
+        if level:
+            finer = build(n)
+            finer_opt = make_optimizer(finer)
+            refine(model, finer, rule, (optimizer, finer_opt) if keep_optimizer_state else None)
+            model.free()
+            model, optimizer = finer, finer_opt
+        train(model, optimizer, level)
+    return model, optimizer
 
 
 def _factor(fine_steps: int, coarse_steps: int, what: str) -> int:
@@ -93,17 +205,48 @@ def _check_rule(rule: str, what: str) -> None:
 
 # Note [depth transfers]: every rank reports the source steps it owns and the ones its target
 # steps read (one allgather of index lists); each source step then goes once from its owner to
-# every other rank that reads it, as the bytes of its state (and of its optimizer state), in
-# one exchange.  A rank's target steps are computed from its own and the received source
-# states, so every target step is computed once, by its owner, and a distribution that changes
-# with the depth (the blocks move between ranks) costs only the steps that cross.
-def _transfer(
+# every other rank that reads it, as the bytes of its tensors, in one exchange.  A rank's
+# target steps are computed from its own and the received source tensors, so every target
+# step is computed once, by its owner, and a distribution that changes with the depth (the
+# blocks move between ranks) costs only the steps that cross.  What moves is a step's list of
+# tensors: its state and optimizer state (interpolate, restrict), or a vector over the
+# parameters (MG/Opt's gradients and corrections, layerbraid.mgopt).
+Tensors = list[torch.Tensor]
+
+
+def move_state(
     src: LayerParallelModule,
     dst: LayerParallelModule,
     sources: Callable[[int], list[tuple[int, float]]],
     optimizers: Optional[tuple[Any, Any]],
     what: str,
 ) -> None:
+    src_opt, dst_opt = optimizers if optimizers is not None else (None, None)
+    move_steps(
+        src,
+        dst,
+        sources,
+        lambda i, layer: _step_state(layer, src_opt),
+        lambda layer: _step_state(layer, dst_opt, like=src_opt),
+        lambda j, layer, values: _set_step_state(layer, dst_opt, values, like=src_opt),
+        what,
+    )
+
+
+def move_steps(
+    src: LayerParallelModule,
+    dst: LayerParallelModule,
+    sources: Callable[[int], list[tuple[int, float]]],
+    get: Callable[[int, torch.nn.Module], Tensors],
+    like: Callable[[torch.nn.Module], Tensors],
+    put: Callable[[int, torch.nn.Module, Tensors], None],
+    what: str,
+) -> None:
+    """Collective over the layer group: for every step ``j`` that this rank owns in ``dst``,
+    ``put(j, layer, values)`` with ``values`` the weighted sum, by ``sources(j) = [(i, w)]``,
+    of ``get(i, layer)`` over steps ``i`` of ``src`` (fetched from the rank that owns each;
+    integer tensors come from the first source).  ``like(layer)`` gives the shapes and dtypes
+    of the tensors ``get`` returns, for a step of ``dst``."""
     comm = src.comm
     if dst.comm.Get_size() != comm.Get_size():
         raise ValueError(f"{what}: the two networks span different numbers of ranks")
@@ -113,17 +256,12 @@ def _transfer(
     reads = sorted({i for j, _ in targets for i, _ in sources(j)})
     table = allgather_obj(comm, (sorted(mine), reads), f"the steps of {what}")
     owner = {i: r for r, (owned, _) in enumerate(table) for i in owned}
-    src_opt, dst_opt = optimizers if optimizers is not None else (None, None)
-
-    def state(i: int) -> list[torch.Tensor]:
-        return _step_state(mine[i], src_opt)
-
-    template = _step_state(targets[0][1], dst_opt, like=src_opt) if targets else []
+    template = like(targets[0][1]) if targets else []
     sends = {}
     for r, (_, theirs) in enumerate(table):
         wanted = [i for i in theirs if i in mine and r != rank]
         if wanted:
-            sends[r] = np.concatenate([_bytes(t) for i in wanted for t in state(i)])
+            sends[r] = np.concatenate([_bytes(t) for i in wanted for t in get(i, mine[i])])
     incoming = {}
     for r in sorted({owner[i] for i in reads if owner[i] != rank}):
         idx = [i for i in reads if owner[i] == r]
@@ -135,14 +273,13 @@ def _transfer(
         _DEPTH_TAG,
         f"the steps of {what}",
     )
-    got = {i: state(i) for i in reads if i in mine}
+    got = {i: get(i, mine[i]) for i in reads if i in mine}
     for idx, buf in incoming.values():
         size = _nbytes(template)
         for k, i in enumerate(idx):
             got[i] = _from_bytes(buf[k * size : (k + 1) * size], template)
     for j, layer in targets:
-        combined = _combine([(got[i], w) for i, w in sources(j)])
-        _set_step_state(layer, dst_opt, combined, like=src_opt)
+        put(j, layer, _combine([(got[i], w) for i, w in sources(j)]))
 
 
 def _slots(opt: Any) -> list[str]:

@@ -158,3 +158,78 @@ def test_a_rank_that_never_transfers_is_reported(short_timeout):
             depth.interpolate(coarse, fine)
     else:  # still running when rank 0 gives up (an exit would be reported as such instead)
         time.sleep(short_timeout + 3)
+
+
+def built(comm, n, seed=None):
+    """The ODEResNet of ``n`` steps with the same weights on any communicator: made whole on
+    every rank, then distributed (each rank keeps its blocks)."""
+    from mpi4py import MPI
+
+    torch.manual_seed(n if seed is None else seed)
+    whole = ODEResNet(MPI.COMM_SELF, num_steps=n).to_serial()
+    return layerbraid.from_serial(whole, comm=comm)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2, 3])
+def test_refine_copies_the_ends_and_their_optimizer_state():
+    coarse, fine = built(WORLD, 3, seed=1), built(WORLD, 6, seed=2)
+    opt_c = torch.optim.Adam(coarse.parameters(), lr=1e-3)
+    opt_f = torch.optim.Adam(fine.parameters(), lr=1e-3)
+    train(coarse, opt_c)
+    steps = serial_steps(coarse)
+    depth.refine(coarse, fine, "linear", (opt_c, opt_f))
+    got = serial_steps(fine)
+    for j in range(6):
+        for k, v in expected(steps, interp_sources(j, 2, 3, "linear")).items():
+            torch.testing.assert_close(got[j][k], v, rtol=1e-15, atol=0)
+    for name in ("open", "close"):
+        a, b = getattr(coarse, name), getattr(fine, name)
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q), name
+            if p in opt_c.state:  # on the rank that trains this end
+                for slot, t in opt_c.state[p].items():
+                    assert torch.equal(opt_f.state[q][slot], t), (name, slot)
+    train(fine, opt_f, steps=1)
+
+
+@pytest.mark.parallel([1])
+def test_depths_are_checked():
+    assert depth.depths(16, 3) == [4, 8, 16]
+    assert depth.depths(12, 2, factor=3, ranks=4) == [4, 12]
+    assert depth.depths(8, 1) == [8]
+    with pytest.raises(ValueError, match="6 steps are not a multiple of 4"):
+        depth.depths(24, 3, factor=4)
+    with pytest.raises(ValueError, match="coarsest network would have 1 step.*fewer than the 2"):
+        depth.depths(4, 3, ranks=2)
+    with pytest.raises(ValueError, match="levels >= 1, got 0"):
+        depth.depths(4, 0)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([2, 3])
+def test_nested_iteration_equals_the_one_rank_run():
+    """3 -> 6 -> 12 steps, SGD with momentum carried over: on 2 and 3 ranks (blocks move
+    between ranks with each refinement) the trained network equals the same nested iteration
+    run on one rank from the same weights."""
+    from mpi4py import MPI
+
+    levels_seen = []
+
+    def run(comm):
+        def fit(model, opt, level):
+            levels_seen.append((level, model.num_steps))
+            train(model, opt, steps=2)
+
+        return depth.nested_iteration(
+            lambda n: built(comm, n), [3, 6, 12],
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), fit)
+
+    model, opt = run(WORLD)
+    reference, _ = run(MPI.COMM_SELF)
+    assert levels_seen == [(0, 3), (1, 6), (2, 12)] * 2
+    got, want = model.to_serial().state_dict(), reference.to_serial().state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14, msg=k)

@@ -1,0 +1,137 @@
+"""MG/Opt (layerbraid.mgopt): the coherence term makes each coarse objective's gradient at the
+restricted point the restricted fine gradient; the layer-parallel cycle equals the one-rank
+cycle; the corrections lower the loss; bad options and a failing rank are clear errors."""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+import layerbraid
+from layerbraid.mgopt import MGOpt
+from nets import ODEResNet, batch
+from transports import WORLD
+
+
+@pytest.fixture(autouse=True)
+def _all_float64(float64):
+    pass
+
+
+def hierarchy(comm, depths, seed=0):
+    """Networks of ``depths`` steps, finest first, the same weights on any communicator."""
+    out = []
+    for k, n in enumerate(depths):
+        torch.manual_seed(seed + k)
+        whole = ODEResNet(MPI.COMM_SELF, num_steps=n).to_serial()
+        out.append(layerbraid.from_serial(whole, comm=comm))
+    return out
+
+
+def loss_on(x, y):
+    return lambda model: F.cross_entropy(model(x), y)
+
+
+def sgd(models, lr=0.05):
+    return [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in models]
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parametrize("grad_restrict", ["adjoint", "injection", "average"])
+def test_the_coarse_gradient_is_the_restricted_fine_gradient(grad_restrict):
+    models = hierarchy(WORLD, [12, 6, 3])
+    mg = MGOpt(models, sgd(models), grad_restrict=grad_restrict, check_coherence=True)
+    for k in range(2):  # at the initial and at a trained point
+        mg.step(loss_on(*batch(seed=k)))
+        assert mg.stats.coherence_gap is not None
+        assert mg.stats.coherence_gap < 1e-12, (k, mg.stats.coherence_gap)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("line_search, state", [("backtracking", "restrict"),
+                                                ("alphas", "keep"), ("none", "reset")])
+def test_the_layer_parallel_cycle_equals_the_one_rank_cycle(line_search, state):
+    """Three cycles of a 3-level hierarchy (12, 6, 3 steps: blocks move between ranks) with
+    Adam on 2 and 3 ranks equal the same cycles on one rank, weights and line searches."""
+
+    def run(comm):
+        models = hierarchy(comm, [12, 6, 3])
+        opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in models]
+        mg = MGOpt(models, opts, line_search=line_search, state=state)
+        alphas = []
+        for k in range(3):
+            mg.step(loss_on(*batch(seed=k)))
+            alphas.append(list(mg.stats.alphas))
+        return models[0].to_serial().state_dict(), alphas
+
+    (got, got_alphas), (want, want_alphas) = run(WORLD), run(MPI.COMM_SELF)
+    assert got_alphas == want_alphas
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-11, atol=1e-13, msg=k)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([2])
+def test_cycles_lower_the_fine_loss_on_a_batch():
+    """On one batch, repeated cycles drive the fine loss down, and the backtracking line
+    search takes coarse corrections (alpha > 0) along the way."""
+    models = hierarchy(WORLD, [8, 4])
+    mg = MGOpt(models, sgd(models, lr=0.02))
+    x, y = batch(n=12, seed=3)
+    first = mg.step(loss_on(x, y))
+    taken = 0
+    for _ in range(6):
+        last = mg.step(loss_on(x, y))
+        taken += mg.stats.alphas[0] > 0
+    assert last < 0.7 * first, (first, last)
+    assert taken >= 1
+
+
+@pytest.mark.parallel([1])
+def test_bad_options_are_clear_errors():
+    models = hierarchy(MPI.COMM_SELF, [4, 2])
+    opts = sgd(models)
+    with pytest.raises(ValueError, match="at least two models and one optimizer per model"):
+        MGOpt(models[:1], opts[:1])
+    with pytest.raises(ValueError, match="line_search must be one of .*got 'wolfe'"):
+        MGOpt(models, opts, line_search="wolfe")
+    with pytest.raises(ValueError, match="grad_restrict must be one of .*got 'linear'"):
+        MGOpt(models, opts, grad_restrict="linear")
+    with pytest.raises(ValueError, match="pre_relax must be an int >= 0, got -1"):
+        MGOpt(models, opts, pre_relax=-1)
+    with pytest.raises(ValueError, match="alpha and alphas must be > 0"):
+        MGOpt(models, opts, alphas=())
+    with pytest.raises(ValueError, match="3 steps are not a multiple of the coarse network's 2"):
+        MGOpt(hierarchy(MPI.COMM_SELF, [3, 2]), opts)
+
+
+@pytest.mark.parallel([2])
+def test_a_rank_that_fails_on_the_coarse_level_does_not_hang_the_other(short_timeout):
+    """Rank 1's loss raises on the coarse network; rank 0, waiting for it in the coarse
+    solve, raises StallError after the timeout instead of waiting forever."""
+    layerbraid.set_timeout(120)
+    models = hierarchy(WORLD, [4, 2])
+    mg = MGOpt(models, sgd(models))
+    layerbraid.set_timeout(short_timeout)
+    x, y = batch(seed=0)
+
+    def loss(model):
+        if model is models[1] and WORLD.rank == 1:
+            raise RuntimeError("rank 1 fails on the coarse level")
+        return F.cross_entropy(model(x), y)
+
+    if WORLD.rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(layerbraid.StallError):
+            mg.step(loss)
+        assert time.monotonic() - t0 < short_timeout + 30
+    else:
+        with pytest.raises(RuntimeError, match="rank 1 fails on the coarse level"):
+            mg.step(loss)
+        time.sleep(short_timeout + 3)  # still running when rank 0 gives up
