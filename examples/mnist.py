@@ -47,6 +47,7 @@ def main(argv=None):
     # pay on more ranks (--lp-levels 2 --lp-cfactor 4: with the first down-cycle relaxed, one
     # iteration solves this depth's two C-intervals exactly, docs/accuracy.md).
     cli.add_lp_arguments(parser, levels=1, fwd_iters=1, bwd_iters=1, skip=False)
+    cli.add_depth_arguments(parser)
     parser.add_argument("--serial-reference", action=argparse.BooleanOptionalAction, default=True,
                         help="train plain PyTorch beside the run on the first rank, from the same "
                              "weights on the same batches, and show it in the printout and the "
@@ -70,11 +71,14 @@ def main(argv=None):
         parser.error(f"--data-dir {args.data_dir}: {exc}" if args.data_dir else str(exc))
     fwd, bwd = cli.mgrit_options(args)
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
-    model = MNISTNet(MPI.COMM_SELF if args.serial else grid, args.steps, args.channels,
-                     args.t_final, fwd, bwd, args.lp_warm_start, args.lp_target_error)
+    def build(steps):  # the network at any depth (nested iteration, MG/Opt)
+        return MNISTNet(MPI.COMM_SELF if args.serial else grid, steps, args.channels,
+                        args.t_final, fwd, bwd, args.lp_warm_start,
+                        args.lp_target_error).to(args.device)
+
+    model = build(args.steps)
     if args.serial:
         model = model.to_serial()
-    model.to(args.device)
     if comm.rank == 0:
         kind = "serial PyTorch"
         if not args.serial:
@@ -85,7 +89,8 @@ def main(argv=None):
                     f"rank(s), {solve}")
         print(f"{args.dataset}: {len(data['train_x'])} training, {len(data['test_x'])} test images;"
               f" {args.steps} steps of {args.channels} channels; {kind}", flush=True)
-    train(args, model, data, comm=comm, rank=comm.rank, name=args.dataset, grid=grid)
+    train(args, model, data, comm=comm, rank=comm.rank, name=args.dataset, grid=grid,
+          build=build)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,7 @@ def main(argv=None):
     # iterations (--synthetic, 8 batches, 2 ranks on 2 cores) the audited gradient error was
     # 1.1 (110%) at 1137 ms/batch, against exact gradients at 954 ms/batch with one level.
     cli.add_lp_arguments(parser, levels=1)
+    cli.add_depth_arguments(parser, mgopt=False)  # MG/Opt: networks of one layer-parallel module
     parser.add_argument("--stages", type=int, default=3, choices=[1, 2, 3, 4],
                         help="stages of --steps steps each (default 3)")
     parser.add_argument("--max-per-class", type=cli.positive_int, default=None,
@@ -133,11 +134,13 @@ def main(argv=None):
             parser.error(f"--data-dir {args.data_dir}: {exc}")
     fwd, bwd = cli.mgrit_options(args)
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
-    model = StagedNet(MPI.COMM_SELF if args.serial else grid, args.stages, args.steps,
-                      args.channels, 200, fwd, bwd, args.lp_warm_start)
+    def build(steps):  # the network at any depth, each stage of `steps` (nested iteration)
+        return StagedNet(MPI.COMM_SELF if args.serial else grid, args.stages, steps,
+                         args.channels, 200, fwd, bwd, args.lp_warm_start).to(args.device)
+
+    model = build(args.steps)
     if args.serial:
         model = model.to_serial()
-    model.to(args.device)
     if comm.rank == 0:
         source = "SYNTHETIC random data (timing only)" if args.synthetic else args.data_dir
         print(f"tiny-imagenet from {source}: {len(data['train'])} training, "
@@ -147,7 +150,7 @@ def main(argv=None):
                  f"{args.dp_size} data x {comm.size // args.dp_size} layer-parallel ranks, "
                  f"{mgrit_summary(model, args)}"), flush=True)
     train(args, model, data, comm=comm, rank=comm.rank, name="tiny_imagenet", prepare=Prepare(args.seed),
-          synthetic=args.synthetic, grid=grid)
+          synthetic=args.synthetic, grid=grid, build=build)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,60 @@ class SerialReference:
         return out
 
 
+class Depths:
+    """Training over depths around the loop (--lp-nested-levels, --lp-mgopt-levels): which
+    network trains at each epoch, refined into the next depth where a shallower stage ends
+    (layerbraid.depth.refine, the optimizer's state included), and, at full depth, MG/Opt's
+    hierarchy (layerbraid.mgopt.MGOpt).  ``build(steps)`` makes the network at a depth."""
+
+    def __init__(self, args, model, build, rank):
+        self.args, self.full, self.build, self.rank = args, model, build, rank
+        nested = build is not None and getattr(args, "lp_nested_levels", 1) > 1
+        self.schedule = layerbraid.cli.depth_schedule(args) if nested else [(None, args.epochs)]
+        self.starts = [sum(e for _, e in self.schedule[:k]) for k in range(len(self.schedule))]
+        self.model = build(self.schedule[0][0]) if nested else model
+        self.mgopt = None
+        if nested and rank == 0:
+            print("nested iteration: " + ", then ".join(
+                f"{e} epoch(s) at {n} steps" for n, e in self.schedule), flush=True)
+
+    def epoch(self, epoch, optimizer):
+        """(model, optimizer) for ``epoch``; refines or builds MG/Opt's hierarchy on the way."""
+        stage = max(k for k, start in enumerate(self.starts) if start <= epoch)
+        if stage and epoch == self.starts[stage]:
+            last = stage == len(self.schedule) - 1
+            finer = self.full if last else self.build(self.schedule[stage][0])
+            finer_opt = make_optimizer(self.args, finer.parameters())
+            layerbraid.depth.refine(self.model, finer, self.args.lp_depth_interp,
+                                    (optimizer, finer_opt))
+            layerbraid.depth.free(self.model)
+            if self.rank == 0:
+                print(f"nested iteration: refined to {self.schedule[stage][0]} steps "
+                      f"({self.args.lp_depth_interp}), for {self.schedule[stage][1]} epoch(s)",
+                      flush=True)
+            self.model, optimizer = finer, finer_opt
+        k = getattr(self.args, "lp_mgopt_levels", 1)
+        if self.mgopt is None and k > 1 and self.model is self.full:
+            self.mgopt = self._hierarchy(k, optimizer)
+        return self.model, optimizer
+
+    def _hierarchy(self, levels, optimizer):
+        from layerbraid.mgopt import MGOpt
+
+        steps = layerbraid.depth.depths(self.args.steps, levels, self.args.lp_depth_factor)
+        coarse = [self.build(n) for n in reversed(steps[:-1])]
+        pre, post, last = self.args.lp_mgopt_relax
+        if self.rank == 0:
+            print(f"MG/Opt over {', '.join(map(str, reversed(steps)))} steps: {pre} / {post} "
+                  f"optimizer steps before / after each coarse correction, {last} on the "
+                  f"coarsest, line search {self.args.lp_mgopt_line_search}", flush=True)
+        return MGOpt([self.full, *coarse],
+                     [optimizer, *(make_optimizer(self.args, m.parameters()) for m in coarse)],
+                     pre_relax=pre, post_relax=post, coarse_relax=last,
+                     interpolate=self.args.lp_depth_interp,
+                     line_search=self.args.lp_mgopt_line_search)
+
+
 def _curve(losses, epoch, per_epoch, window):
     """[(epoch, mean loss of a window of batches)] for the training curve."""
     return [(epoch + (k + len(losses[k:k + window])) / per_epoch,
@@ -228,11 +282,16 @@ def _probe_line(probes, seconds):
                    f"{100 * share:.0f}% of the epoch's training time")
 
 
-def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False, grid=None):
+def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False, grid=None,
+          build=None):
     """Trains ``model`` on ``data`` = {"train", "test"} datasets (or {"train_x", "train_y",
     "test_x", "test_y"} tensors); every rank runs this same loop.  ``prepare`` maps a raw batch
     of images to the network's input.  With a ProcessGrid, each data group trains on its shard
-    of every batch."""
+    of every batch.  ``build(steps)`` makes the network at another depth, for training over
+    depths (``Depths``); ``model`` is the full-depth one, trained last."""
+    depths = Depths(args, model, build, rank)
+    if getattr(args, "lp_mgopt_levels", 1) > 1:
+        args.lp_audit_every = args.lp_probe_every = 0  # MG/Opt takes several gradients a batch
     data_size = grid.data_size if grid is not None else 1
     audit_every = 0 if args.serial else getattr(args, "lp_audit_every", 0)
     probe_every = getattr(args, "lp_probe_every", 0)
@@ -243,12 +302,13 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     # no probe measures the error
     estimates = not probe_every or getattr(args, "lp_target_error", None) is not None
     tune = None if args.serial else getattr(args, "lp_tune_error", None)
-    tuner = (layerbraid.accuracy.IterationTuner(model, tune, every=probe_every,
-                                       margin=getattr(args, "lp_tune_margin", 2.0))
-             if tune else None)
+    def make_tuner(model):
+        return (layerbraid.accuracy.IterationTuner(model, tune, every=probe_every,
+                                                   margin=getattr(args, "lp_tune_margin", 2.0))
+                if tune else None)
     smoothness = getattr(args, "lp_smoothness", 0.0)
     device = torch.device(args.device)
-    optimizer = make_optimizer(args, model.parameters())
+    optimizer = make_optimizer(args, depths.model.parameters())
     history, start_epoch = [], 0
     if args.resume:
         extra = layerbraid.load_checkpoint(model, args.resume, optimizer)
@@ -272,7 +332,11 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     if getattr(args, "serial_reference", False) and not args.serial and not args.resume \
             and data_size == 1:
         reference = SerialReference(model, args, rank)
+    tuner, tuned = None, None
     for epoch in range(start_epoch, args.epochs):
+        model, optimizer = depths.epoch(epoch, optimizer)
+        if tuned is not model:  # a tuner follows one network's solves
+            tuner, tuned = make_tuner(model), model
         bar = None
         if rank == 0:
             from tqdm import tqdm
@@ -280,7 +344,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             bar = tqdm(total=per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch",
                        dynamic_ncols=True, leave=True, mininterval=0.5 if sys.stderr.isatty() else 10)
         losses, t0 = [], time.perf_counter()
-        solves, audits, probes = _SolveLog(), [], []
+        solves, audits, probes, alphas = _SolveLog(), [], [], []
         loader.set_epoch(epoch)
         for b, (xb, yb) in enumerate(loader):
             if b >= per_epoch:
@@ -289,29 +353,33 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             xb, yb = xb.to(device), yb.to(device)
             optimizer.zero_grad()
 
-            def objective():
-                loss = F.cross_entropy(model(xb), yb)
-                return loss, loss + smoothness * _depth_smoothness(model) if smoothness else loss
+            def objective(net=model):
+                loss = F.cross_entropy(net(xb), yb)
+                return loss, loss + smoothness * _depth_smoothness(net) if smoothness else loss
 
-            loss, total = objective()
-            total.backward()
-            # the true gradient error, on the side (batches counted over the whole run)
-            if layerbraid.accuracy.audit_due(epoch * per_epoch + b, audit_every):
-                a = layerbraid.accuracy.audit_gradients(model, lambda: objective()[1])
-                audits.append({"batch": b, "error": a.error, "estimate": a.estimate,
-                               "raw_estimate": a.raw_estimate, "calibration": a.calibration,
-                               "calibrated": a.calibrated, "seconds": a.seconds})
-            if tuner is not None:  # its probe is the batch's probe
-                t = tuner(lambda: objective()[1], epoch * per_epoch + b)
-                if t is not None:
-                    probes.append({"batch": b, "change": t.change, "iterations": t.ran,
-                                   "lower_change": t.lower_change, "tuned": t.iterations,
-                                   "aim": t.aim, "seconds": t.seconds})
-            elif layerbraid.accuracy.audit_due(epoch * per_epoch + b, probe_every):
-                p = layerbraid.accuracy.probe_gradients(model, lambda: objective()[1])
-                probes.append({"batch": b, "change": p.change, "iterations": p.iterations,
-                               "seconds": p.seconds})
-            optimizer.step()
+            if depths.mgopt is not None:  # a V-cycle over the depths, its optimizer steps too
+                loss = torch.tensor(depths.mgopt.step(lambda net: objective(net)[1]))
+                alphas.append(depths.mgopt.stats.alphas[0])
+            else:
+                loss, total = objective()
+                total.backward()
+                # the true gradient error, on the side (batches counted over the whole run)
+                if layerbraid.accuracy.audit_due(epoch * per_epoch + b, audit_every):
+                    a = layerbraid.accuracy.audit_gradients(model, lambda: objective()[1])
+                    audits.append({"batch": b, "error": a.error, "estimate": a.estimate,
+                                   "raw_estimate": a.raw_estimate, "calibration": a.calibration,
+                                   "calibrated": a.calibrated, "seconds": a.seconds})
+                if tuner is not None:  # its probe is the batch's probe
+                    t = tuner(lambda: objective()[1], epoch * per_epoch + b)
+                    if t is not None:
+                        probes.append({"batch": b, "change": t.change, "iterations": t.ran,
+                                       "lower_change": t.lower_change, "tuned": t.iterations,
+                                       "aim": t.aim, "seconds": t.seconds})
+                elif layerbraid.accuracy.audit_due(epoch * per_epoch + b, probe_every):
+                    p = layerbraid.accuracy.probe_gradients(model, lambda: objective()[1])
+                    probes.append({"batch": b, "change": p.change, "iterations": p.iterations,
+                                   "seconds": p.seconds})
+                optimizer.step()
             if reference is not None:
                 reference.step(xb, yb)
             solves.add(model)
@@ -348,7 +416,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                   "test_accuracy": acc, "seconds_per_batch": seconds / len(losses),
                   "batches": len(losses), "first_losses": losses[:5], "last_losses": losses[-5:],
                   **solves.summary(), "audits": audits, "audit_seconds": audit_seconds,
-                  "probes": probes, "probe_seconds": probe_seconds, "tune_seconds": tune_seconds}
+                  "probes": probes, "probe_seconds": probe_seconds, "tune_seconds": tune_seconds,
+                  "mgopt_alphas": alphas}
         history.append(record)
         if rank == 0:
             s = record
@@ -359,8 +428,15 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                 print(_audit_line(audits, seconds), flush=True)
             if probes:
                 print(_probe_line(probes, seconds), flush=True)
+            if alphas:
+                taken = [a for a in alphas if a > 0]
+                print(f"  MG/Opt: the line search took the coarse correction at {len(taken)} of "
+                      f"{len(alphas)} batches (mean step {sum(alphas) / len(alphas):.2f})",
+                      flush=True)
             if serial is not None:
-                print(f"  serial reference (plain PyTorch, the same initial weights and batches):"
+                same = "at full depth from scratch" if depths.schedule[0][0] else \
+                    "the same initial weights"
+                print(f"  serial reference (plain PyTorch, {same}, the same batches):"
                       f" loss {serial['train_loss']:.4f} | test accuracy "
                       f"{100 * serial['test_accuracy']:.2f}%", flush=True)
             missed = solves.missed_line(args)

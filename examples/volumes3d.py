@@ -77,6 +77,7 @@ def main(argv=None):
     cli.add_training_arguments(parser, steps=16, channels=4, batch_size=16, epochs=2, lr=0.01,
                                optimizer="adam", log_interval=10)
     cli.add_lp_arguments(parser, levels=1, cfactor=2, fwd_iters=2, bwd_iters=1)
+    cli.add_depth_arguments(parser)
     parser.add_argument("--lp-sc-levels", type=int, nargs="*", default=None, metavar="L",
                         help="MGRIT levels that are also coarse in space (default: every coarse "
                              "level, 1 to --lp-levels - 1; the flag alone: none)")
@@ -113,11 +114,13 @@ def main(argv=None):
     spatial = layerbraid.SpatialCoarsening(levels=args.lp_sc_levels, mode=args.lp_sc_mode) \
         if args.lp_sc_levels else None
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
-    model = VolumeNet(MPI.COMM_SELF if args.serial else grid, args.steps, args.channels, fwd, bwd,
-                      spatial, args.lp_warm_start, args.lp_target_error)
+    def build(steps):  # the network at any depth (nested iteration, MG/Opt)
+        return VolumeNet(MPI.COMM_SELF if args.serial else grid, steps, args.channels, fwd, bwd,
+                         spatial, args.lp_warm_start, args.lp_target_error).to(args.device)
+
+    model = build(args.steps)
     if args.serial:
         model = model.to_serial()
-    model.to(args.device)
     if comm.rank == 0:
         print(f"synthetic 3D shapes {SHAPES}: {len(x)} training, {len(xt)} test volumes of "
               f"{args.size}^3; {args.steps} steps; spatial coarsening on levels "
@@ -125,7 +128,7 @@ def main(argv=None):
               f"{f' (mode {args.lp_sc_mode})' if args.lp_sc_levels else ''}; "
               + ("serial PyTorch" if args.serial else
                  f"{comm.size} rank(s), {mgrit_summary(model, args)}"), flush=True)
-    train(args, model, data, comm=comm, rank=comm.rank, name="volumes3d", grid=grid)
+    train(args, model, data, comm=comm, rank=comm.rank, name="volumes3d", grid=grid, build=build)
 
 
 if __name__ == "__main__":

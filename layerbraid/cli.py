@@ -17,7 +17,9 @@ from ._comm.mpi import Comm, resolve, world
 from .options import MGRITOptions
 
 __all__ = [
+    "add_depth_arguments",
     "add_lp_arguments",
+    "depth_schedule",
     "add_training_arguments",
     "parse_args",
     "mgrit_options",
@@ -350,6 +352,136 @@ def add_training_arguments(  # Note [flag lists]
     return g
 
 
+def add_depth_arguments(
+    parser: argparse.ArgumentParser, *, mgopt: bool = True
+) -> argparse._ArgumentGroup:
+    """Adds the ``--lp-nested-*`` flags (nested iteration: train shallower networks first,
+    layerbraid.depth) and, with ``mgopt``, the ``--lp-mgopt-*`` flags (MG/Opt over depths,
+    layerbraid.mgopt; for a network that is one layer-parallel module).  Off by default."""
+    g = parser.add_argument_group("training over depths")
+    g.add_argument(
+        "--lp-nested-levels",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="nested iteration: train the network at --steps / F**(K-1) steps first, "
+        "refine it (interpolate its step weights and the optimizer's state) to F times "
+        "more steps, train, and so on up to --steps; 1 = off (default 1)",
+    )
+    g.add_argument(
+        "--lp-nested-epochs",
+        type=_positive_int,
+        nargs="+",
+        default=[1],
+        metavar="E",
+        help="epochs at each shallower depth, one value or one per depth (K - 1 values, "
+        "shallowest first), out of --epochs; the rest train at full depth (default 1)",
+    )
+    g.add_argument(
+        "--lp-depth-factor",
+        type=int_at_least(2),
+        default=2,
+        metavar="F",
+        help="the factor between the steps of neighbouring depths (default 2)",
+    )
+    g.add_argument(
+        "--lp-depth-interp",
+        choices=["linear", "injection"],
+        default="linear",
+        help="how step weights go from a depth to the next deeper one (default linear)",
+    )
+    if not mgopt:
+        return g
+    g.add_argument(
+        "--lp-mgopt-levels",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="MG/Opt: each batch a V-cycle over the network at --steps, --steps / F, ... "
+        "(K depths), the optimizer on each; 1 = off (default 1)",
+    )
+    g.add_argument(
+        "--lp-mgopt-relax",
+        type=_nonneg_int,
+        nargs=3,
+        default=[1, 1, 2],
+        metavar=("PRE", "POST", "COARSE"),
+        help="MG/Opt's optimizer steps before and after the coarse correction, and on the "
+        "coarsest depth (default 1 1 2)",
+    )
+    g.add_argument(
+        "--lp-mgopt-line-search",
+        choices=["backtracking", "alphas", "none"],
+        default="backtracking",
+        help="how MG/Opt scales the coarse correction (default backtracking)",
+    )
+    return g
+
+
+def depth_schedule(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """``[(steps, epochs)]``, shallowest first: the depths nested iteration trains and the
+    epochs at each (one entry, the full depth, when it is off).  Assumes checked flags."""
+    k = _flag(args, "lp_nested_levels", 1)
+    if k == 1:
+        return [(args.steps, args.epochs)]
+    f = args.lp_depth_factor
+    per = (
+        args.lp_nested_epochs * (k - 1)
+        if len(args.lp_nested_epochs) == 1
+        else args.lp_nested_epochs
+    )
+    steps = [args.steps // f ** (k - 1 - j) for j in range(k)]
+    return list(zip(steps, [*per, args.epochs - sum(per)]))
+
+
+def _check_depth_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    nested, mg = _flag(args, "lp_nested_levels", 1), _flag(args, "lp_mgopt_levels", 1)
+    if nested == 1 and mg == 1:
+        return
+    if _flag(args, "serial", False):
+        parser.error(
+            "--lp-nested-levels and --lp-mgopt-levels train layer-parallel networks: "
+            "not with --serial"
+        )
+    if _flag(args, "resume", None):
+        parser.error(
+            "--resume does not go with --lp-nested-levels or --lp-mgopt-levels: a "
+            "checkpoint holds one depth's network"
+        )
+    if nested > 1:
+        per = args.lp_nested_epochs
+        if len(per) not in (1, nested - 1):
+            parser.error(
+                f"--lp-nested-epochs takes one value or one per shallower depth "
+                f"({nested - 1} for --lp-nested-levels {nested}), got "
+                f"{' '.join(map(str, per))}"
+            )
+        total = per[0] * (nested - 1) if len(per) == 1 else sum(per)
+        if total >= args.epochs:
+            parser.error(
+                f"--lp-nested-epochs spends {total} of the {args.epochs} --epochs on "
+                "shallower depths: leave at least one for the full depth"
+            )
+    if mg > 1:
+        if _flag(args, "dp_size", 1) > 1:
+            parser.error(
+                "--lp-mgopt-levels with --dp-size > 1: each data group would take "
+                "its own line-search steps; use one data group"
+            )
+        if _flag(args, "lp_tune_error", None) is not None:
+            parser.error(
+                "--lp-tune-error does not go with --lp-mgopt-levels: MG/Opt takes "
+                "several gradients per batch"
+            )
+    from .depth import depths  # torch: not at import, so that --help stays quick
+
+    for flag, k in (("--lp-nested-levels", nested), ("--lp-mgopt-levels", mg)):
+        try:
+            depths(args.steps, k, args.lp_depth_factor)
+        except ValueError as exc:
+            parser.error(f"{flag} {k}: {exc}")
+
+
 def _flag(args: argparse.Namespace, name: str, default: Any) -> Any:
     """The value of flag ``name``, or ``default`` where the script's parser lacks it: a script
     may add only some of the groups (``add_lp_arguments``, ``add_training_arguments``)."""
@@ -402,6 +534,7 @@ def parse_args(
                 f"--batch-size {args.batch_size} is smaller than --dp-size "
                 f"{args.dp_size}: every data group needs part of each batch"
             )
+    _check_depth_flags(parser, args)
     if _flag(args, "resume", None):
         import os
 
@@ -454,6 +587,15 @@ def check_run(
             f"{steps_flag} {steps} is smaller than the number of layer-parallel ranks "
             f"({layer_ranks})"
         )
+    for flag in ("--lp-nested-levels", "--lp-mgopt-levels"):
+        k = _flag(args, flag[2:].replace("-", "_"), 1)
+        if k > 1 and steps is not None:
+            from .depth import depths
+
+            try:
+                depths(steps, k, args.lp_depth_factor, layer_ranks)
+            except ValueError as exc:
+                parser.error(f"{flag} {k}: {exc}")
     if _flag(args, "lp_levels", None) == "auto":
         args.lp_levels = 1 if serial or steps is None else auto_levels(args, steps, layer_ranks)
         if comm.Get_rank() == 0:

@@ -98,32 +98,71 @@ def restriction(rule: str, fine_steps: int, coarse_steps: int) -> Sources:
 
 
 def refine(
-    coarse: LayerParallelModule,
-    fine: LayerParallelModule,
+    coarse: torch.nn.Module,
+    fine: torch.nn.Module,
     rule: str = "linear",
     optimizers: Optional[tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = None,
 ) -> None:
-    """One step of nested iteration: ``fine`` (N * cf steps) takes over the trained
-    ``coarse`` network (N steps): its step weights interpolated by ``rule``
-    (:func:`interpolate`), its open and close layers copied, and with
-    ``optimizers=(coarse_opt, fine_opt)`` their optimizer state moved alike (the open and
-    close layers' state copied).  Collective over the layer group."""
-    interpolate(coarse, fine, rule, optimizers)
-    for name in ("open", "close"):
-        src, dst = getattr(coarse, name), getattr(fine, name)
-        if (src is None) != (dst is None):
-            raise ValueError(f"refine: one network has a {name} layer and the other none")
-        if src is None:
-            continue
-        dst.load_state_dict(src.state_dict())
-        if optimizers is not None:
-            src_opt, dst_opt = optimizers
-            for p, q in zip(src.parameters(), dst.parameters()):
-                if p in src_opt.state:
-                    dst_opt.state[q] = {
-                        k: v.clone() if torch.is_tensor(v) else v
-                        for k, v in src_opt.state[p].items()
-                    }
+    """One step of nested iteration: ``fine`` takes over the trained ``coarse`` network, each
+    layer-parallel module of ``fine`` (N * cf steps) from the one in the same place in
+    ``coarse`` (N steps): its step weights interpolated by ``rule`` (:func:`interpolate`);
+    every other parameter and buffer (the open and close layers, the layers between
+    layer-parallel stages) copied.  With ``optimizers=(coarse_opt, fine_opt)`` the optimizer
+    state moves alike.  ``coarse`` and ``fine`` are layer-parallel modules, or models that
+    hold them (the stages of a network).  Collective over the layer group."""
+    pairs = _parts(coarse, fine)
+    for c, f in pairs:
+        interpolate(c, f, rule, optimizers)
+    src, dst = _rest(coarse, pairs, 0), _rest(fine, pairs, 1)
+    if [(k, v.shape) for k, v in src.items()] != [(k, v.shape) for k, v in dst.items()]:
+        raise ValueError(
+            "refine: the networks differ outside their step layers (parameters and buffers "
+            f"{sorted(set(src) ^ set(dst)) or 'of other shapes'})"
+        )
+    with torch.no_grad():
+        for name, t in dst.items():
+            t.copy_(src[name])
+            if optimizers is not None and src[name] in optimizers[0].state:
+                optimizers[1].state[t] = {
+                    k: v.clone() if torch.is_tensor(v) else v
+                    for k, v in optimizers[0].state[src[name]].items()
+                }
+
+
+def free(model: torch.nn.Module) -> None:
+    """Frees the MGRIT solvers of every layer-parallel module of ``model``."""
+    for part in model.modules():
+        if isinstance(part, LayerParallelModule):
+            part.free()
+
+
+def _parts(
+    coarse: torch.nn.Module, fine: torch.nn.Module
+) -> list[tuple[LayerParallelModule, LayerParallelModule]]:
+    def parts(m: torch.nn.Module) -> list[LayerParallelModule]:
+        return [p for p in m.modules() if isinstance(p, LayerParallelModule)]
+
+    a, b = parts(coarse), parts(fine)
+    if not a or len(a) != len(b):
+        raise ValueError(
+            f"refine: the coarse network holds {len(a)} layer-parallel module(s) and the fine "
+            f"one {len(b)}: they must be the same network at two depths"
+        )
+    return list(zip(a, b))
+
+
+def _rest(model: torch.nn.Module, pairs: list, side: int) -> dict[str, torch.Tensor]:
+    """{name: tensor} of ``model``'s parameters and buffers outside its step layers."""
+    steps = {id(t) for pair in pairs for t in _tensors(pair[side].layers)}
+    return {
+        name: t
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if id(t) not in steps
+    }
+
+
+def _tensors(m: torch.nn.Module) -> list[torch.Tensor]:
+    return [*m.parameters(), *m.buffers()]
 
 
 def depths(num_steps: int, levels: int, factor: int = 2, ranks: int = 1) -> list[int]:
@@ -152,18 +191,19 @@ def depths(num_steps: int, levels: int, factor: int = 2, ranks: int = 1) -> list
 
 
 def nested_iteration(
-    build: Callable[[int], LayerParallelModule],
+    build: Callable[[int], torch.nn.Module],
     steps: Sequence[int],
-    make_optimizer: Callable[[LayerParallelModule], torch.optim.Optimizer],
-    train: Callable[[LayerParallelModule, torch.optim.Optimizer, int], None],
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    train: Callable[[torch.nn.Module, torch.optim.Optimizer, int], None],
     rule: str = "linear",
     keep_optimizer_state: bool = True,
-) -> tuple[LayerParallelModule, torch.optim.Optimizer]:
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Training over a hierarchy of depths: train a shallow network, refine it to a deeper
     one, train that, up to the full depth.
 
-    ``build(n)`` makes the network of ``n`` steps (on the same layer group each time; the
-    blocks of each depth are layerbraid's even distribution over the ranks), ``steps`` the
+    ``build(n)`` makes the network of ``n`` steps (a layer-parallel module, or a model whose
+    layer-parallel stages have ``n`` steps each; on the same layer group each time, the blocks
+    of each depth distributed by layerbraid as any network's), ``steps`` the
     depths, coarsest first, each a multiple of the last (:func:`depths` makes them),
     ``make_optimizer(model)`` a model's optimizer, and ``train(model, optimizer, level)``
     trains at depth ``steps[level]``.  Between depths, :func:`refine` moves the weights by
@@ -183,7 +223,7 @@ def nested_iteration(
             finer = build(n)
             finer_opt = make_optimizer(finer)
             refine(model, finer, rule, (optimizer, finer_opt) if keep_optimizer_state else None)
-            model.free()
+            free(model)
             model, optimizer = finer, finer_opt
         train(model, optimizer, level)
     return model, optimizer

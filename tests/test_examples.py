@@ -193,6 +193,50 @@ def test_dahlquist_bad_flags_are_one_line_errors(flag, value, words):
     assert "Traceback" not in proc.stderr
 
 
+def test_mnist_trains_over_depths(tmp_path):
+    """Nested iteration (4 then 8 steps) and MG/Opt (8 over 4 steps) from the flags, 2 ranks."""
+    proc = run(2, "mnist.py", "--epochs", 2, "--max-batches", 30, "--test-limit", 500,
+               "--compare-batches", 0, "--lp-nested-levels", 2, "--out-dir", tmp_path / "nested")
+    hist = metrics(tmp_path / "nested")["history"]
+    assert [h["batches"] for h in hist] == [30, 30]
+    assert proc.stdout.count("nested iteration: 1 epoch(s) at 4 steps, then 1 epoch(s) at 8") == 1
+    assert proc.stdout.count("nested iteration: refined to 8 steps (linear)") == 1
+    assert hist[1]["train_loss"] < hist[0]["train_loss"]
+    proc = run(2, "mnist.py", "--epochs", 1, "--max-batches", 20, "--test-limit", 500,
+               "--compare-batches", 0, "--lp-mgopt-levels", 2, "--out-dir", tmp_path / "mgopt")
+    h = metrics(tmp_path / "mgopt")["history"][0]
+    assert len(h["mgopt_alphas"]) == 20 and h["audits"] == [] and h["probes"] == []
+    assert sum(h["last_losses"]) < sum(h["first_losses"])
+    assert proc.stdout.count("MG/Opt over 8, 4 steps: 1 / 1 optimizer steps") == 1
+    assert re.search(r"MG/Opt: the line search took the coarse correction at \d+ of 20", proc.stdout)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--lp-nested-levels", 2, "--lp-nested-epochs", 2, "--epochs", 2],
+     "--lp-nested-epochs spends 2 of the 2 --epochs on shallower depths"),
+    (["--lp-nested-levels", 3, "--lp-nested-epochs", 1, 1, 1, "--epochs", 5],
+     "--lp-nested-epochs takes one value or one per shallower depth (2 for"),
+    (["--lp-nested-levels", 3, "--steps", 6, "--epochs", 3],
+     "--lp-nested-levels 3: 3 depth levels with factor 2: 3 steps are not a multiple of 2"),
+    (["--lp-mgopt-levels", 2, "--serial"], "not with --serial"),
+    (["--lp-mgopt-levels", 2, "--lp-tune-error", "0.01"], "--lp-tune-error does not go with"),
+])
+def test_depth_flags_are_checked_before_training(flags, words):
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "mnist.py"), *map(str, flags)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert words in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_nested_iteration_needs_a_step_per_rank_at_every_depth():
+    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "examples" / "mnist.py"),
+                           "--steps", "4", "--lp-nested-levels", "3", "--epochs", "3"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0
+    assert proc.stderr.count("the coarsest network would have 1 step(s), fewer than the 2") == 1
+
+
 def test_tiny_imagenet_on_a_miniature_folder_learns(tmp_path):
     data = tmp_path / "tiny-imagenet-200"
     data.mkdir()
@@ -203,6 +247,17 @@ def test_tiny_imagenet_on_a_miniature_folder_learns(tmp_path):
     hist = metrics(tmp_path / "out")["history"]
     assert len(hist) == 4 and not metrics(tmp_path / "out")["synthetic"]
     assert hist[-1]["train_loss"] < hist[0]["train_loss"]
+
+
+def test_tiny_imagenet_refines_every_stage(tmp_path):
+    data = tmp_path / "tiny-imagenet-200"
+    data.mkdir()
+    make_tiny_imagenet(data, classes=3, per_class=8, val_per_class=2)
+    proc = run(2, "tiny_imagenet.py", "--data-dir", data, "--epochs", 2, "--batch-size", 8,
+               "--steps", 4, "--stages", 2, "--channels", 4, "--out-dir", tmp_path / "out",
+               "--lp-nested-levels", 2)
+    assert proc.stdout.count("nested iteration: refined to 4 steps") == 1
+    assert len(metrics(tmp_path / "out")["history"]) == 2
 
 
 def test_tiny_imagenet_without_data_says_so(tmp_path):
