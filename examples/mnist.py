@@ -20,8 +20,15 @@ from layerbraid import cli
 from layerbraid.launch import world
 from layerbraid.data import load_mnist
 from layerbraid.nn import ConvBlock
+from layerbraid.spline import SplineModule
 
 from training_loop import mgrit_summary, train  # examples/training_loop.py, beside this script
+
+
+def open_and_close(channels):
+    """The layers before and after the steps: a strided convolution, a linear classifier."""
+    return (nn.Sequential(nn.Conv2d(1, channels, 3, stride=2, padding=1), nn.ReLU()),
+            nn.Sequential(nn.Flatten(), nn.Linear(channels * 14 * 14, 10)))
 
 
 class MNISTNet(layerbraid.LayerParallelModule):
@@ -31,10 +38,25 @@ class MNISTNet(layerbraid.LayerParallelModule):
                          forward_options=forward_options, backward_options=backward_options,
                          warm_start=warm_start, target_error=target_error)
         self.channels = channels
-        self.open = nn.Sequential(nn.Conv2d(1, channels, 3, stride=2, padding=1), nn.ReLU())
-        self.close = nn.Sequential(nn.Flatten(), nn.Linear(channels * 14 * 14, 10))
+        self.open, self.close = open_and_close(channels)
 
     def step_layer(self, index):
+        return ConvBlock(self.channels)
+
+
+class MNISTSplineNet(SplineModule):
+    """The same network, its step weights B-splines in time (--lp-splines)."""
+
+    def __init__(self, comm, steps, channels, t_final, forward_options, backward_options,
+                 warm_start, target_error=None, *, nsplines, degree):
+        super().__init__(num_steps=steps, t_final=t_final, comm=comm, nsplines=nsplines,
+                         degree=degree, forward_options=forward_options,
+                         backward_options=backward_options, warm_start=warm_start,
+                         target_error=target_error)
+        self.channels = channels
+        self.open, self.close = open_and_close(channels)
+
+    def coefficient_layer(self, index):
         return ConvBlock(self.channels)
 
 
@@ -47,7 +69,7 @@ def main(argv=None):
     # pay on more ranks (--lp-levels 2 --lp-cfactor 4: with the first down-cycle relaxed, one
     # iteration solves this depth's two C-intervals exactly, docs/accuracy.md).
     cli.add_lp_arguments(parser, levels=1, fwd_iters=1, bwd_iters=1, skip=False)
-    cli.add_depth_arguments(parser)
+    cli.add_depth_arguments(parser, splines=True)
     parser.add_argument("--serial-reference", action=argparse.BooleanOptionalAction, default=True,
                         help="train plain PyTorch beside the run on the first rank, from the same "
                              "weights on the same batches, and show it in the printout and the "
@@ -72,9 +94,12 @@ def main(argv=None):
     fwd, bwd = cli.mgrit_options(args)
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
     def build(steps):  # the network at any depth (nested iteration, MG/Opt)
-        return MNISTNet(MPI.COMM_SELF if args.serial else grid, steps, args.channels,
-                        args.t_final, fwd, bwd, args.lp_warm_start,
-                        args.lp_target_error).to(args.device)
+        net, spline = MNISTNet, {}
+        if args.lp_splines:
+            net, spline = MNISTSplineNet, {"nsplines": args.lp_splines,
+                                           "degree": args.lp_spline_degree}
+        return net(MPI.COMM_SELF if args.serial else grid, steps, args.channels, args.t_final,
+                   fwd, bwd, args.lp_warm_start, args.lp_target_error, **spline).to(args.device)
 
     model = build(args.steps)
     if args.serial:

@@ -353,12 +353,13 @@ def add_training_arguments(  # Note [flag lists]
 
 
 def add_depth_arguments(
-    parser: argparse.ArgumentParser, *, mgopt: bool = True
+    parser: argparse.ArgumentParser, *, mgopt: bool = True, splines: bool = False
 ) -> argparse._ArgumentGroup:
     """Adds the ``--lp-nested-*`` flags (nested iteration: train shallower networks first,
-    layerbraid.depth) and, with ``mgopt``, the ``--lp-mgopt-*`` flags (MG/Opt over depths,
-    layerbraid.mgopt; for a network that is one layer-parallel module).  Off by default."""
-    g = parser.add_argument_group("training over depths")
+    layerbraid.depth); with ``mgopt``, the ``--lp-mgopt-*`` flags (MG/Opt over depths,
+    layerbraid.mgopt; for a network that is one layer-parallel module); with ``splines``,
+    ``--lp-splines`` and ``--lp-spline-degree`` (layerbraid.spline).  Off by default."""
+    g = parser.add_argument_group("training over depths, spline steps")
     g.add_argument(
         "--lp-nested-levels",
         type=_positive_int,
@@ -390,6 +391,23 @@ def add_depth_arguments(
         default="linear",
         help="how step weights go from a depth to the next deeper one (default linear)",
     )
+    if splines:
+        g.add_argument(
+            "--lp-splines",
+            type=_nonneg_int,
+            default=0,
+            metavar="N",
+            help="spline-parameterized steps: the step weights are B-splines in time with N "
+            "coefficient sets (at least --lp-spline-degree + 1), whatever the depth; "
+            "0 = off, every step its own weights (default 0)",
+        )
+        g.add_argument(
+            "--lp-spline-degree",
+            type=int,
+            choices=[1, 2, 3],
+            default=2,
+            help="the splines' degree (default 2)",
+        )
     if not mgopt:
         return g
     g.add_argument(
@@ -436,6 +454,20 @@ def depth_schedule(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 def _check_depth_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     nested, mg = _flag(args, "lp_nested_levels", 1), _flag(args, "lp_mgopt_levels", 1)
+    splines = _flag(args, "lp_splines", 0)
+    if splines:
+        if splines < args.lp_spline_degree + 1:
+            parser.error(
+                f"--lp-splines {splines}: degree {args.lp_spline_degree} needs at "
+                f"least {args.lp_spline_degree + 1} coefficient sets"
+            )
+        for flag, bad in (
+            ("--serial", _flag(args, "serial", False)),
+            ("--lp-mgopt-levels > 1", mg > 1),
+            ("--dp-size > 1", _flag(args, "dp_size", 1) > 1),
+        ):
+            if bad:
+                parser.error(f"--lp-splines does not go with {flag} (not supported yet)")
     if nested == 1 and mg == 1:
         return
     if _flag(args, "serial", False):

@@ -346,7 +346,12 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         if anchor.device != meta.device:
             anchor = anchor.to(meta.device)
         params = [p for leaves in run.own.step_params.values() for _, p in leaves]
-        return _ChainFn.apply(chain, run, anchor, h0, *params)
+        return _ChainFn.apply(chain, run, anchor, h0, *self._step_inputs(params))
+
+    def _step_inputs(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The chain's inputs that its step parameters' gradients are returned for: the
+        parameters themselves, or tensors they were made from (layerbraid.spline)."""
+        return params
 
     def _serial_path(self):
         """Whether this forward takes the serial path (Note [serial path] in _engine/serial.py)."""

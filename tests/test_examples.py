@@ -209,6 +209,12 @@ def test_mnist_trains_over_depths(tmp_path):
     assert sum(h["last_losses"]) < sum(h["first_losses"])
     assert proc.stdout.count("MG/Opt over 8, 4 steps: 1 / 1 optimizer steps") == 1
     assert re.search(r"MG/Opt: the line search took the coarse correction at \d+ of 20", proc.stdout)
+    # spline-parameterized steps, refined in depth with their coefficients
+    run(2, "mnist.py", "--epochs", 2, "--max-batches", 20, "--test-limit", 500,
+        "--compare-batches", 0, "--lp-nested-levels", 2, "--lp-splines", 3,
+        "--lp-spline-degree", 1, "--out-dir", tmp_path / "splines")
+    hist = metrics(tmp_path / "splines")["history"]
+    assert hist[1]["train_loss"] < hist[0]["train_loss"]
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -220,6 +226,8 @@ def test_mnist_trains_over_depths(tmp_path):
      "--lp-nested-levels 3: 3 depth levels with factor 2: 3 steps are not a multiple of 2"),
     (["--lp-mgopt-levels", 2, "--serial"], "not with --serial"),
     (["--lp-mgopt-levels", 2, "--lp-tune-error", "0.01"], "--lp-tune-error does not go with"),
+    (["--lp-splines", 2, "--lp-spline-degree", 2], "--lp-splines 2: degree 2 needs at least 3"),
+    (["--lp-splines", 4, "--lp-mgopt-levels", 2], "--lp-splines does not go with --lp-mgopt"),
 ])
 def test_depth_flags_are_checked_before_training(flags, words):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "mnist.py"), *map(str, flags)],

@@ -79,11 +79,13 @@ class _LayerSteps(Steps):
         return _LayerRun()
 
     def begin(self, run, inputs):
-        h0, params = inputs[0], inputs[1:]
+        h0 = inputs[0]
         own = run.own
         own.h0 = h0 if self.rank == 0 else None
         own.h0_requires_grad, own.h0_shape, own.h0_dtype = h0.requires_grad, h0.shape, h0.dtype
-        own.params = params
+        # the parameters whose gradients the chain returns, in the order of its other inputs
+        # (which may be tensors they were made from: LayerParallelModule._step_inputs)
+        own.params = [p for leaves in own.step_params.values() for _, p in leaves]
         own.coarse_x = {}
 
     def initial(self, run):

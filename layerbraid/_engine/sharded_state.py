@@ -91,7 +91,10 @@ class ShardedState(ShardedPart, nn.Module):
         # assign: each tensor keeps the dtype the model has (after .double(), say), not the
         # fresh layers' default; then the device of this rank's own tensors.
         # (Copies: on one rank the gathered tensors share the model's memory.)
-        serial.load_state_dict({k: v.clone() for k, v in full.items()}, assign=True)
+        skip = getattr(self, "_SERIAL_SKIP", ())  # state the serial network has no place for
+        serial.load_state_dict(
+            {k: v.clone() for k, v in full.items() if not k.startswith(skip)}, assign=True
+        )
         ref = next(iter(super().state_dict().values()), None)
         return serial if ref is None else serial.to(ref.device)
 

@@ -1,0 +1,232 @@
+"""Spline-parameterized steps (layerbraid.spline): the B-spline basis, and a SplineModule equal
+to a serial spline network written here in plain PyTorch (float64, 1e-12) on 1-3 ranks, one
+level and converged MGRIT, outputs and every gradient; training, refinement in depth,
+checkpoints, to_serial; bad input; a rank that stalls before the coefficients' gradient sum."""
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+import layerbraid
+from layerbraid import depth
+from layerbraid._comm.mpi import allgather_obj
+from layerbraid.nn import ConvBlock
+from layerbraid.spline import SplineModule, bspline_basis
+from nets import batch
+from transports import WORLD
+
+CONVERGED = dict(max_levels=2, cfactor=2, max_iters=30, tol=1e-15)
+
+
+@pytest.fixture(autouse=True)
+def _all_float64(float64):
+    pass
+
+
+class Net(SplineModule):
+    def __init__(self, comm, steps=8, nsplines=4, degree=2, **kwargs):
+        super().__init__(steps, 1.0, comm, nsplines=nsplines, degree=degree, **kwargs)
+        self.open = nn.Conv2d(1, 4, 3, padding=1)
+        self.close = nn.Sequential(nn.Flatten(), nn.Linear(4 * 8 * 8, 3))
+
+    def coefficient_layer(self, index):
+        return ConvBlock(4)
+
+
+def converged():
+    return dict(forward_options=layerbraid.MGRITOptions(**CONVERGED),
+                backward_options=layerbraid.MGRITOptions(**CONVERGED))
+
+
+class SerialSplineNet(nn.Module):
+    """The same network in plain PyTorch: weights of step i = sum_k B[i, k] c_k."""
+
+    def __init__(self, model):
+        super().__init__()
+        state = model.to_serial().state_dict()
+        self.open, self.close = nn.Conv2d(1, 4, 3, padding=1), nn.Sequential(
+            nn.Flatten(), nn.Linear(4 * 8 * 8, 3))
+        self.open.load_state_dict({k[5:]: v for k, v in state.items() if k.startswith("open.")})
+        self.close.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("close.")})
+        self.coefficients = nn.ModuleList(ConvBlock(4) for _ in range(model.nsplines))
+        self.coefficients.load_state_dict(model.coefficients.state_dict())
+        self.basis = bspline_basis(model.nsplines, model.degree,
+                                   np.arange(model.num_steps) * model.dt, 1.0)
+        self.dt, self.template = model.dt, ConvBlock(4)
+
+    def forward(self, x):
+        h = self.open(x)
+        sets = [dict(c.named_parameters()) for c in self.coefficients]
+        for row in self.basis:
+            w = {n: sum(float(b) * s[n] for b, s in zip(row, sets) if b) for n in sets[0]}
+            h = h + self.dt * functional_call(self.template, w, (h,))
+        return self.close(h)
+
+
+def grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parallel([1])
+def test_the_basis_is_a_partition_of_unity_with_local_support():
+    t = np.linspace(0, 1, 101)[:-1]
+    for degree in (1, 2, 3):
+        for n in range(degree + 1, degree + 6):
+            b = bspline_basis(n, degree, t, 1.0)
+            assert b.shape == (100, n) and (b >= 0).all()
+            np.testing.assert_allclose(b.sum(1), 1.0, rtol=0, atol=1e-14)
+            assert ((b > 0).sum(1) <= degree + 1).all()  # at most degree + 1 splines at a time
+    # degree 1: hat functions on the uniform knots 0, 1/3, 2/3, 1
+    b = bspline_basis(4, 1, np.array([0.0, 0.5, 0.75]), 1.0)
+    np.testing.assert_allclose(b, [[1, 0, 0, 0], [0, 0.5, 0.5, 0], [0, 0, 0.75, 0.25]],
+                               atol=1e-15)
+    with pytest.raises(ValueError, match="nsplines must be at least degree \\+ 1 = 3"):
+        bspline_basis(2, 2, t, 1.0)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parametrize("degree, nsplines", [(1, 3), (2, 4), (3, 6)])
+@pytest.mark.parametrize("levels", [1, 2])
+def test_equals_the_serial_spline_network(degree, nsplines, levels):
+    torch.manual_seed(degree)
+    model = Net(WORLD, steps=12, nsplines=nsplines, degree=degree,
+                **(converged() if levels == 2 else {}))
+    serial = SerialSplineNet(model)
+    x, y = batch(seed=degree)
+    out = model(x)
+    want = serial(x)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-13)
+    F.cross_entropy(out, y).backward()
+    F.cross_entropy(want, y).backward()
+    got, ref = grads(model.coefficients), grads(serial.coefficients)
+    assert set(got) == set(ref)
+    for k in ref:  # every rank holds every set's whole gradient
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-12, atol=1e-14, msg=k)
+    for name in ("open", "close"):
+        mine, theirs = grads(getattr(model, name)), grads(getattr(serial, name))
+        for k in mine:  # on the rank that runs it
+            torch.testing.assert_close(mine[k], theirs[k], rtol=1e-12, atol=1e-14, msg=k)
+    # the step layers' evaluated weights never get a gradient; the coefficients' accumulate
+    assert all(p.grad is None for p in model.layers.parameters())
+    F.cross_entropy(model(x), y).backward()
+    for k, g in grads(model.coefficients).items():
+        torch.testing.assert_close(g, 2 * got[k], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([2, 3])
+def test_training_keeps_the_replicas_equal_and_the_serial_trajectory():
+    torch.manual_seed(3)
+    model = Net(WORLD, steps=9, nsplines=5, degree=3)
+    serial = SerialSplineNet(model)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, serial)]
+    for k in range(4):
+        x, y = batch(seed=k)
+        for m, opt in zip((model, serial), opts):
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+    mine = {k: v.clone() for k, v in model.coefficients.state_dict().items()}
+    for theirs in allgather_obj(WORLD, mine, "the coefficients"):
+        for k in mine:
+            assert torch.equal(theirs[k], mine[k]), k  # bit for bit on every rank
+    for k, v in serial.coefficients.state_dict().items():
+        torch.testing.assert_close(mine[k], v, rtol=1e-11, atol=1e-13, msg=k)
+    x, _ = batch(seed=9)
+    torch.testing.assert_close(model(x), serial(x), rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(model.to_serial()(x), serial(x), rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2, 3])
+def test_refining_the_depth_keeps_the_coefficients(tmp_path):
+    torch.manual_seed(4)
+    coarse = Net(WORLD, steps=4, nsplines=4, degree=2)
+    torch.manual_seed(5)
+    fine = Net(WORLD, steps=12, nsplines=4, degree=2)
+    opt_c = torch.optim.SGD(coarse.parameters(), lr=0.1, momentum=0.9)
+    opt_f = torch.optim.SGD(fine.parameters(), lr=0.1, momentum=0.9)
+    x, y = batch(seed=1)
+    opt_c.zero_grad()
+    F.cross_entropy(coarse(x), y).backward()
+    opt_c.step()
+    depth.refine(coarse, fine, "linear", (opt_c, opt_f))
+    for (k, a), b in zip(coarse.coefficients.state_dict().items(),
+                         fine.coefficients.state_dict().values()):
+        assert torch.equal(a, b), k
+    for p, q in zip(coarse.coefficients.parameters(), fine.coefficients.parameters()):
+        assert torch.equal(opt_c.state[p]["momentum_buffer"], opt_f.state[q]["momentum_buffer"])
+    # the same weight function, finer steps: the output changes by the time step's error only
+    assert (fine(x) - coarse(x)).abs().max() < 0.05 * coarse(x).abs().max()
+    # a checkpoint of the fine network resumes on one rank
+    path = tmp_path / "spline.pt" if WORLD.rank == 0 else None
+    path = allgather_obj(WORLD, str(path), "the path")[0]
+    layerbraid.save_checkpoint(fine, path)
+    from mpi4py import MPI
+
+    torch.manual_seed(6)
+    alone = Net(MPI.COMM_SELF, steps=12, nsplines=4, degree=2)
+    layerbraid.load_checkpoint(alone, path)
+    torch.testing.assert_close(alone(x), fine(x), rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parallel([1])
+def test_bad_splines_are_clear_errors():
+    from mpi4py import MPI
+
+    with pytest.raises(ValueError, match="degree must be 1, 2 or 3, got 4"):
+        Net(MPI.COMM_SELF, degree=4, nsplines=6)
+    with pytest.raises(ValueError, match="nsplines must be an int >= degree \\+ 1 = 3, got 2"):
+        Net(MPI.COMM_SELF, degree=2, nsplines=2)
+
+    class Uneven(Net):
+        def coefficient_layer(self, index):
+            return ConvBlock(4) if index else nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match="coefficient_layer\\(1\\) has other parameters"):
+        Uneven(MPI.COMM_SELF)
+
+
+@pytest.mark.parallel([2])
+def test_data_parallel_splines_are_refused():
+    grid = layerbraid.ProcessGrid(WORLD, data_parallel=2)
+    with pytest.raises(ValueError, match="not supported: use one data group"):
+        Net(grid, steps=4)
+
+
+@pytest.mark.parallel([2])
+def test_a_rank_late_for_the_gradient_sum_is_reported(short_timeout, monkeypatch):
+    """Rank 1 stalls just before the sum of the coefficients' gradients: rank 0 raises
+    StallError naming it instead of waiting forever."""
+    import layerbraid.spline as spline
+
+    model = Net(WORLD, steps=4)
+    x, y = batch(seed=0)
+    reached = []
+    if WORLD.rank == 1:
+        real = spline.allreduce_sum
+
+        def late(*args):
+            reached.append(True)
+            time.sleep(short_timeout + 3)
+            return real(*args)
+
+        monkeypatch.setattr(spline, "allreduce_sum", late)
+    loss = F.cross_entropy(model(x), y)
+    if WORLD.rank == 0:
+        with pytest.raises(layerbraid.StallError, match="the spline coefficients' gradients"):
+            loss.backward()
+    else:  # late, after the chain's adjoint: whether its sum then fails or not is MPI's
+        try:
+            loss.backward()
+        except Exception:
+            pass
+        assert reached == [True]
