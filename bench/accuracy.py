@@ -51,7 +51,7 @@ import subprocess
 from layerbraid.accuracy import ROUNDOFF_EPSILONS
 
 from bench.harness import (DOCS, QUICK, ROOT, SAME, SAME_LEGEND, generate, launch, parser,
-                           provenance, raw_path, save_data)
+                           provenance, raw_path, save_data, time_to)
 
 WORKER = "accuracy"  # bench/workers/accuracy.py
 TARGET = 1e-2
@@ -175,16 +175,6 @@ def probe_holds(rows):
     ok = sum(r["grad_error"] / FACTOR <= r["probe"] <= r["grad_error"] * FACTOR for r in judged)
     return (ok, len(judged), statistics.mean(r["probe_seconds"] for r in judged),
             statistics.mean(r["audit_seconds"] for r in judged))
-
-
-def time_to(ep, goal):
-    """Seconds of training until the first epoch whose test accuracy reaches ``goal``."""
-    total = 0.0
-    for r in ep:
-        total += r["seconds"]
-        if r["test_accuracy"] >= goal:
-            return total
-    return None
 
 
 def report(data):

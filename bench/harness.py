@@ -175,6 +175,17 @@ def spread(values, fmt=".2f", scale=1.0):
     return f"{med:{fmt}} [{v[0]:{fmt}}-{v[-1]:{fmt}}]"
 
 
+def time_to(rows, goal):
+    """Training seconds up to the first of ``rows`` (epochs or segments, in order, each with
+    its "seconds" and "test_accuracy") whose test accuracy reaches ``goal``; None if none."""
+    total = 0.0
+    for r in rows:
+        total += r["seconds"]
+        if r["test_accuracy"] >= goal:
+            return total
+    return None
+
+
 SAME = "~"  # marks a speedup whose spread includes 1.0
 SAME_LEGEND = (f"{SAME}: the speedup's spread includes 1.0, so the row is not distinguishable "
                "from plain PyTorch in this run.")

@@ -105,6 +105,11 @@ REPORTS = {
     "docs/contraction.md": (["bench.contraction"],
                             _RESNET + _VOLUMES + ["bench/contraction.py",
                                                   "bench/workers/contraction.py"]),
+    "docs/depth.md": (["bench.depth"],
+                      _RESNET + _MNIST + _VOLUMES + _HARNESS + [
+                          "layerbraid/depth.py", "layerbraid/mgopt.py", "layerbraid/spline.py",
+                          "layerbraid/data/loader.py", "bench/depth.py",
+                          "bench/workers/depth.py"]),
 }
 
 

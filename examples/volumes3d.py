@@ -27,6 +27,7 @@ import layerbraid
 from layerbraid import cli
 from layerbraid.launch import world
 from layerbraid.nn import ConvBlock
+from layerbraid.spline import SplineModule
 
 from training_loop import mgrit_summary, train  # examples/training_loop.py, beside this script
 
@@ -71,13 +72,30 @@ class VolumeNet(layerbraid.LayerParallelModule):
         return ConvBlock(self.channels, dims=3)
 
 
+class VolumeSplineNet(SplineModule):
+    """The same network, its step weights B-splines in time (--lp-splines)."""
+
+    def __init__(self, comm, steps, channels, fwd, bwd, spatial, warm, target_error=None, *,
+                 nsplines, degree):
+        super().__init__(num_steps=steps, t_final=1.0, comm=comm, nsplines=nsplines,
+                         degree=degree, forward_options=fwd, backward_options=bwd,
+                         spatial=spatial, warm_start=warm, target_error=target_error)
+        self.channels = channels
+        self.open = nn.Sequential(nn.Conv3d(1, channels, 3, padding=1), nn.ReLU())
+        self.close = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Flatten(),
+                                   nn.Linear(channels, len(SHAPES)))
+
+    def coefficient_layer(self, index):
+        return ConvBlock(self.channels, dims=3)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_training_arguments(parser, steps=16, channels=4, batch_size=16, epochs=2, lr=0.01,
                                optimizer="adam", log_interval=10)
     cli.add_lp_arguments(parser, levels=1, cfactor=2, fwd_iters=2, bwd_iters=1)
-    cli.add_depth_arguments(parser)
+    cli.add_depth_arguments(parser, splines=True)
     parser.add_argument("--lp-sc-levels", type=int, nargs="*", default=None, metavar="L",
                         help="MGRIT levels that are also coarse in space (default: every coarse "
                              "level, 1 to --lp-levels - 1; the flag alone: none)")
@@ -115,8 +133,12 @@ def main(argv=None):
         if args.lp_sc_levels else None
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
     def build(steps):  # the network at any depth (nested iteration, MG/Opt)
-        return VolumeNet(MPI.COMM_SELF if args.serial else grid, steps, args.channels, fwd, bwd,
-                         spatial, args.lp_warm_start, args.lp_target_error).to(args.device)
+        net, spline = VolumeNet, {}
+        if args.lp_splines:
+            net, spline = VolumeSplineNet, {"nsplines": args.lp_splines,
+                                            "degree": args.lp_spline_degree}
+        return net(MPI.COMM_SELF if args.serial else grid, steps, args.channels, fwd, bwd,
+                   spatial, args.lp_warm_start, args.lp_target_error, **spline).to(args.device)
 
     model = build(args.steps)
     if args.serial:
