@@ -14,8 +14,8 @@ interpolation with the optimizer's state), mgopt (MG/Opt V-cycles over full and 
 1 optimizer steps around each coarse correction, 2 on the coarse network, backtracking line
 search), spline (full depth, the step weights B-splines of degree 2 with half as many
 coefficient sets as steps).  Training runs in segments of batches; after each, the test
-accuracy (not timed).  The target is full-depth training's final accuracy (the median over the
-seeds) less one point; a run's time to it is its training time up to the first segment that
+accuracy (not timed).  The target is full-depth training's lowest final accuracy over the
+seeds less one point; a run's time to it is its training time up to the first segment that
 reaches it.  Each mode runs once per seed, the modes one after another; spreads are over the
 seeds (time to target, final accuracy) and over every batch (time per batch).
 """
@@ -61,7 +61,9 @@ def example_rows(data, example):
 
 
 def target_of(by_mode):
-    return statistics.median(run[-1]["test_accuracy"] for run in by_mode[FROM_SCRATCH]) - 0.01
+    """The lowest final accuracy of full-depth training over the seeds, less a point: what
+    training the full-depth network from scratch reaches whatever the seed."""
+    return min(run[-1]["test_accuracy"] for run in by_mode[FROM_SCRATCH]) - 0.01
 
 
 def table(by_mode, target):
