@@ -1,8 +1,8 @@
 """When is layer-parallel training faster than plain PyTorch, and what does layerbraid add on
 top of the layers' own work?  Writes docs/performance.md and its raw data, performance.json.
 
-    python -m bench.performance                  # the whole report (about 25 minutes here)
-    python -m bench.performance --rounds 2       # shorter
+    python -m bench.performance                  # the whole report (about 10 minutes here)
+    python -m bench.performance --rounds 6       # tighter spreads (about 30 minutes)
     python -m bench.performance --report         # rewrite the .md from the last run's raw data (runs/reports/)
 
 One run measures, round after round (interleaved, so that drift of the machine hits every row
@@ -222,7 +222,9 @@ def measure(a):
 
 def main(argv=None):
     p = parser(__doc__)
-    p.add_argument("--rounds", type=int, default=pick(6, 1), help="interleaved rounds")
+    # 2 rounds of every job keep the report near 10 minutes (6 took 30); each row's spread is
+    # over all its rounds' batches or pairs, and the report states the rounds it ran
+    p.add_argument("--rounds", type=int, default=pick(2, 1), help="interleaved rounds")
     p.add_argument("--batches", type=int, default=pick(15, 2),
                    help="timed batches per demo job (median taken)")
     # 8 pairs per job, 48 per row: with 4 (24 per row) the rows' speedups spread from 0.58-0.91x

@@ -68,7 +68,8 @@ def main():
     comm = MPI.COMM_WORLD
     path, batches = sys.argv[1], int(sys.argv[2])
     gamma = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
-    variants = sys.argv[4:] or harness.pick(list(VARIANTS), list(VARIANTS)[:1])
+    weights_list = sys.argv[4].split(",") if len(sys.argv) > 4 else ["initial", "trained"]
+    variants = sys.argv[5:] or harness.pick(list(VARIANTS), list(VARIANTS)[:1])
     # Every rank trains (the same serial network): the first layerbraid model a process builds
     # is collective over its job, whatever communicator it is given; rank 0 saves it.
     if comm.bcast(not os.path.exists(path) if comm.rank == 0 else None, root=0):
@@ -91,7 +92,7 @@ def main():
         F.cross_entropy(out, y).backward()
         return out.detach(), xx.grad
 
-    for weights in ("initial", "trained"):
+    for weights in weights_list:
         ref = build(exact, exact, None, weights)
         out_ref, gin_ref = run(ref)
         ref.free()

@@ -9,7 +9,8 @@ batch 64) or volumes3d (examples/volumes3d.py's: 16 steps of 4 channels on 16^3 
 at full depth from scratch, one MGRIT level: the examples' default), nested (half the depth for
 the first third of the segments, then refined by linear interpolation, the optimizer's state
 carried over), mgopt (MG/Opt V-cycles over full and half depth: 1 / 1 optimizer steps around
-each coarse correction, 2 on the coarse network, backtracking line search), spline (full depth,
+each coarse correction, 2 on the coarse network, its optimizer's state reset each batch,
+backtracking line search), spline (full depth,
 the step weights B-splines of degree 2 with half as many coefficient sets as steps).
 
 Every mode starts from the same seed and trains on the same batches (the loader's shuffle of
@@ -101,7 +102,7 @@ def main():
         torch.manual_seed(seed + 1)
         coarse = build(steps // 2, 0)
         mg = MGOpt([model, coarse], [opt, make_opt(coarse.parameters())], pre_relax=1,
-                   post_relax=1, coarse_relax=2, line_search="backtracking")
+                   post_relax=1, coarse_relax=2, line_search="backtracking", state="reset")
     loader = LayerParallelLoader(TensorDataset(train[0].float(), train[1]), batch, comm=comm,
                                  seed=seed)
     refine_at = segments // 3 if mode == "nested" else -1
