@@ -121,12 +121,14 @@ class Depths:
         if self.rank == 0:
             print(f"MG/Opt over {', '.join(map(str, reversed(steps)))} steps: {pre} / {post} "
                   f"optimizer steps before / after each coarse correction, {last} on the "
-                  f"coarsest, line search {self.args.lp_mgopt_line_search}", flush=True)
+                  f"coarsest, line search {self.args.lp_mgopt_line_search}, coarse optimizer "
+                  f"state {self.args.lp_mgopt_state}", flush=True)
         return MGOpt([self.full, *coarse],
                      [optimizer, *(make_optimizer(self.args, m.parameters()) for m in coarse)],
                      pre_relax=pre, post_relax=post, coarse_relax=last,
                      interpolate=self.args.lp_depth_interp,
-                     line_search=self.args.lp_mgopt_line_search)
+                     line_search=self.args.lp_mgopt_line_search,
+                     state=self.args.lp_mgopt_state)
 
 
 def _curve(losses, epoch, per_epoch, window):

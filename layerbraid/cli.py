@@ -433,6 +433,14 @@ def add_depth_arguments(
         default="backtracking",
         help="how MG/Opt scales the coarse correction (default backtracking)",
     )
+    g.add_argument(
+        "--lp-mgopt-state",
+        choices=["restrict", "keep", "reset"],
+        default="reset",
+        help="the coarse optimizers' state (momentum, Adam's moments) each batch: reset, "
+        "restricted from the finer depth's (which applies the fine momentum again on the "
+        "coarse depth), or kept from the coarse depth's own last batch (default reset)",
+    )
     return g
 
 

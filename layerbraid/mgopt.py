@@ -79,7 +79,10 @@ class MGOpt:
             ``"none"`` (``alpha`` itself).
         state: the coarse optimizers' state each cycle: ``"restrict"`` (default: restricted
             from the finer level's optimizer, as the weights), ``"keep"`` (each keeps its own
-            from cycle to cycle) or ``"reset"`` (every cycle starts afresh).
+            from cycle to cycle) or ``"reset"`` (every cycle starts afresh).  With momentum,
+            a restricted velocity moves the coarse weights again by what the fine steps
+            already moved them, and the correction carries that back: a larger step per
+            batch than the fine optimizer's own.  The examples reset.
         check_coherence: measure the coherence term's gap each cycle (``stats``): the
             gradient of each coarse objective, coherence term included, at the restricted
             point, against the restricted fine gradient (one more forward and backward per
