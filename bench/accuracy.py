@@ -1,7 +1,7 @@
 """Gradient accuracy in real training: the true error of every mode's gradients (audits), the
 calibrated estimate judged against it, test accuracy and time beside plain PyTorch.
 
-    python -m bench.accuracy            (docs/accuracy.md, .json and .png; about 12 minutes on 2 cores)
+    python -m bench.accuracy            (docs/accuracy.md, .json and .png; about 20 minutes on 2 cores)
     python -m bench.accuracy --report   (rewrites the .md and .png from the last run's raw data, runs/reports/)
     python -m bench.accuracy --only EXAMPLE/MODE [...]   (reruns those into the last run's raw data here)
 
@@ -66,7 +66,7 @@ PENALTIES = {"smooth": 0.1, "smooth3": 0.3}
 MODES = ["serial", "exact", "fixed", "relaxed", "relaxed1", "warm", "warm1", "smooth", "smooth3",
          "serial_smooth", "serial_smooth3", "adaptive", "adaptive_warm", "tuned", "tuned_warm"]
 # Repetitions: the batches below (a run of every mode took 85 minutes at full epochs; these
-# keep the report's whole run near 12 minutes on 2 cores).
+# keep the report's whole run near 20 minutes on 2 cores, audits included).
 RUNS = {"mnist": dict(epochs=1, log_every=10, audit_every=50, max_batches=200),
         "volumes3d": dict(epochs=1, log_every=2, audit_every=8, max_batches=24,
                           modes=[m for m in MODES if m not in

@@ -2,7 +2,7 @@
 the error after 1-4 iterations for every variation of the settings, at initialization and after
 training, without and with the depth-smoothness penalty.
 
-    python -m bench.contraction            (docs/contraction.md and .json; ~8 minutes here)
+    python -m bench.contraction            (docs/contraction.md and .json; ~5 minutes here)
     python -m bench.contraction --report   (rewrites the .md from the last run's raw data, runs/reports/)
 
 The worker (bench/workers/contraction.py) trains examples/volumes3d.py's network serially for
@@ -18,7 +18,7 @@ forward / 1 adjoint iterations (``audit_gradients``).
 from bench.harness import DOCS, generate, launch, pick, provenance
 
 OUT = DOCS / "contraction"
-GAMMAS = pick((0.0, 0.1), (0.1,))  # 0.01 as well took 27 minutes; these two, about 8
+GAMMAS = pick((0.0, 0.1), (0.1,))  # 0.01 as well took 27 minutes; these two, about 5
 BATCHES = pick(128, 2)
 VARIANTS = ["default (3 levels, cf 2, F, spatial 1 2)", "no spatial coarsening", "FCF",
             "cfactor 4", "2 levels, no spatial"]  # of bench/workers/contraction.py's

@@ -1,7 +1,7 @@
 """Does training over depths pay?  Time to accuracy of nested iteration, MG/Opt and spline
 steps against training the full-depth network from scratch, with plain PyTorch as a row.
 
-    python -m bench.depth            (docs/depth.md and .json; about 10 minutes on 2 cores)
+    python -m bench.depth            (docs/depth.md and .json; about 15 minutes on 2 cores)
     python -m bench.depth --report   (rewrites the .md from the last run's raw data, runs/reports/)
 
 Two networks, each trained in every mode from the same seed on the same batches
@@ -28,7 +28,7 @@ OUT = DOCS / "depth.md"
 WORKER = "depth"  # bench/workers/depth.py
 MODES = ["serial", "full", "nested", "mgopt", "spline"]
 # example -> (segments, batches per segment, test images, modes)
-# Repetitions: 2 seeds of 480 MNIST and 32 volumes3d batches (one epoch) take about 10 minutes
+# Repetitions: 2 seeds of 480 MNIST and 32 volumes3d batches (one epoch) take about 15 minutes
 # (600 and 64 took 21)
 RUNS = pick({"mnist": (6, 80, 2000, MODES), "volumes3d": (4, 8, 256, MODES)},
             {"mnist": (2, 3, 200, MODES), "volumes3d": (2, 2, 32, ["serial", "full"])})

@@ -19,7 +19,7 @@ from bench.harness import (DOCS, SAME_LEGEND, generate, launch, pick, provenance
                            spread)
 
 WORKER = "rnn"  # bench/workers/rnn.py
-PAIRS = pick(5, 1)  # timed pairs per job (7 took 7 minutes in all, 5 about 5)
+PAIRS = pick(5, 1)  # timed pairs per job (7 took 7 minutes in all, 5 about 3)
 CONFIGS = [("gru", seq) for seq in (128, 256, 512, 1024)] + [("lstm", seq) for seq in (256, 1024)]
 
 
