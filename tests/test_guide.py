@@ -4,6 +4,7 @@ rank count it shows: a block preceded by the line ``<!-- ranks: 2 -->`` under ``
 line must match, numbers aside (in any order: ranks print at once).  The README's training loop is the guide's first, and the
 tuning page's table is the planner's output."""
 
+import os
 import re
 import subprocess
 import sys
@@ -46,7 +47,11 @@ def test_guide_code_block_runs(code, ranks, launcher, prints, tmp_path):
                str(ranks), str(script)]
     elif ranks > 1:
         cmd = ["mpiexec", "-n", str(ranks)] + cmd
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # Unbuffered, print writes a line and its newline apart, and two ranks sharing the pipe
+    # (torchrun's children do) can interleave them; buffered, each rank writes its lines whole.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     if prints is not None:
         got = [line for line in proc.stdout.splitlines() if line.strip()]
