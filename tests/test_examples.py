@@ -208,6 +208,7 @@ def test_mnist_trains_over_depths(tmp_path):
     assert len(h["mgopt_alphas"]) == 20 and h["audits"] == [] and h["probes"] == []
     assert sum(h["last_losses"]) < sum(h["first_losses"])
     assert proc.stdout.count("MG/Opt over 8, 4 steps: 1 / 1 optimizer steps") == 1
+    assert "line search backtracking, coarse optimizer state reset" in proc.stdout
     assert re.search(r"MG/Opt: the line search took the coarse correction at \d+ of 20", proc.stdout)
     # spline-parameterized steps, refined in depth with their coefficients
     run(2, "mnist.py", "--epochs", 2, "--max-batches", 20, "--test-limit", 500,
