@@ -10,12 +10,13 @@ running on an accelerator), and computes
 Everything else is the real training path: LayerParallelModule's forward and adjoint MGRIT
 solves (2 forward / 1 adjoint iteration, F-relaxation on the fine level and FCF below, first
 down-cycle skipped), the output broadcast and ``loss.backward()``.  Per config: the seconds of
-each of REPEATS forward+backward passes after a warm-up (the slowest rank's), and the steps and
-VJPs each rank ran (from the core's trace), and the CPU seconds each rank spent in its fastest
-pass (what the ranks ask of the machine's cores) with the seconds its sleeps in that pass took
+each of REPEATS forward+backward passes (the slowest rank's) after a traced one, the warm-up,
+which gives the steps and VJPs each rank ran (from the core's trace), and the CPU seconds each
+rank spent in its fastest pass (what the ranks ask of the machine's cores) with the seconds its sleeps in that pass took
 beyond their nominal time and their number (how late this machine wakes a sleeping rank).  On a
 1-rank job, also the emulated serial network (plain PyTorch autograd over the same sleeping
-layers).
+layers).  Last, the hand-off of bench/workers/hand_off.py on the job's ranks (a row with
+kind "hand_off").
 """
 import sys
 import time
@@ -81,6 +82,7 @@ def main():
     import torch
     from mpi4py import MPI
 
+    from bench.workers import hand_off
     from bench.workers.resnet import traced_work
 
     torch.set_num_threads(1)
@@ -90,32 +92,31 @@ def main():
     for config in sys.argv[5:]:
         steps, levels, cfactor = map(int, config.split(":"))
         model, x = build(comm, steps, levels, cfactor, step_s, vjp_s, floats)
+        # the warm-up: the steps and VJPs from the core's trace of one solve, untimed (a traced
+        # solve runs in the core; one rank with one level runs as plain autograd otherwise, as
+        # timed)
+        comm.Barrier()
+        work = traced_work(model, lambda xx: model(xx).sum().backward(), x)
         times, cpu, late = [], [], []
-        for k in range(repeats + 1):
+        for _ in range(repeats):
             comm.Barrier()
             LATE[:] = [0.0, 0]
             t0, c0 = time.perf_counter(), time.process_time()
             model(x).sum().backward()
             c1 = time.process_time() - c0
-            t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-            if k:
-                times.append(t)
-                cpu.append(c1)
-                late.append(tuple(LATE))
-        # the steps and VJPs from the core's trace of one more solve, untimed (a traced solve
-        # runs in the core; one rank with one level runs as plain autograd otherwise, as timed)
-        work = traced_work(model, lambda xx: model(xx).sum().backward(), x)
+            times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            cpu.append(c1)
+            late.append(tuple(LATE))
         fastest = min(range(repeats), key=lambda k: cpu[k])
         counts = comm.gather(work + (cpu[fastest], late[fastest]), root=0)
         serial = None
-        if comm.size == 1:
+        if comm.size == 1:  # the layers are warm: the model's passes ran them
             net = model.to_serial()
             ts = []
-            for k in range(repeats + 1):
+            for _ in range(repeats):
                 t0 = time.perf_counter()
                 net(x).sum().backward()
-                if k:
-                    ts.append(time.perf_counter() - t0)
+                ts.append(time.perf_counter() - t0)
             serial = min(ts)
         model.free()
         if comm.rank == 0:
@@ -125,6 +126,10 @@ def main():
                                   cpu_seconds=[c[2] for c in counts],
                                   sleep_late=[c[3] for c in counts], serial_seconds=serial)),
                   flush=True)
+    # the hand-off in the same job: its processes start once per rank count
+    out = hand_off.row(comm, floats, step_s)
+    if comm.rank == 0:
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
