@@ -59,7 +59,9 @@ def rel(a, b):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--steps", type=int, nargs="+", default=[64],
+                   help="the network's steps; several: one network after another, a JSON line "
+                        "each (one process start for all)")
     p.add_argument("--levels", type=int, default=1)
     p.add_argument("--cfactor", type=int, default=4)
     p.add_argument("--fwd-iters", type=int, default=2)
@@ -75,11 +77,20 @@ def main():
                         "layer-parallel network or (1 rank) of its serial copy: the growth of "
                         "each rank's peak resident set over its resident set before it")
     args = p.parse_args()
+    if args.memory and len(args.steps) > 1:
+        p.error("--memory measures one network per process (a peak resident set is the "
+                "process's)")
     steady_allocator()
     bind_self()
     torch.set_num_threads(1)
     comm = world()  # MPI's COMM_WORLD, or torchrun's process group (the transport rows)
+    for steps in args.steps:
+        run(args, steps, comm)
 
+
+def run(args, steps, comm):
+    """Builds the network of ``steps`` steps and measures it as ``args`` ask; rank 0 prints
+    its JSON line."""
     # F-relaxation on the fine level, FCF on coarse levels, first down-cycle skipped.
     nrelax = tuple([0] + [1] * (args.levels - 2)) if args.levels > 2 else 0
     def opts(iters):
@@ -89,12 +100,12 @@ def main():
                                        max_iters=iters, nrelax=nrelax, tol=0.0,
                                        skip_first_downcycle=True)
     torch.manual_seed(0)
-    model = Chain(comm, args.steps, args.channels, opts(args.fwd_iters), opts(args.bwd_iters),
+    model = Chain(comm, steps, args.channels, opts(args.fwd_iters), opts(args.bwd_iters),
                   args.warm)
     serial = model.to_serial()
     g = torch.Generator().manual_seed(1)
     if args.memory:
-        return memory(model if args.memory == "lp" else serial, args, comm)
+        return memory(model if args.memory == "lp" else serial, args, steps, comm)
 
     def lp_step(xx):
         model.zero_grad(set_to_none=True)
@@ -180,7 +191,7 @@ def main():
 
     result = None
     if comm.rank == 0:
-        result = dict(ranks=comm.size, steps=args.steps, levels=args.levels, cfactor=args.cfactor,
+        result = dict(ranks=comm.size, steps=steps, levels=args.levels, cfactor=args.cfactor,
                       fwd_iters=args.fwd_iters, bwd_iters=args.bwd_iters, warm=args.warm,
                       seconds=lp_time, err_output=err_out, err_input_grad=err_in,
                       err_param_grad=err_param, lp_times=lp_times, serial_times=serial_times,
@@ -203,7 +214,7 @@ def main():
                 result[key] = statistics.median(c[i] for c in costs)
                 if busy_costs:  # the same, measured on every rank at once (their mean)
                     result["busy_" + key.replace("seconds", "times")] = [c[i] for c in busy_costs]
-        print(json.dumps(result))
+        print(json.dumps(result), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
 
@@ -267,7 +278,7 @@ def adjoint_c_points(model):
     return max(0, hi - max(lo, 1) + 1)
 
 
-def memory(model, args, comm):
+def memory(model, args, steps, comm):
     """Prints (rank 0), for every rank, the growth of torch's allocated bytes at their peak over
     one forward+backward (the measure the report judges), the peak resident set's growth over
     another (what the OS saw; it varies between runs of the same code with what the C allocator
@@ -303,12 +314,12 @@ def memory(model, args, comm):
     gc.collect()
     comm.Barrier()
     allocated, after_forward = allocator_profile(forward, lambda loss: loss.backward())
-    owned = len(list(model.owned_steps())) if hasattr(model, "owned_steps") else args.steps
+    owned = len(list(model.owned_steps())) if hasattr(model, "owned_steps") else steps
     rows = comm.gather({"allocated_bytes": allocated, "after_forward_bytes": after_forward,
                         "growth_bytes": max(peak - before, 0), "owned_steps": owned,
                         "adjoint_c_points": adjoint_c_points(model)}, root=0)
     if comm.rank == 0:
-        print(json.dumps({"memory": args.memory, "ranks": comm.size, "steps": args.steps,
+        print(json.dumps({"memory": args.memory, "ranks": comm.size, "steps": steps,
                           "levels": args.levels, "per_rank": rows,
                           "state_bytes": args.channels * 28 * 28 * 4 * args.batch}))
 
