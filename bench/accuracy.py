@@ -1,19 +1,19 @@
 """Gradient accuracy in real training: the true error of every mode's gradients (audits), the
 calibrated estimate judged against it, test accuracy and time beside plain PyTorch.
 
-    python -m bench.accuracy            (docs/accuracy.md, .json and .png; about 20 minutes on 2 cores)
+    python -m bench.accuracy            (docs/accuracy.md, .json and .png; about 9 minutes on 2 cores)
     python -m bench.accuracy --report   (rewrites the .md and .png from the last run's raw data, runs/reports/)
     python -m bench.accuracy --only EXAMPLE/MODE [...]   (reruns those into the last run's raw data here)
 
 Four networks, each trained in every mode with the same seed, batches and initial weights, in
-one job on 2 ranks: examples/mnist.py's network (its first 200 batches; 8 steps, 2 levels,
-cfactor 4, F-relaxation), examples/volumes3d.py's (its first 24 batches; 3 levels, cfactor 2,
+one job on 2 ranks: examples/mnist.py's network (its first 100 batches; 8 steps, 2 levels,
+cfactor 4, F-relaxation), examples/volumes3d.py's (its first 12 batches; 3 levels, cfactor 2,
 spatial coarsening "branch" on levels 1 and 2), examples/sequence_classification.py's GRU on
-MNIST rows (its first 200 batches; 2 levels, cfactor 4) and a deeper ReLU conv chain no example
-uses by default (mnist's network with 24 steps over T = 2, SGD with momentum, its first 80
+MNIST rows (its first 100 batches; 2 levels, cfactor 4) and a deeper ReLU conv chain no example
+uses by default (mnist's network with 24 steps over T = 2, SGD with momentum, its first 40
 batches).  One run of each, one seed: the repetitions are the batches, each mode's paired with
 plain PyTorch's, and the spreads below are over them (a full epoch of each, three of volumes3d,
-took 85 minutes).  Modes: serial (plain
+took 85 minutes; twice these batches with the variants below, 20).  Modes: serial (plain
 PyTorch on one rank, the speedup reference, without any penalty), exact (one MGRIT level:
 sequential stepping across the ranks), fixed (2 forward / 1 adjoint iteration, the first
 down-cycle skipped), relaxed (2 forward / 1 adjoint iteration, the first down-cycle relaxed:
@@ -30,7 +30,8 @@ solve's iterations to the fewest whose probed error is at most the aim, 1e-2 / 2
 or above the aim up within the batch, one iteration at a time, until one more changes the
 gradients by no more than the aim; the tuner's time counts as training's)
 and tuned_warm (tuned with warm starts); the GRU has no warm starts or penalty (its steps share
-their weights), and volumes3d, the slowest, runs no relaxed1, warm1, smooth3 or serial_smooth3.  "Serial's final accuracy" is always the unpenalized
+their weights), relaxed1, warm1, smooth3 and serial_smooth3 run only when asked (``--only
+EXAMPLE/MODE``), and so do volumes3d's adaptive_warm and tuned_warm (its slowest modes).  "Serial's final accuracy" is always the unpenalized
 serial run's.  The example's default
 mode is marked.  The modes take turns batch by batch (bench/workers/accuracy.py), so each
 batch's time in a mode is paired with plain PyTorch's on the same batch, measured seconds apart
@@ -65,15 +66,22 @@ FACTOR = 3.0  # an estimate "holds" within this factor of the true error, either
 PENALTIES = {"smooth": 0.1, "smooth3": 0.3}
 MODES = ["serial", "exact", "fixed", "relaxed", "relaxed1", "warm", "warm1", "smooth", "smooth3",
          "serial_smooth", "serial_smooth3", "adaptive", "adaptive_warm", "tuned", "tuned_warm"]
-# Repetitions: the batches below (a run of every mode took 85 minutes at full epochs; these
-# keep the report's whole run near 20 minutes on 2 cores, audits included).
-RUNS = {"mnist": dict(epochs=1, log_every=10, audit_every=50, max_batches=200),
-        "volumes3d": dict(epochs=1, log_every=2, audit_every=8, max_batches=24,
-                          modes=[m for m in MODES if m not in
-                                 ("relaxed1", "warm1", "smooth3", "serial_smooth3")]),
-        "sequence": dict(epochs=1, log_every=10, audit_every=50, max_batches=200,
+# The variants of other modes (one iteration fewer, a stronger penalty): run with --only.
+VARIANTS = ("relaxed1", "warm1", "smooth3", "serial_smooth3")
+# volumes3d's slowest modes, warm starts of the searches (mnist and convchain run them)
+WARM_SEARCHES = ("adaptive_warm", "tuned_warm")
+# Repetitions: the batches below (a run of every mode took 85 minutes at full epochs, 20
+# minutes at 200 MNIST and GRU, 24 volumes3d and 80 conv-chain batches with the variants;
+# these keep the report's whole run near 9 minutes on 2 cores, audits included).
+RUNS = {"mnist": dict(epochs=1, log_every=10, audit_every=50, max_batches=100,
+                      modes=[m for m in MODES if m not in VARIANTS], variants=VARIANTS),
+        "volumes3d": dict(epochs=1, log_every=2, audit_every=8, max_batches=12,
+                          modes=[m for m in MODES if m not in VARIANTS + WARM_SEARCHES],
+                          variants=VARIANTS + WARM_SEARCHES),
+        "sequence": dict(epochs=1, log_every=10, audit_every=50, max_batches=100,
                          modes=["serial", "exact", "fixed", "adaptive", "tuned"]),  # no penalty: shared weights
-        "convchain": dict(epochs=1, log_every=5, audit_every=20, max_batches=80)}
+        "convchain": dict(epochs=1, log_every=5, audit_every=20, max_batches=40,
+                          modes=[m for m in MODES if m not in VARIANTS], variants=VARIANTS)}
 # Each example's default mode: what `mpiexec -n 2 python examples/EXAMPLE.py` runs
 # (tests/test_examples.py checks these against the examples' flags); convchain is no example.
 DEFAULTS = {"mnist": "exact", "volumes3d": "exact", "sequence": "exact"}
@@ -97,8 +105,9 @@ def measure(only=None):
     data = json.loads(path.read_text()) if only and path.exists() else {"target": TARGET, "runs": {}}
     for example, cfg in RUNS.items():
         modes = cfg.get("modes", MODES)
-        if only:
-            modes = [m for m in modes if example in only or f"{example}/{m}" in only]
+        if only:  # the variants too, where asked for by name
+            modes = [m for m in modes if example in only or f"{example}/{m}" in only] + \
+                [m for m in cfg.get("variants", ()) if f"{example}/{m}" in only]
             if not modes:
                 continue
             modes = ["serial"] + [m for m in modes if m != "serial"]

@@ -10,7 +10,7 @@ alike):
 
 1. The demo network (examples/mnist.py) in training: plain PyTorch (1 and 2 threads), data
    parallel on 2 ranks (torch DDP; layerbraid's ProcessGrid), and layer parallel at 1 level
-   (exact) on 1 and 2 ranks and at 2 levels (the demo's settings among them).  Each job is
+   (exact; the demo's settings) on 1 and 2 ranks and at 2 levels.  Each job is
    bench/workers/performance.py; each job pairs its batches with plain PyTorch's in the same
    process (the 2-thread row is timed against the plain PyTorch job of the same round).
 2. The benchmark conv layer alone (bench/workers/resnet.py): each job alternates a
@@ -49,7 +49,7 @@ ROWS = [
     ("layer parallel, 2 ranks, 1 level (exact)", 2, ["lp", "--levels", "1"]),
     ("layer parallel, 2 ranks, 2 levels, 2/1 iterations", 2, ["lp", "--iters", "2", "1"]),
     ("layer parallel, 2 ranks, 2 levels, 1/1 iterations", 2, ["lp", "--iters", "1", "1"]),
-    ("layer parallel, 2 ranks, 2 levels, 1/1 iterations, first down-cycle relaxed (demo)", 2,
+    ("layer parallel, 2 ranks, 2 levels, 1/1 iterations, first down-cycle relaxed", 2,
      ["lp", "--iters", "1", "1", "--relax-first"]),
 ]
 REFERENCE = ROWS[0][0]
