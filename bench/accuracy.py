@@ -1,7 +1,7 @@
 """Gradient accuracy in real training: the true error of every mode's gradients (audits), the
 calibrated estimate judged against it, test accuracy and time beside plain PyTorch.
 
-    python -m bench.accuracy            (docs/accuracy.md, .json and .png; about 9 minutes on 2 cores)
+    python -m bench.accuracy            (docs/accuracy.md, .json and .png; about 7 minutes on 2 cores)
     python -m bench.accuracy --report   (rewrites the .md and .png from the last run's raw data, runs/reports/)
     python -m bench.accuracy --only EXAMPLE/MODE [...]   (reruns those into the last run's raw data here)
 
@@ -72,7 +72,7 @@ VARIANTS = ("relaxed1", "warm1", "smooth3", "serial_smooth3")
 WARM_SEARCHES = ("adaptive_warm", "tuned_warm")
 # Repetitions: the batches below (a run of every mode took 85 minutes at full epochs, 20
 # minutes at 200 MNIST and GRU, 24 volumes3d and 80 conv-chain batches with the variants;
-# these keep the report's whole run near 9 minutes on 2 cores, audits included).
+# these took 7.2 minutes at commit 97f21d0 on 2 cores, audits included).
 RUNS = {"mnist": dict(epochs=1, log_every=10, audit_every=50, max_batches=100,
                       modes=[m for m in MODES if m not in VARIANTS], variants=VARIANTS),
         "volumes3d": dict(epochs=1, log_every=2, audit_every=8, max_batches=12,
