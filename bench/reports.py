@@ -30,8 +30,9 @@ _ENGINE = _CORE + ["layerbraid/_engine/chain.py", "layerbraid/_engine/steps.py",
                    "layerbraid/_engine/warn.py",
                    "layerbraid/_comm/__init__.py", "layerbraid/_comm/mpi.py",
                    "layerbraid/_comm/base.py", "layerbraid/_comm/dist.py",
-                   "layerbraid/_comm/stream.py",
-                   "layerbraid/_comm/transport.py", "layerbraid/_comm/timeouts.py",
+                   "layerbraid/_comm/stream.py", "layerbraid/_comm/waits.py",
+                   "layerbraid/_comm/wire.py", "layerbraid/_comm/world.py",
+                   "layerbraid/_comm/timeouts.py",
                    "layerbraid/stats.py"]
 # The ResNet path, and ConvBlock (layerbraid/nn/__init__.py): the layer the ResNet benchmarks
 # and the examples step.

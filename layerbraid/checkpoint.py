@@ -22,7 +22,6 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ._comm.mpi import gather_obj, raise_on_every_rank
 from ._engine.parts import sharded_parts
 from ._engine.warn import warn
 
@@ -114,7 +113,7 @@ def save_checkpoint(
                         for k, v in optimizer.state[p].items()
                     }
     if comm is not None and comm.Get_size() > 1:
-        gathered = gather_obj(comm, (mine, opt_state), 0, f"the state to save in {path}")
+        gathered = comm.gather_obj((mine, opt_state), 0, f"the state to save in {path}")
     else:
         gathered = [(mine, opt_state)]
     writer, world = _world(model, comm)
@@ -141,7 +140,7 @@ def save_checkpoint(
         except Exception as exc:  # every rank learns of it below
             error = exc
     if world is not None and world.Get_size() > 1:
-        raise_on_every_rank(world, error, f"writing the checkpoint {path}")
+        world.raise_on_every_rank(error, f"writing the checkpoint {path}")
     if error is not None:
         raise error
 

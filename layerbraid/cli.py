@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
-from ._comm.mpi import Comm, resolve, world
+from ._comm.world import Comm, resolve, world
 from .options import MGRITOptions
 
 __all__ = [

@@ -5,7 +5,6 @@ import math
 import torch
 from torch import nn
 
-from ._comm.mpi import allreduce_floats
 from ._engine.parts import counted_parameters
 
 __all__ = ["clip_grad_norm_"]
@@ -46,9 +45,9 @@ def clip_grad_norm_(
     if comm is not None and comm.Get_size() > 1:
         what = "the gradient norm of clip_grad_norm_"
         if math.isinf(norm_type):
-            total = allreduce_floats(comm, [local], "max", what)[0]
+            total = comm.allreduce_floats([local], "max", what)[0]
         else:
-            total = allreduce_floats(comm, [local**norm_type], "sum", what)[0] ** (1.0 / norm_type)
+            total = comm.allreduce_floats([local**norm_type], "sum", what)[0] ** (1.0 / norm_type)
     else:
         total = local
     ref = params[0].grad if params else None

@@ -19,10 +19,9 @@ another rank owns (Note [depth transfers]).
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
-from ._comm.mpi import allgather_obj, exchange_bytes
+from ._engine.ownership import fetch, plan_fetch
 from .module import LayerParallelModule
 
 __all__ = ["depths", "interpolate", "nested_iteration", "refine", "restrict"]
@@ -290,34 +289,20 @@ def move_steps(
     comm = src.comm
     if dst.comm.Get_size() != comm.Get_size():
         raise ValueError(f"{what}: the two networks span different numbers of ranks")
-    rank = comm.Get_rank()
     mine = {i: layer for i, layer in src.owned_steps()}
     targets = dst.owned_steps()
     reads = sorted({i for j, _ in targets for i, _ in sources(j)})
-    table = allgather_obj(comm, (sorted(mine), reads), f"the steps of {what}")
-    owner = {i: r for r, (owned, _) in enumerate(table) for i in owned}
+    plan = plan_fetch(comm, sorted(mine), reads, what)
     template = like(targets[0][1]) if targets else []
-    sends = {}
-    for r, (_, theirs) in enumerate(table):
-        wanted = [i for i in theirs if i in mine and r != rank]
-        if wanted:
-            sends[r] = np.concatenate([_bytes(t) for i in wanted for t in get(i, mine[i])])
-    incoming = {}
-    for r in sorted({owner[i] for i in reads if owner[i] != rank}):
-        idx = [i for i in reads if owner[i] == r]
-        incoming[r] = (idx, np.empty(len(idx) * _nbytes(template), dtype=np.uint8))
-    exchange_bytes(
+    got = fetch(
         comm,
-        sends,
-        {r: buf for r, (_, buf) in incoming.items()},
+        plan,
+        lambda i: get(i, mine[i]),
+        lambda i: template,
         _DEPTH_TAG,
         f"the steps of {what}",
     )
-    got = {i: get(i, mine[i]) for i in reads if i in mine}
-    for idx, buf in incoming.values():
-        size = _nbytes(template)
-        for k, i in enumerate(idx):
-            got[i] = _from_bytes(buf[k * size : (k + 1) * size], template)
+    got.update({i: get(i, mine[i]) for i in reads if i in mine})
     for j, layer in targets:
         put(j, layer, _combine([(got[i], w) for i, w in sources(j)]))
 
@@ -383,25 +368,4 @@ def _combine(parts: list[tuple[list[torch.Tensor], float]]) -> list[torch.Tensor
         for values, w in parts[1:]:
             total = total + w * values[k]
         out.append(total)
-    return out
-
-
-def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    flat = t.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return flat.contiguous().view(torch.uint8).numpy()
-
-
-def _from_bytes(buf: np.ndarray, template: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, off = [], 0
-    for t in template:
-        n = t.numel() * t.element_size()
-        raw = torch.from_numpy(buf[off : off + n].copy())
-        out.append(raw.view(t.dtype).reshape(t.shape).to(t.device))
-        off += n
     return out

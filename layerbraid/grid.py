@@ -4,8 +4,7 @@ from typing import Optional
 
 import torch
 
-from ._comm.base import Transport
-from ._comm.mpi import Comm, finalized, is_null, resolve, split, start_allreduce_sum, wait
+from ._comm.world import Comm, is_comm, resolve
 from ._engine.parts import FreedOnExit
 from .launch import _enter
 from .options import check_int
@@ -32,6 +31,11 @@ class ProcessGrid(FreedOnExit):
         _enter()
 
         comm = resolve(comm)
+        if not is_comm(comm):
+            raise TypeError(
+                f"comm must be an mpi4py communicator or a torch.distributed ProcessGroup, "
+                f"got {type(comm).__name__}"
+            )
         size = comm.Get_size()
         check_int("data_parallel", data_parallel)
         if size % data_parallel:
@@ -45,16 +49,13 @@ class ProcessGrid(FreedOnExit):
         self.world = comm
         self.layer_size, self.data_size = layers, data_parallel
         self.layer_rank, self.data_rank = rank % layers, rank // layers
-        what = "the construction of a ProcessGrid"
-        self.layer_comm = split(comm, self.data_rank, self.layer_rank, what)
-        self.data_comm = split(comm, self.layer_rank, self.data_rank, what)
+        self.layer_comm = comm.Split(self.data_rank, self.layer_rank)
+        self.data_comm = comm.Split(self.layer_rank, self.data_rank)
 
     def free(self) -> None:
         """Frees the two communicators the grid made (also at the end of a ``with`` block)."""
-        if not finalized():
-            for c in (self.layer_comm, self.data_comm):
-                if not is_null(c):
-                    c.Free()
+        for c in (self.layer_comm, self.data_comm):
+            c.Free()
 
     def __repr__(self):
         return (
@@ -120,32 +121,25 @@ class _GradAverager:
             if len(dtypes) == 1 and grads[0].dtype in (torch.float32, torch.float64)
             else torch.float64
         )
-        # MPI sums host memory (Note [staging]); a torch.distributed group sums on its own
-        # device (Note [device-resident messages] in _comm/dist.py: on the GPU with NCCL)
-        device = self.comm.device if isinstance(self.comm, Transport) else "cpu"
-        flat = torch.cat([g.reshape(-1).to(device, dtype) for g in grads])
-        if device == "cpu" and not isinstance(self.comm, Transport):
-            flat = flat.numpy()
-        req = start_allreduce_sum(self.comm, flat)
+        # summed on the transport's device: the host under MPI (Note [staging] in
+        # _comm/mpi.py), the GPU under NCCL (Note [device-resident messages] in _comm/dist.py)
+        flat = torch.cat([g.reshape(-1).to(self.comm.device, dtype) for g in grads])
+        req = self.comm.start_allreduce_sum(flat)
         self.pending.append((req, params, flat))
 
     def _finish(self):
         while self.launched < len(self.buckets):  # buckets some of whose params got no grad
             self._launch(self.launched)
             self.launched += 1
-        wait(
+        self.comm.wait(
             [r for r, _, _ in self.pending if r is not None],
-            self.comm,
             "every data group's gradients (the data-parallel average after backward)",
         )
         for _req, params, flat in self.pending:
             off = 0
             for p in params:
                 n = p.grad.numel()
-                part = flat[off : off + n] / self.size
-                avg = (torch.from_numpy(part) if not torch.is_tensor(part) else part).view(
-                    p.grad.shape
-                )
+                avg = (flat[off : off + n] / self.size).view(p.grad.shape)
                 p.grad.copy_(avg.to(p.grad.device, p.grad.dtype))
                 off += n
         self._reset()

@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 from mpi4py import MPI
 
-from ._comm import mpi as _comm
+from ._comm import mpi as _mpi
+from ._comm import world as _world
 from ._comm.timeouts import set_timeout  # public here as well
 
 __all__ = ["abort_on_exception", "check_launch", "install_process_hooks", "set_timeout", "world"]
@@ -39,7 +40,7 @@ def world() -> Any:
     default torch.distributed process group (made from torchrun's environment unless the
     program made it first), as a communicator with the same ``rank``, ``size``, ``allreduce``
     and ``bcast`` a training script uses from mpi4py."""
-    return _comm.world()
+    return _world.world()
 
 
 _checked = False
@@ -74,7 +75,7 @@ def check_launch(world: Optional[MPI.Intracomm] = None) -> None:
     torch.distributed (gloo, NCCL), and passes.
     """
     global _checked
-    if world is None and _comm.torch_launch():
+    if world is None and _world.torch_launch():
         _checked = True  # torch.distributed carries the job (Note [store notices] in _comm)
         return
     world = MPI.COMM_WORLD if world is None else world
@@ -124,20 +125,20 @@ def install_process_hooks() -> None:
     ``abort_on_exception(False)`` undoes 1 and 2; 3 and 4 stay (they are inert once every
     rank has exited alike).
     """
-    if _comm.notices_started() or _dist_notices[0]:
+    if _mpi.notices_started() or _dist_notices[0]:
         _set_abort_hooks(True)
         return
     _set_abort_hooks(True)
-    if _comm.torch_launch():
+    if _world.torch_launch():
         _dist_notices[0] = True  # the store carries them: nothing to build
         at_exit = _torch_at_exit
     else:
-        _comm._start_notices()  # collective: the notices' communicator
-        at_exit = _comm.at_exit
+        _mpi._start_notices()  # collective: the notices' communicator
+        at_exit = _mpi.at_exit
     real_exit = sys.exit
 
     def exit(status=None):
-        _comm.record_exit_status(status)
+        _mpi.record_exit_status(status)
         real_exit(status)
 
     exit.__doc__ = real_exit.__doc__
@@ -151,7 +152,7 @@ _dist_notices = [False]
 def _torch_at_exit() -> None:
     from ._comm import dist
 
-    dist.at_exit(_comm._describe_exit(), _comm._notices["exit"] not in (None, 0))
+    dist.at_exit(_mpi._describe_exit(), _mpi._notices["exit"] not in (None, 0))
 
 
 def _set_abort_hooks(on: bool) -> None:
@@ -173,7 +174,7 @@ _switched_off = False
 
 
 def _abort(code=1, why=""):
-    if _comm.torch_launch():
+    if _world.torch_launch():
         # No MPI_Abort across a torchrun job: tell the others through the store (a rank that
         # waits raises RemoteRankError with the cause), then end this process; torchrun ends
         # the ranks that do not wait.
@@ -196,7 +197,7 @@ def _abort(code=1, why=""):
 
 
 def _rank():
-    if _comm.torch_launch():
+    if _world.torch_launch():
         from ._comm import dist
 
         return dist.world().Get_rank()
@@ -237,7 +238,7 @@ def _enter():
         check_launch()
     # Not skipped when abort_on_exception() came first: the exit notices start here.
     if (
-        _comm.world().Get_size() > 1
+        _world.world().Get_size() > 1
         and os.environ.get(_ENV_ABORT, "1") != "0"
         and not _switched_off
     ):

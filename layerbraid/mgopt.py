@@ -30,7 +30,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._comm.mpi import allgather_obj
 from .depth import interpolation, move_state, move_steps, restriction
 from .module import LayerParallelModule
 
@@ -213,7 +212,7 @@ class MGOpt:
                 sum(float((vp.double() * p.double()).sum()) for p, vp in v.items()) if v else 0.0
             )
         first = float(loss.detach()) if model.comm.Get_rank() == 0 else 0.0
-        parts = allgather_obj(model.comm, (first, local), "the objective of an MG/Opt level")
+        parts = model.comm.allgather_obj((first, local), "the objective of an MG/Opt level")
         return parts[0][0] - sum(d for _, d in parts)
 
     def _search(
@@ -245,7 +244,7 @@ class MGOpt:
     def _gap(self, coarse: LayerParallelModule, g: Vec, want: Vec) -> float:
         num = sum(float((g[p] - want[p]).double().pow(2).sum()) for p in g)
         den = sum(float(want[p].double().pow(2).sum()) for p in g)
-        parts = allgather_obj(coarse.comm, (num, den), "the coherence check of MG/Opt")
+        parts = coarse.comm.allgather_obj((num, den), "the coherence check of MG/Opt")
         total = sum(n for n, _ in parts), sum(d for _, d in parts)
         return (total[0] / total[1]) ** 0.5 if total[1] > 0 else total[0] ** 0.5
 
@@ -276,7 +275,7 @@ def _values(model: LayerParallelModule) -> Vec:
 
 def _dot(model: LayerParallelModule, a: Vec, b: Vec) -> float:
     local = sum(float((a[p].double() * b[p].double()).sum()) for p in a)
-    parts = allgather_obj(model.comm, local, "a dot product of MG/Opt")
+    parts = model.comm.allgather_obj(local, "a dot product of MG/Opt")
     return float(sum(parts))
 
 

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ._comm.mpi import resolve
+from ._comm.world import is_comm, resolve
 from .launch import _enter
 from .options import MGRITOptions, check_int
 
@@ -101,6 +101,11 @@ class MGRIT:
             raise TypeError(f"options must be an MGRITOptions, got {type(options).__name__}")
         self.options = options
         self.comm = resolve(comm)
+        if not is_comm(comm):
+            raise TypeError(
+                f"comm must be an mpi4py communicator or a torch.distributed ProcessGroup, "
+                f"got {type(comm).__name__}"
+            )
         self.num_steps = num_steps
         self._core = _Core(
             self.comm,

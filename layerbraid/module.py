@@ -8,12 +8,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ._comm.mpi import (
-    Comm,
-    is_comm,
-    resolve,
-)
-from ._comm.transport import bcast_into
+from ._comm.world import Comm, is_comm, resolve
 from ._engine.autograd import _BroadcastFn, _ToFirstFn
 from ._engine.chain import (
     Run,
@@ -244,7 +239,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
             # The replicas in a data group start from rank 0's weights (as DDP does), then
             # average their gradients at the end of every backward.
             data = self._grid.data_comm
-            bcast_into(data, list(self.parameters()) + list(self.buffers()))
+            data.bcast_into(list(self.parameters()) + list(self.buffers()))
             self._averager = _GradAverager(self.parameters(), data)
         self._anchor = torch.zeros((), requires_grad=True)
         self._built = True

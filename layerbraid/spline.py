@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._comm.transport import allreduce_sum
 from ._engine.ownership import seeded_layer
 from .module import LayerParallelModule
 
@@ -215,5 +214,5 @@ class _SplineFn(torch.autograd.Function):
         coefficients = [p for c in module.coefficients for p in c.parameters()]
         local = [s if s is not None else torch.zeros_like(p) for s, p in zip(sums, coefficients)]
         if module.comm.Get_size() > 1:
-            local = allreduce_sum(module.comm, local, "the spline coefficients' gradients")
+            local = module.comm.allreduce_sum(local, "the spline coefficients' gradients")
         return (None, None, *local)

@@ -9,10 +9,9 @@ from mpi4py import MPI
 from torch import nn
 
 from layerbraid import MGRITOptions
-from layerbraid._comm import mpi as comm_layer
-from layerbraid._comm import transport
 from layerbraid.errors import RemoteRankError
 from nets import ODEResNet, batch
+from transports import WORLD as TRANSPORT
 
 WORLD = MPI.COMM_WORLD
 
@@ -90,10 +89,10 @@ def test_a_message_of_the_wrong_size_is_named():
     """A received message shorter than its buffer (MPI accepts it silently) is an error."""
     assert WORLD.Get_size() == 2
     if WORLD.rank == 0:
-        transport.send_tensor(WORLD, torch.zeros(3, dtype=torch.float64), 1, 99)
+        TRANSPORT.send_tensor(torch.zeros(3, dtype=torch.float64), 1, 99)
     else:
         with pytest.raises(RemoteRankError, match="came with 24 bytes where 40 were expected"):
-            transport.recv_tensor(WORLD, (5,), torch.float64, "cpu", 0, 99, "a test tensor")
+            TRANSPORT.recv_tensor((5,), torch.float64, "cpu", 0, 99, "a test tensor")
 
 
 @pytest.mark.shared_job
@@ -102,13 +101,13 @@ def test_python_values_move_in_rank_order():
     size, rank = WORLD.Get_size(), WORLD.Get_rank()
     assert size in (1, 2, 3)
     mine = {"rank": rank, "pad": "x" * (100 * rank)}
-    assert comm_layer.allgather_obj(WORLD, mine, "t") == \
+    assert TRANSPORT.allgather_obj(mine, "t") == \
         [{"rank": r, "pad": "x" * (100 * r)} for r in range(size)]
-    got = comm_layer.gather_obj(WORLD, mine, size - 1, "t")
+    got = TRANSPORT.gather_obj(mine, size - 1, "t")
     assert got == ([{"rank": r, "pad": "x" * (100 * r)} for r in range(size)]
                    if rank == size - 1 else None)
-    assert comm_layer.bcast_obj(WORLD, ("from", rank), size - 1, "t") == ("from", size - 1)
-    assert comm_layer.first_rank_where(WORLD, rank >= 1, "t") == (1 if size > 1 else None)
+    assert TRANSPORT.bcast_obj(("from", rank), size - 1, "t") == ("from", size - 1)
+    assert TRANSPORT.first_rank_where(rank >= 1, "t") == (1 if size > 1 else None)
 
 
 @pytest.mark.parallel([2])
@@ -117,11 +116,11 @@ def test_an_error_on_one_rank_is_raised_on_every_rank():
     error = KeyError("only here") if WORLD.rank == 1 else None
     if WORLD.rank == 1:
         with pytest.raises(KeyError, match="only here"):
-            comm_layer.raise_on_every_rank(WORLD, error, "a test")
+            TRANSPORT.raise_on_every_rank(error, "a test")
     else:
         with pytest.raises(RemoteRankError, match="a test failed on rank 1: KeyError"):
-            comm_layer.raise_on_every_rank(WORLD, error, "a test")
-    comm_layer.raise_on_every_rank(WORLD, None, "a test")  # nothing when no rank failed
+            TRANSPORT.raise_on_every_rank(error, "a test")
+    TRANSPORT.raise_on_every_rank(None, "a test")  # nothing when no rank failed
 
 
 @pytest.mark.parallel([2])

@@ -576,19 +576,17 @@ def test_a_rank_that_stops_before_the_reduction_is_reported(monkeypatch, short_t
                                                             what):
     """Rank 1 never reaches the audit's (or the probe's) reduction: rank 0 raises StallError
     naming it after the timeout instead of waiting forever; rank 1 ends with its own error."""
-    import layerbraid.accuracy._solves as solves_module
-    import layerbraid.accuracy.audit as audit_module
-
-    # the audit's reduction is its own; the probe's is the gradients' change
-    audit_module = audit_module if name == "audit_gradients" else solves_module
-
     assert WORLD.Get_size() == 2
     model, x, y = _trained_once_without_the_short_timeout(short_timeout)
     measure = getattr(layerbraid.accuracy, name)
     if WORLD.rank == 1:
-        def stop(*args, **kwargs):
-            raise RuntimeError("rank 1 stops before the reduction")
-        monkeypatch.setattr(audit_module, "allreduce_floats", stop)
+        real = model.comm.allreduce_floats
+
+        def stop(values, op, reduction):  # the audit's (or the probe's) own reduction only
+            if reduction == what:
+                raise RuntimeError("rank 1 stops before the reduction")
+            return real(values, op, reduction)
+        monkeypatch.setattr(model.comm, "allreduce_floats", stop)
     if WORLD.rank == 0:
         with pytest.raises(layerbraid.StallError, match=f"every rank's part of {what}"):
             measure(model, lambda: F.cross_entropy(model(x), y))
@@ -604,19 +602,17 @@ def test_a_rank_that_stops_before_the_tuners_reduction_is_reported(monkeypatch, 
     """Rank 1 probes with rank 0 but never reaches the reduction of the tuner's next solve (at
     a loose target the lower re-solve, at a tight one the climb's first): rank 0 raises
     StallError naming it after the timeout; rank 1 ends with its own error."""
-    import layerbraid.accuracy._solves as audit_module
-
     assert WORLD.Get_size() == 2
     model, x, y = _trained_once_without_the_short_timeout(short_timeout)
     tuner = layerbraid.accuracy.IterationTuner(model, target)
     if WORLD.rank == 1:
-        real = audit_module.allreduce_floats
+        real = model.comm.allreduce_floats
 
-        def stop(comm, values, op, what):
+        def stop(values, op, what):
             if what == "an iteration tuner":
                 raise RuntimeError("rank 1 stops before the tuner's reduction")
-            return real(comm, values, op, what)
-        monkeypatch.setattr(audit_module, "allreduce_floats", stop)
+            return real(values, op, what)
+        monkeypatch.setattr(model.comm, "allreduce_floats", stop)
     if WORLD.rank == 0:
         with pytest.raises(layerbraid.StallError, match="every rank's part of an iteration tuner"):
             tuner(lambda: F.cross_entropy(model(x), y), 0)

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 import layerbraid
 from layerbraid import depth
-from layerbraid._comm.mpi import allgather_obj
 from nets import ODEResNet, batch
 from transports import WORLD
 
@@ -56,7 +55,7 @@ def gathered_slots(model, opt, names):
     mine = {i: [{n: opt.state[p][n].clone() for n in names} for p in layer.parameters()]
             for i, layer in model.owned_steps()}
     out = {}
-    for part in allgather_obj(WORLD, mine, "the optimizer's slots"):
+    for part in WORLD.allgather_obj(mine, "the optimizer's slots"):
         out.update(part)
     return out
 

@@ -266,3 +266,4 @@ def test_a_fault_ends_every_rank_of_the_job_with_its_cause(scenario, launcher, d
         assert "is exiting" in result["outputs"][result["faulty"]], result["outputs"]
     # loaded 2-core machine: the stall itself takes the timeout, the teardown a few seconds
     assert result["seconds"] < drill.TIMEOUT + 10, f"{result['seconds']:.1f} s"
+

@@ -12,7 +12,6 @@ import layerbraid
 from layerbraid import LayerParallelModule, MGRITOptions
 from nets import ConvBlock, ODEResNet, assert_gradients_match, batch
 from tolerances import CONVERGED, ROUNDOFF
-from layerbraid._comm.mpi import allgather_obj
 from transports import WORLD, user_comm
 
 RANKS = [1, 2, 3, 4]
@@ -126,7 +125,7 @@ def test_training_follows_the_serial_loss_trajectory():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_s), rtol=1e-10, atol=1e-10)
     assert losses[-1] < losses[0]
     # the same loss on every rank
-    assert allgather_obj(WORLD, losses, "the losses") == [losses] * WORLD.size
+    assert WORLD.allgather_obj(losses, "the losses") == [losses] * WORLD.size
 
 
 @pytest.mark.shared_job
@@ -173,7 +172,7 @@ def test_checkpoint_saved_on_four_ranks_resumes_on_two_and_one():
         opt.step()
         ref_losses.append(loss.item())
     for size in (2, 1):
-        sub = WORLD.Split(0 if WORLD.rank < size else MPI.UNDEFINED, WORLD.rank)
+        sub = MPI.COMM_WORLD.Split(0 if WORLD.rank < size else MPI.UNDEFINED, WORLD.rank)
         if sub != MPI.COMM_NULL:
             torch.manual_seed(123)  # different initial weights: everything must come from the file
             resumed = ODEResNet(sub, num_steps=8)

@@ -13,7 +13,6 @@ from torch.func import functional_call
 
 import layerbraid
 from layerbraid import depth
-from layerbraid._comm.mpi import allgather_obj
 from layerbraid.nn import ConvBlock
 from layerbraid.spline import SplineModule, bspline_basis
 from nets import batch
@@ -134,7 +133,7 @@ def test_training_keeps_the_replicas_equal_and_the_serial_trajectory():
             F.cross_entropy(m(x), y).backward()
             opt.step()
     mine = {k: v.clone() for k, v in model.coefficients.state_dict().items()}
-    for theirs in allgather_obj(WORLD, mine, "the coefficients"):
+    for theirs in WORLD.allgather_obj(mine, "the coefficients"):
         for k in mine:
             assert torch.equal(theirs[k], mine[k]), k  # bit for bit on every rank
     for k, v in serial.coefficients.state_dict().items():
@@ -168,7 +167,7 @@ def test_refining_the_depth_keeps_the_coefficients(tmp_path):
     assert (fine(x) - coarse(x)).abs().max() < 0.05 * coarse(x).abs().max()
     # a checkpoint of the fine network resumes on one rank
     path = tmp_path / "spline.pt" if WORLD.rank == 0 else None
-    path = allgather_obj(WORLD, str(path), "the path")[0]
+    path = WORLD.allgather_obj(str(path), "the path")[0]
     layerbraid.save_checkpoint(fine, path)
     from mpi4py import MPI
 
@@ -206,20 +205,19 @@ def test_data_parallel_splines_are_refused():
 def test_a_rank_late_for_the_gradient_sum_is_reported(short_timeout, monkeypatch):
     """Rank 1 stalls just before the sum of the coefficients' gradients: rank 0 raises
     StallError naming it instead of waiting forever."""
-    import layerbraid.spline as spline
-
     model = Net(WORLD, steps=4)
     x, y = batch(seed=0)
     reached = []
     if WORLD.rank == 1:
-        real = spline.allreduce_sum
+        real = model.comm.allreduce_sum
 
-        def late(*args):
-            reached.append(True)
-            time.sleep(short_timeout + 3)
-            return real(*args)
+        def late(tensors, what):
+            if what == "the spline coefficients' gradients":
+                reached.append(True)
+                time.sleep(short_timeout + 3)
+            return real(tensors, what)
 
-        monkeypatch.setattr(spline, "allreduce_sum", late)
+        monkeypatch.setattr(model.comm, "allreduce_sum", late)
     loss = F.cross_entropy(model(x), y)
     if WORLD.rank == 0:
         with pytest.raises(layerbraid.StallError, match="the spline coefficients' gradients"):

@@ -3,8 +3,6 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from layerbraid._comm.transport import allgather_rows, bcast_into, bcast_tensor, recv_tensor, \
-    send_tensor
 from transports import WORLD
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.complex64, torch.int64,
@@ -29,24 +27,24 @@ def test_buffers_carry_every_dtype_exactly():
 def check(dtype):
     rank, size = WORLD.rank, WORLD.size
     ref = make(dtype, (3, 4), 0)
-    got = bcast_tensor(WORLD, ref if rank == 0 else None, (3, 4), dtype, "cpu", 0)
+    got = WORLD.bcast_tensor(ref if rank == 0 else None, (3, 4), dtype, "cpu", 0)
     assert got.dtype == dtype and torch.equal(got, ref)
     mine = [make(dtype, (2,), rank), make(dtype, (), rank + 10)]
-    bcast_into(WORLD, mine)
+    WORLD.bcast_into(mine)
     assert torch.equal(mine[0], make(dtype, (2,), 0)) and torch.equal(mine[1], make(dtype, (), 10))
-    rows = allgather_rows(WORLD, make(dtype, (rank + 1, 2), rank))  # uneven blocks
+    rows = WORLD.allgather_rows(make(dtype, (rank + 1, 2), rank))  # uneven blocks
     assert torch.equal(rows, torch.cat([make(dtype, (r + 1, 2), r) for r in range(size)]))
     if size > 1:
         if rank == 0:
-            send_tensor(WORLD, ref[:, ::2], size - 1, 5)  # not contiguous
+            WORLD.send_tensor(ref[:, ::2], size - 1, 5)  # not contiguous
         if rank == size - 1:
-            assert torch.equal(recv_tensor(WORLD, (3, 2), dtype, "cpu", 0, 5), ref[:, ::2])
+            assert torch.equal(WORLD.recv_tensor((3, 2), dtype, "cpu", 0, 5), ref[:, ::2])
 
 
 @pytest.mark.skipif(WORLD.Get_size() > 1, reason="starts its own job")
 def test_the_core_over_cuda_aware_mpi_mode_equals_serial():
-    """LAYERBRAID_CUDA_AWARE_MPI=1 routes the core's messages through DeviceMessages (Note
-    [CUDA-aware MPI] in layerbraid/_comm/transport.py).  Here, with CPU states (MPI takes host
+    """LAYERBRAID_CUDA_AWARE_MPI=1 routes the core's messages through the MPI transport
+    (Note [CUDA-aware MPI] in layerbraid/_comm/mpi.py).  Here, with CPU states (MPI takes host
     buffers whatever it is), the tests of one level equal to serial and of converged MGRIT run
     through that path on 3 ranks; only the handing of device pointers to MPI is left to a
     machine with a CUDA-aware MPI."""

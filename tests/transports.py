@@ -1,7 +1,9 @@
-"""The communicator the tests run on: MPI's COMM_WORLD under mpiexec (and alone), torch's
-default process group (gloo) under torchrun.  `make test` runs the tests marked
+"""The communicator the tests run on (a transport): MPI's COMM_WORLD under mpiexec (and alone),
+torch's default process group (gloo) under torchrun.  `make test` runs the tests marked
 both_transports a second time under torchrun."""
-from layerbraid._comm.mpi import torch_launch, world
+from mpi4py import MPI
+
+from layerbraid._comm.world import torch_launch, world
 
 WORLD = world()
 
@@ -13,4 +15,4 @@ def user_comm():
         import torch.distributed as dist
 
         return dist.group.WORLD
-    return WORLD
+    return MPI.COMM_WORLD

@@ -14,10 +14,9 @@ import time
 
 import numpy as np
 import torch
-from mpi4py import MPI
-
 import layerbraid
-from layerbraid._comm import mpi as _comm
+from layerbraid.launch import world
+from layerbraid._comm.base import check_same_settings
 from layerbraid._engine import handshake as hs
 from layerbraid.nn import ConvBlock
 
@@ -35,14 +34,14 @@ def pickled(comm, x, meta, report, settings):
     """The protocol before fixed-size records: the neighbours' arrival, an allgather of
     pickled (meta, fingerprint, settings), a broadcast of the pickled close status."""
     first, last = comm.rank == 0, comm.size - 1
-    _comm.arrive(comm, "the forward of model(x)")
+    comm.arrive("the forward of model(x)")
     fp = hs.Fingerprint.of(x)
     mine = (tuple(fp.shape), str(fp.dtype), fp.total, fp.weighted)
     meta_t = (meta.shape, meta.dtype, str(meta.device)) if first else None
-    gathered = _comm.allgather_obj(comm, (meta_t, mine, settings), "the input's fingerprints")
-    _comm.check_same_settings([g[2] for g in gathered])
+    gathered = comm.allgather_obj((meta_t, mine, settings), "the input's fingerprints")
+    check_same_settings([g[2] for g in gathered])
     status = ("ok", report.shape, report.dtype) if comm.rank == last else None
-    _comm.bcast_obj(comm, status, last, "close layer's status")
+    comm.bcast_obj(status, last, "close layer's status")
 
 
 def records(comm, x, meta, report, settings):
@@ -58,7 +57,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2000)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
+    comm = world()  # MPI's COMM_WORLD, as the transport layerbraid runs on
     model = _Net(comm)
     settings = model._settings()
     x = torch.randn(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))

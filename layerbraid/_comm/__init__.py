@@ -1,2 +1,3 @@
-"""Communication between ranks: the polled waits and collectives (mpi), tensors
-between ranks (transport), the stall timeout (timeouts)."""
+"""Communication between ranks: the transport interface and the algorithms written once on it
+(base), its MPI and torch.distributed backends (mpi, dist), one wire for tensors (wire), the
+polled waits (waits), the stall timeout (timeouts), and the choice of transport (world)."""

@@ -6,11 +6,11 @@ and ``comm=dist.group.WORLD`` (any ProcessGroup) is wrapped by :func:`as_comm`.
 Note [device-resident messages]: a group whose backend serves CUDA tensors (NCCL) moves states,
 tensors and gradient buckets as device tensors: nothing is staged through host memory.  A group
 that serves CPU tensors only (gloo) moves CPU tensors, one copy each way for a GPU state, as MPI
-does (Note [staging] in _comm/transport.py).  Small values (floats, records, pickled reports)
+does (Note [staging] in _comm/mpi.py).  Small values (floats, records, pickled reports)
 travel on the CPU where the group allows it, else on the device.
 
-Note [dist waits]: every operation is started asynchronously and finished by :meth:`wait`, which
-polls like ``_comm.mpi.wait`` (the stall deadline, the exit notices every 50 ms, Ctrl-C).
+Note [dist waits]: every operation is started asynchronously and finished by ``Transport.wait``,
+which polls (the stall deadline, the exit notices every 50 ms, Ctrl-C).
 Collectives report completion through ``Work.is_completed()``, as do NCCL's point-to-point
 operations; gloo's point-to-point ``Work`` reports it only through a blocking ``wait()`` (a
 ``wait`` with a timeout tears the connection down), so each gloo send or receive is waited on by
@@ -33,20 +33,18 @@ a counter; a waiting rank reads the counter every 50 ms and raises RemoteRankErr
 """
 
 import os
-import pickle
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import RemoteRankError, StallError
-from .base import Transport, exited, missing_ranks, poll
-from .stream import StateStream
+from ..errors import RemoteRankError
+from .base import Transport
+from .waits import exited
 
 __all__ = ["DistComm", "as_comm", "is_process_group", "launched_by_torchrun", "world"]
 
@@ -123,10 +121,6 @@ class _Threaded:
             raise self.error
 
 
-def _finished(work) -> bool:
-    return work.is_completed()
-
-
 def _settle(work, comm: "DistComm", what: str) -> None:
     """Raises the failure of a completed ``work`` (a peer that crashed) as RemoteRankError."""
     try:
@@ -139,15 +133,6 @@ def _settle(work, comm: "DistComm", what: str) -> None:
             -1,
             origin_raised=False,
         ) from exc
-
-
-def _mpi_op_name(op: Any) -> str:
-    from mpi4py import MPI
-
-    for name, mpi_op in (("sum", MPI.SUM), ("max", MPI.MAX), ("min", MPI.MIN)):
-        if op == mpi_op:
-            return name
-    raise ValueError(f"comm.allreduce under torch.distributed takes sum, max or min, got {op!r}")
 
 
 # ---------------------------------------------------------------- store notices
@@ -229,7 +214,7 @@ _groups: dict[tuple[int, ...], Any] = {}
 _contexts = [0]
 
 
-class DistComm(StateStream, Transport):
+class DistComm(Transport):
     """A torch.distributed process group, its ranks in ``members`` order (global ranks): rank k
     of this communicator is global rank ``members[k]``."""
 
@@ -248,39 +233,15 @@ class DistComm(StateStream, Transport):
             else torch.device("cpu")
         )
         self.small = torch.device("cpu") if has_cpu else self.device
-        self._order = [list(dist.get_process_group_ranks(group)).index(g) for g in self.members]
+        group_ranks = list(dist.get_process_group_ranks(group))
+        # this communicator's rank of each of the group's ranks (the order all_gather fills)
+        self._by_group = [self.members.index(g) for g in group_ranks]
         self._stream_init()
 
     def __repr__(self):
         return f"DistComm(rank {self.rank} of {self.size}, members={self.members})"
 
-    # ---- mpi4py's lowercase (pickled objects) calls a training script uses, so that the same
-    # script runs under mpiexec and torchrun: comm.allreduce(loss), comm.bcast(obj, root=0)
-    def allreduce(self, value: float, op: Any = None) -> float:
-        """``value`` (a number) summed over the ranks, or its max or min with ``op`` ("max",
-        "min", or mpi4py's MPI.MAX / MPI.MIN)."""
-        name = op if isinstance(op, str) or op is None else _mpi_op_name(op)
-        return self.allreduce_floats([value], name or "sum", "comm.allreduce")[0]
-
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        return self.bcast_obj(obj, root, "comm.bcast")
-
-    def allgather(self, obj: Any) -> list[Any]:
-        return self.allgather_obj(obj, "comm.allgather")
-
-    def gather(self, obj: Any, root: int = 0) -> Optional[list[Any]]:
-        return self.gather_obj(obj, root, "comm.gather")
-
-    def Barrier(self) -> None:
-        self.barrier("comm.Barrier")
-
     # ---- ranks and groups
-    def Get_rank(self) -> int:
-        return self.rank
-
-    def Get_size(self) -> int:
-        return self.size
-
     def _new_context(self) -> int:
         top = self.allreduce_floats([_contexts[0]], "max", "a new communicator's context")[0]
         _contexts[0] = int(top) % _MAX_CONTEXT + 1
@@ -311,23 +272,31 @@ class DistComm(StateStream, Transport):
     def _tag(self, tag: int) -> int:
         return (self.context << _TAG_BITS) | tag
 
-    # ---- waits
+    # ---- the primitives (Note [dist waits])
     def _start_p2p(self, send: bool, t: torch.Tensor, peer: int, tag: int):
         op = dist.isend if send else dist.irecv
         work = op(t, self._global(peer), group=self.group, tag=self._tag(tag))
         return work if t.device.type == "cuda" else _Threaded(work)
 
-    def wait(self, requests: Sequence[Any], what: str) -> None:
-        """Waits, polling, for ``requests`` (Works) of this communicator (Note [dist waits])."""
-        pending = [r for r in requests if r is not None]
+    def _start_allreduce(self, t: torch.Tensor, op: str) -> Any:
+        return dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
 
-        def done() -> bool:
-            for r in [r for r in pending if _finished(r)]:
-                _settle(r, self, what)
-                pending.remove(r)
-            return not pending
+    def _start_bcast(self, t: torch.Tensor, root: int) -> Any:
+        return dist.broadcast(t, self._global(root), group=self.group, async_op=True)
 
-        poll(done, lambda: self.check_exits(what), what, self.rank)
+    def _start_allgather(self, t: torch.Tensor, out: torch.Tensor) -> Any:
+        rows = [out[k] for k in self._by_group]
+        return dist.all_gather(rows, t, group=self.group, async_op=True)
+
+    def _start_barrier(self) -> Any:
+        # a small allreduce: gloo's and NCCL's barriers differ, an allreduce is the same on both
+        return self._start_allreduce(torch.zeros(1, device=self.small), "sum")
+
+    def _done(self, work: Any, what: str = "a message of an MGRIT solve") -> bool:
+        if not work.is_completed():
+            return False
+        _settle(work, self, what)
+        return True
 
     def check_exits(self, what: str, real: Optional[Sequence[int]] = None) -> None:
         """Raises RemoteRankError when a rank of this communicator has left (Note [store
@@ -336,252 +305,3 @@ class DistComm(StateStream, Transport):
         for g, text in sorted(texts.items()):
             if g in self.members:
                 raise exited(self.members.index(g), g, self.rank, text, what, real)
-
-    def barrier(self, what: str) -> None:
-        if self.size == 1:
-            return
-        # a small allreduce: gloo's and NCCL's barriers differ, an allreduce is the same on both
-        t = torch.zeros(1, device=self.small)
-        self.wait(
-            [dist.all_reduce(t, group=self.group, async_op=True)],
-            f"every rank of its layer group to reach {what}; at least one never did (it "
-            "stopped, or called model(x) or backward() a different number of times, or with "
-            "another batch)",
-        )
-
-    def arrive(self, what: str) -> None:
-        if self.size == 1:
-            return
-        peers = [p for p in (self.rank - 1, self.rank + 1) if 0 <= p < self.size]
-        inbox = {p: torch.zeros(1, dtype=torch.uint8, device=self.device) for p in peers}
-        token = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        recvs = {p: self._start_p2p(False, inbox[p], p, _ARRIVE_TAG) for p in peers}
-        sends = [self._start_p2p(True, token, p, _ARRIVE_TAG) for p in peers]
-        try:
-            self.wait(list(recvs.values()) + sends, f"its neighbours to reach {what}")
-        except StallError as exc:
-            missing = [p for p, r in recvs.items() if not r.is_completed()]
-            if not missing:
-                raise
-            raise missing_ranks(self.rank, missing, what) from exc
-
-    # ---- small values
-    def allreduce_floats(self, values: Sequence[float], op: str, what: str) -> list[float]:
-        t = torch.tensor(np.asarray(values, dtype=np.float64), device=self.small)
-        if self.size > 1:
-            self.wait(
-                [dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)],
-                f"every rank's part of {what}",
-            )
-            if op == "sum":  # the same bits everywhere: rank 0's result
-                self.wait(
-                    [dist.broadcast(t, self._global(0), group=self.group, async_op=True)],
-                    f"rank 0's result of {what}",
-                )
-        return [float(v) for v in t.cpu().tolist()]
-
-    def start_allreduce_sum(self, flat: Any) -> Any:
-        t = torch.from_numpy(flat) if isinstance(flat, np.ndarray) else flat
-        return dist.all_reduce(t, group=self.group, async_op=True)
-
-    def _allgather(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
-        """Every rank's ``t`` (the same shape everywhere), in this communicator's rank order."""
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        self.wait([dist.all_gather(out, t, group=self.group, async_op=True)], what)
-        return [out[k] for k in self._order]
-
-    def allgather_obj(self, obj: Any, what: str) -> list[Any]:
-        if self.size == 1:
-            return [obj]
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        sizes = self._allgather(
-            torch.tensor([len(data)], dtype=torch.int64, device=self.small),
-            f"every rank's part of {what}",
-        )
-        most = max(int(s.item()) for s in sizes)
-        buf = torch.zeros(most, dtype=torch.uint8)
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        rows = self._allgather(buf.to(self.small), f"every rank's part of {what}")
-        return [
-            pickle.loads(bytes(r[: int(s.item())].cpu().numpy()))  # the job's own ranks
-            for r, s in zip(rows, sizes)
-        ]
-
-    def gather_obj(self, obj: Any, root: int, what: str) -> Optional[list[Any]]:
-        rows = self.allgather_obj(obj, what)  # gloo and NCCL gather differently: one path
-        return rows if self.rank == root else None
-
-    def bcast_obj(self, obj: Any, root: int, what: str) -> Any:
-        if self.size == 1:
-            return obj
-        is_root = self.rank == root
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_root else b""
-        n = torch.tensor([len(data)], dtype=torch.int64, device=self.small)
-        src = self._global(root)
-        self.wait(
-            [dist.broadcast(n, src, group=self.group, async_op=True)], f"rank {root}'s {what}"
-        )
-        buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if is_root
-            else torch.empty(int(n.item()), dtype=torch.uint8)
-        ).to(self.small)
-        if buf.numel():
-            self.wait(
-                [dist.broadcast(buf, src, group=self.group, async_op=True)], f"rank {root}'s {what}"
-            )
-        return obj if is_root else pickle.loads(bytes(buf.cpu().numpy()))
-
-    def allgather_ints(self, record: Any, what: str) -> Any:
-        record = np.ascontiguousarray(record, dtype=np.int64)
-        if self.size == 1:
-            return record.reshape(1, -1).copy()
-        rows = self._allgather(
-            torch.from_numpy(record.copy()).to(self.small), f"every rank's part of {what}"
-        )
-        return np.stack([r.cpu().numpy() for r in rows])
-
-    def bcast_ints(self, record: Any, root: int, what: str) -> Any:
-        t = torch.from_numpy(np.ascontiguousarray(record, dtype=np.int64).copy()).to(self.small)
-        if self.size > 1:
-            self.wait(
-                [dist.broadcast(t, self._global(root), group=self.group, async_op=True)],
-                f"rank {root}'s {what}",
-            )
-        return t.cpu().numpy()
-
-    def exchange_bytes(self, sends: dict, recvs: dict, tag: int, what: str) -> None:
-        """Point-to-point byte arrays, each preceded by its size (a size that differs from the
-        receiver's buffer is RemoteRankError, as under MPI)."""
-        sizes = {p: torch.zeros(1, dtype=torch.int64, device=self.device) for p in recvs}
-        works = [self._start_p2p(False, sizes[p], p, tag) for p in recvs]
-        keep = []
-        for p, buf in sends.items():
-            n = torch.tensor([buf.size], dtype=torch.int64, device=self.device)
-            keep.append(n)
-            works.append(self._start_p2p(True, n, p, tag))
-        if works:
-            self.wait(works, what)
-        for p, buf in recvs.items():
-            got = int(sizes[p].item())
-            if got != buf.size:
-                raise RemoteRankError(
-                    f"{what} (from rank {p}) came with {got} bytes where {buf.size} were "
-                    "expected: the ranks disagree on its shape or dtype",
-                    p,
-                )
-        inbox = {
-            p: torch.empty(buf.size, dtype=torch.uint8, device=self.device)
-            for p, buf in recvs.items()
-        }
-        works = [self._start_p2p(False, inbox[p], p, tag + 1) for p in recvs]
-        for p, buf in sends.items():
-            t = torch.from_numpy(np.ascontiguousarray(buf)).to(self.device)
-            keep.append(t)
-            works.append(self._start_p2p(True, t, p, tag + 1))
-        if works:
-            self.wait(works, what)
-        for p, buf in recvs.items():
-            buf[...] = inbox[p].cpu().numpy()
-
-    # ---- tensors (Note [device-resident messages])
-    def _wire(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``'s bytes, flat and contiguous on the message device: every dtype travels as its
-        bytes (bool, complex and bfloat16 included, which not every backend reduces or moves),
-        as under MPI (Note [staging] in _comm/transport.py)."""
-        return t.detach().reshape(-1).to(self.device).contiguous().view(torch.uint8)
-
-    def _empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
-        """A flat byte buffer on the message device for a tensor of ``shape`` and ``dtype``."""
-        n = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-        return torch.empty(n, dtype=torch.uint8, device=self.device)
-
-    def allreduce_sum(self, tensors: Sequence[Any], what: str) -> list[Any]:
-        tensors = list(tensors)
-        flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float64) for t in tensors])
-        if self.size > 1:
-            self.wait(
-                [dist.all_reduce(flat, group=self.group, async_op=True)],
-                f"every rank's part of {what}",
-            )
-        out, off = [], 0
-        for t in tensors:
-            out.append(flat[off : off + t.numel()].view(t.shape).to(t.device, t.dtype))
-            off += t.numel()
-        return out
-
-    def bcast_tensor(self, t, shape, dtype, device, root, what="a broadcast tensor"):
-        buf = self._wire(t) if self.rank == root else self._empty(shape, dtype)
-        self.wait(
-            [dist.broadcast(buf, self._global(root), group=self.group, async_op=True)],
-            f"rank {root}'s {what}",
-        )
-        return t if self.rank == root else buf.view(dtype).reshape(shape).to(device)
-
-    def send_tensor(self, t, dest, tag, what="a tensor"):
-        self.wait([self._start_p2p(True, self._wire(t), dest, tag)], f"rank {dest} to take {what}")
-
-    def recv_tensor(self, shape, dtype, device, source, tag, what="a tensor"):
-        buf = self._empty(shape, dtype)
-        self.wait([self._start_p2p(False, buf, source, tag)], f"{what} from rank {source}")
-        return buf.view(dtype).reshape(shape).to(device)
-
-    def bcast_into(self, tensors, root=0, what="the weights"):
-        tensors = list(tensors)
-        if self.size == 1 or not tensors:
-            return
-        flat = torch.cat([self._wire(t) for t in tensors])
-        self.wait(
-            [dist.broadcast(flat, self._global(root), group=self.group, async_op=True)],
-            f"rank {root}'s {what}",
-        )
-        off = 0
-        with torch.no_grad():
-            for t in tensors:
-                n = t.numel() * t.element_size()
-                t.copy_(flat[off : off + n].view(t.dtype).view(t.shape))
-                off += n
-
-    def neighbour_exchange(self, first, last, what):
-        works, got, keep = [], {}, []
-        for peer, mine, tag, theirs in (
-            (self.rank - 1, first, 7401, 7402),
-            (self.rank + 1, last, 7402, 7401),
-        ):
-            if 0 <= peer < self.size:
-                out = self._wire(mine)
-                keep.append(out)
-                works.append(self._start_p2p(True, out, peer, tag))
-                got[peer] = torch.empty_like(out)
-                works.append(self._start_p2p(False, got[peer], peer, theirs))
-        if works:
-            self.wait(works, f"its neighbours' layers for {what}")
-        left, right = got.get(self.rank - 1), got.get(self.rank + 1)
-        return (
-            None if left is None else left.view(first.dtype).reshape(first.shape).to(first.device),
-            None if right is None else right.view(last.dtype).reshape(last.shape).to(last.device),
-        )
-
-    def allgather_rows(self, t, what="every rank's rows"):
-        counts = [int(c) for c in self.allgather_obj(int(t.shape[0]), f"the row counts of {what}")]
-        most, rest = max(counts), tuple(t.shape[1:])
-        padded = torch.zeros((most,) + rest, dtype=t.dtype, device=self.device)
-        padded[: t.shape[0]] = t.detach().to(self.device)
-        rows = self._allgather(self._wire(padded), f"every rank's part of {what}")
-        rows = [r.view(t.dtype).reshape((most,) + rest) for r in rows]
-        return torch.cat([r[:c] for r, c in zip(rows, counts)]).to(t.device)
-
-    # ---- the MGRIT core's messages (StateStream's, over this group's point-to-point)
-    def _done(self, work: Any) -> bool:
-        if not _finished(work):
-            return False
-        _settle(work, self, "a message of an MGRIT solve")
-        return True
-
-    def iallreduce_doubles(self, values: Any, op: str) -> int:
-        t = torch.from_numpy(np.array(values, dtype=np.float64)).to(self.small)
-        work = dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
-        return self._handle(("reduce", [work], t))
-
-
-_ARRIVE_TAG = 7602

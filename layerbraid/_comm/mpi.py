@@ -1,369 +1,206 @@
-"""Moving data between ranks without torch: the polled wait that gives every collective its
-deadline, the barrier, small Python values, reductions of floats, the relay that raises one
-rank's error on every rank, byte exchanges, and the exit notices.  Tensors go through
-``_transport``, which builds on this.  These two, ``_bridge`` (the core's communicator) and the
-launch code are the only modules that import mpi4py.
+"""The MPI backend: an mpi4py communicator as a :class:`Transport` (Note [deadlines] in
+_comm/base.py), and the exit notices of a job started by mpiexec.  This module, ``_comm.world``
+and the launch code are the only ones that import mpi4py.
 
-Note [deadlines]: every call here is a non-blocking MPI operation finished by :func:`wait`,
-which polls: Ctrl-C gets through, a rank that waits longer than the stall timeout raises
-:class:`layerbraid.StallError` naming what it waited for, and a rank that learns that another
-rank of the communicator exited (Note [exit notices]) raises :class:`RemoteRankError` saying so.
-Nothing here blocks in MPI.
+Note [staging]: MPI here is not assumed to be CUDA-aware.  A tensor on a GPU is staged through
+host memory (one copy each way: the transport's ``device`` is the CPU) and arrives on the
+device the receiver names.
+
+Note [CUDA-aware MPI]: ``LAYERBRAID_CUDA_AWARE_MPI=1`` says the MPI is CUDA-aware (checked
+against mpi4py's ``Query_cuda_support`` where the MPI offers one).  Then the transport's
+``device`` is the GPU: tensors are handed to MPI as the device tensors they are, and the MGRIT
+core's state messages go through the transport (the core's application transport, Note
+[application transport] in cbridge/src/comm.c) instead of the core's own MPI calls on host
+buffers.  Small values stay on the host.
 """
 
-import pickle
+import os
 import sys
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
-from ..errors import RemoteRankError, StallError
-from .base import Transport, exited, missing_ranks, poll
+from ..errors import RemoteRankError
+from .base import Transport
+from .waits import exited
 
-__all__ = ["Comm"]
+__all__ = ["MPIComm", "cuda_aware", "wrap"]
 
-# The communicators layerbraid takes: an mpi4py one (COMM_WORLD, a Split of it, ...) or another
-# transport's (_comm/base.py: a torch.distributed group, _comm/dist.py).  Every function below
-# that takes one hands a Transport to its method of the same name.
-Comm = Any
-
-_INT_MAX = 2**31 - 1
-
-
-# ---------------------------------------------------------------- communicators
-def torch_launch() -> bool:
-    """Whether this job's ranks talk through torch.distributed: started by torchrun (its MPI
-    world then has one rank), or with a default process group that the program made itself."""
-    if MPI.COMM_WORLD.Get_size() > 1:
-        return False
-    if "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized():
-        return True
-    from . import dist
-
-    return dist.launched_by_torchrun()
-
-
-def world():
-    """The default communicator: MPI's COMM_WORLD, or under torchrun the default process group
-    (made from the launcher's environment if the program has not made it)."""
-    if torch_launch():
-        from . import dist
-
-        return dist.world()
-    return MPI.COMM_WORLD
-
-
-def resolve(comm):
-    """The communicator a user passed: None is :func:`world`, a torch.distributed ProcessGroup
-    becomes a DistComm (_comm/dist.py), anything else is returned as it is."""
-    if comm is None:
-        return world()
-    dist_mod = sys.modules.get("torch.distributed")
-    if dist_mod is not None and isinstance(comm, dist_mod.ProcessGroup):
-        from . import dist
-
-        return dist.as_comm(comm)
-    return comm
-
-
-def is_comm(obj):
-    """Whether ``obj`` is a communicator layerbraid takes (mpi4py's or a Transport)."""
-    return isinstance(obj, (MPI.Intracomm, Transport))
-
-
-def is_null(comm):
-    return not isinstance(comm, Transport) and comm == MPI.COMM_NULL
-
-
-def finalized():
-    return MPI.Is_finalized()
-
-
-def split(comm, color, key, what):
-    """``comm.Split(color, key)`` (a blocking collective), entered only once every rank has
-    arrived, with the deadline."""
-    barrier(comm, what)
-    if isinstance(comm, Transport):
-        return comm.Split(color, key)
-    new = comm.Split(color, key)
-    add_peers(new)
-    return new
-
-
-# ---------------------------------------------------------------- the polled wait
-def wait(requests, comm, what, statuses=None):
-    """Waits, polling, for MPI ``requests`` of ``comm`` (Note [deadlines]), the way the MGRIT
-    core waits (Note [polled waits] in cbridge/src/comm.c): see :func:`poll`."""
-    if isinstance(comm, Transport):
-        return comm.wait(requests, what)
-    if statuses is not None:
-        done = lambda: MPI.Request.Testall(requests, statuses)  # noqa: E731
-    else:
-        done = lambda: MPI.Request.Testall(requests)  # noqa: E731
-    poll(done, lambda: check_exits(comm, what), what, comm.Get_rank())
-
-
-def barrier(comm, what):
-    """Waits until every rank of ``comm`` has reached this point (a non-blocking barrier, with
-    the deadline): after the timeout, :class:`layerbraid.StallError` names ``what``."""
-    if isinstance(comm, Transport):
-        return comm.barrier(what)
-    if comm.Get_size() == 1:
-        return
-    wait(
-        [comm.Ibarrier()],
-        comm,
-        f"every rank of its layer group to reach {what}; at least one never did (it stopped, "
-        "or called model(x) or backward() a different number of times, or with another batch)",
-    )
-
-
-_ARRIVE_TAG = 7602
-
-
-def arrive(comm, what):
-    """Waits until this rank's neighbours in ``comm`` (ranks r - 1 and r + 1) have reached this
-    point too: one empty message each way, so that a stall names the rank that never came
-    (a barrier cannot tell who is missing).  The collective that follows covers the others,
-    with its own deadline."""
-    if isinstance(comm, Transport):
-        return comm.arrive(what)
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size == 1:
-        return
-    peers = [p for p in (rank - 1, rank + 1) if 0 <= p < size]
-    token = np.zeros(1, dtype=np.uint8)
-    inbox = {p: np.empty(1, dtype=np.uint8) for p in peers}
-    recvs = {p: comm.Irecv([inbox[p], MPI.BYTE], source=p, tag=_ARRIVE_TAG) for p in peers}
-    sends = [comm.Isend([token, MPI.BYTE], dest=p, tag=_ARRIVE_TAG) for p in peers]
-    try:
-        wait(list(recvs.values()) + sends, comm, f"its neighbours to reach {what}")
-    except StallError as exc:
-        missing = [p for p, r in recvs.items() if not r.Test()]
-        if not missing:
-            raise
-        raise missing_ranks(rank, missing, what) from exc
-
-
-# ---------------------------------------------------------------- reductions
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
 
-def allreduce_floats(comm, values, op, what):
-    """``values`` (floats) reduced over ``comm`` with ``op`` ("sum", "max" or "min"), the same
-    on every rank bit for bit (the reduction, then rank 0's result broadcast: MPI does not
-    promise the same rounding everywhere)."""
-    if isinstance(comm, Transport):
-        return comm.allreduce_floats(values, op, what)
-    values = np.asarray(values, dtype=np.float64)
-    if comm.Get_size() == 1:
-        return [float(v) for v in values]
-    out = np.empty_like(values)
-    wait([comm.Iallreduce(values, out, op=_OPS[op])], comm, f"every rank's part of {what}")
-    if op == "sum":
-        wait([comm.Ibcast(out, root=0)], comm, f"rank 0's result of {what}")
-    return [float(v) for v in out]
+# ---------------------------------------------------------------- Note [CUDA-aware MPI]
+_aware: list[bool] = []
 
 
-def start_allreduce_sum(comm, flat):
-    """Starts summing the numpy array ``flat`` over ``comm`` in place; returns the request
-    (finish it with :func:`wait`)."""
-    if isinstance(comm, Transport):
-        return comm.start_allreduce_sum(flat)
-    return comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
-
-
-def first_rank_where(comm, bad, what):
-    """The lowest rank of ``comm`` on which ``bad`` is true, or None (the same on every
-    rank)."""
-    size = comm.Get_size()
-    if size == 1:
-        return 0 if bad else None
-    first = int(allreduce_floats(comm, [comm.Get_rank() if bad else size], "min", what)[0])
-    return first if first < size else None
-
-
-def raise_on_every_rank(comm, error, what):
-    """The relay: when ``error`` (an exception or None) is set on any rank of ``comm``, raises
-    on every rank: the rank's own error where it has one, elsewhere a
-    :class:`RemoteRankError` naming the lowest failing rank and its message.  A no-op (one
-    reduction) when no rank failed."""
-    failed = first_rank_where(comm, error is not None, f"the error check of {what}")
-    if failed is None:
-        return
-    text = bcast_obj(
-        comm,
-        None if error is None else f"{type(error).__name__}: {error}",
-        failed,
-        f"rank {failed}'s error in {what}",
-    )
-    if error is not None:
-        raise error
-    raise RemoteRankError(f"{what} failed on rank {failed}: {text}", failed)
-
-
-# ---------------------------------------------------------------- Python values
-def check_same_settings(settings):
-    """``settings``: every rank's {name: value} (gathered).  Raises the same ValueError on every
-    rank when the ranks' values differ, naming the setting, rank 0's value and the first
-    rank's that differs."""
-    for name, value in settings[0].items():
-        other = next(((r, s[name]) for r, s in enumerate(settings) if s[name] != value), None)
-        if other is not None:
-            r, theirs = other
-            raise ValueError(
-                f"the layer-parallel ranks disagree on {name}: rank 0 has {value!r}, rank {r} "
-                f"has {theirs!r}.  Every rank of a layer group runs the same solve: set it alike "
-                "on every rank"
+def cuda_aware() -> bool:
+    """Whether MPI may be handed device memory (Note [CUDA-aware MPI])."""
+    if not _aware:
+        on = os.environ.get("LAYERBRAID_CUDA_AWARE_MPI", "0") not in ("", "0")
+        query = getattr(MPI, "Query_cuda_support", None)
+        if on and query is not None and not query():
+            raise RuntimeError(
+                "LAYERBRAID_CUDA_AWARE_MPI=1, but this MPI says it is not CUDA-aware "
+                f"(mpi4py's Query_cuda_support(): False; {MPI.Get_library_version()[:60]!r}): "
+                "unset it, or use an MPI built with CUDA support"
             )
+        _aware.append(on)
+    return _aware[0]
 
 
-def _dumps(obj):
-    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+def _buffer(t: torch.Tensor) -> Any:
+    """What mpi4py takes for the contiguous tensor ``t``: a numpy view of host memory, or the
+    device tensor itself (``__cuda_array_interface__``)."""
+    return t.numpy() if t.device.type == "cpu" else t
 
 
-def _loads(buf):
-    return pickle.loads(buf.tobytes())  # the job's own ranks: the same trust as its code
+class _Recv:
+    """A receive and the size its message must have: MPI tells the size of what arrived, and
+    one of another size means the ranks disagree on what they exchange."""
 
+    __slots__ = ("request", "status", "nbytes", "peer", "finished")
 
-def _check_counts(sizes, what):
-    total = int(np.sum(sizes))
-    if total > _INT_MAX:
-        raise ValueError(
-            f"{what} would move {total} bytes in one MPI call, more than its 2 GiB "
-            "limit (2**31 - 1 bytes)"
-        )
+    def __init__(self, request: Any, nbytes: int, peer: int):
+        self.request, self.nbytes, self.peer = request, nbytes, peer
+        self.status = MPI.Status()
+        self.finished = False
 
-
-def allgather_obj(comm, obj, what):
-    """Every rank's ``obj`` (picklable, small: metadata and reports), in rank order."""
-    if isinstance(comm, Transport):
-        return comm.allgather_obj(obj, what)
-    size = comm.Get_size()
-    if size == 1:
-        return [obj]
-    data = _dumps(obj)
-    sizes = np.empty(size, dtype=np.int64)
-    wait(
-        [comm.Iallgather(np.array([data.size], dtype=np.int64), sizes)],
-        comm,
-        f"every rank's part of {what}",
-    )
-    _check_counts(sizes, what)
-    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    out = np.empty(int(sizes.sum()), dtype=np.uint8)
-    wait(
-        [comm.Iallgatherv(data, [out, (sizes.tolist(), displs.tolist()), MPI.BYTE])],
-        comm,
-        f"every rank's part of {what}",
-    )
-    return [_loads(out[d : d + s]) for d, s in zip(displs, sizes)]
-
-
-def gather_obj(comm, obj, root, what):
-    """Every rank's ``obj`` in rank order on ``root``; None elsewhere."""
-    if isinstance(comm, Transport):
-        return comm.gather_obj(obj, root, what)
-    size = comm.Get_size()
-    if size == 1:
-        return [obj]
-    data = _dumps(obj)
-    is_root = comm.Get_rank() == root
-    sizes = np.empty(size if is_root else 1, dtype=np.int64)
-    wait(
-        [
-            comm.Igather(
-                np.array([data.size], dtype=np.int64), sizes if is_root else None, root=root
+    def test(self, what: str) -> bool:
+        if self.finished:
+            return True
+        if not self.request.Test(self.status):
+            return False
+        self.finished = True
+        got = self.status.Get_count(MPI.BYTE)
+        if got != self.nbytes:
+            raise RemoteRankError(
+                f"{what} (from rank {self.peer}) came with {got} bytes where {self.nbytes} were "
+                "expected: the ranks disagree on its shape or dtype",
+                self.peer,
             )
-        ],
-        comm,
-        f"every rank's part of {what}",
-    )
-    if not is_root:
-        wait([comm.Igatherv(data, None, root=root)], comm, f"rank {root} to take {what}")
-        return None
-    _check_counts(sizes, what)
-    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    out = np.empty(int(sizes.sum()), dtype=np.uint8)
-    wait(
-        [comm.Igatherv(data, [out, (sizes.tolist(), displs.tolist()), MPI.BYTE], root=root)],
-        comm,
-        f"every rank's part of {what}",
-    )
-    return [_loads(out[d : d + s]) for d, s in zip(displs, sizes)]
+        return True
 
 
-def bcast_obj(comm, obj, root, what):
-    """``root``'s ``obj`` on every rank of ``comm``."""
-    if isinstance(comm, Transport):
-        return comm.bcast_obj(obj, root, what)
-    if comm.Get_size() == 1:
-        return obj
-    is_root = comm.Get_rank() == root
-    data = _dumps(obj) if is_root else None
-    n = np.array([data.size if is_root else 0], dtype=np.int64)
-    wait([comm.Ibcast(n, root=root)], comm, f"rank {root}'s {what}")
-    _check_counts(n, what)
-    if not is_root:
-        data = np.empty(int(n[0]), dtype=np.uint8)
-    wait([comm.Ibcast(data, root=root)], comm, f"rank {root}'s {what}")
-    return obj if is_root else _loads(data)
+# ---------------------------------------------------------------- the communicator
+class MPIComm(Transport):
+    """An mpi4py intracommunicator as a transport.  ``owned``: :meth:`Free` frees it (one this
+    package made by Split or Dup; never a user's)."""
 
-
-def allgather_ints(comm, record: np.ndarray, what: str) -> np.ndarray:
-    """Every rank's fixed-size int64 ``record``, as rows in rank order: one round, no pickle
-    (the hot path's handshake)."""
-    if isinstance(comm, Transport):
-        return comm.allgather_ints(record, what)
-    record = np.ascontiguousarray(record, dtype=np.int64)
-    out = np.empty((comm.Get_size(), record.size), dtype=np.int64)
-    if comm.Get_size() == 1:
-        out[0] = record
-        return out
-    wait([comm.Iallgather(record, out)], comm, f"every rank's part of {what}")
-    return out
-
-
-def bcast_ints(comm, record: np.ndarray, root: int, what: str) -> np.ndarray:
-    """``root``'s fixed-size int64 ``record`` (every rank passes one of the same size)."""
-    if isinstance(comm, Transport):
-        return comm.bcast_ints(record, root, what)
-    record = np.ascontiguousarray(record, dtype=np.int64).copy()
-    if comm.Get_size() > 1:
-        wait([comm.Ibcast(record, root=root)], comm, f"rank {root}'s {what}")
-    return record
-
-
-# ---------------------------------------------------------------- bytes
-def _check_received(status, expected, what):
-    got = status.Get_count(MPI.BYTE)
-    if got != expected:
-        raise RemoteRankError(
-            f"{what} came with {got} bytes where {expected} were expected: the "
-            "ranks disagree on its shape or dtype",
-            status.Get_source(),
+    def __init__(self, comm: Any, owned: bool = False):
+        self.comm, self.owned = comm, owned
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if cuda_aware() and torch.cuda.is_available()
+            else torch.device("cpu")
         )
+        self.small = torch.device("cpu")
+        self._members: Optional[set[int]] = None
+        self._stream_init()
+
+    def __repr__(self) -> str:
+        return f"MPIComm(rank {self.rank} of {self.size})"
+
+    # ---- ranks and groups
+    def Split(self, color: int, key: int) -> "MPIComm":
+        self.barrier("the split of a communicator")  # a blocking collective: arrive first
+        new = MPIComm(self.comm.Split(color, key), owned=True)
+        new.note_peers()
+        return new
+
+    def Dup(self) -> "MPIComm":
+        self.barrier("the duplication of a communicator")
+        new = MPIComm(self.comm.Dup(), owned=True)
+        new.note_peers()
+        return new
+
+    def Free(self) -> None:
+        if self.owned and not MPI.Is_finalized() and self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+        self.owned = False
+
+    def native_mpi(self) -> Any:
+        return None if cuda_aware() else self.comm
+
+    def note_peers(self) -> None:
+        _add_peers(self.comm)
+
+    def _sizes_checked(self) -> bool:
+        return True
+
+    # ---- the primitives
+    def _start_p2p(self, send: bool, t: torch.Tensor, peer: int, tag: int) -> Any:
+        buf = [_buffer(t), MPI.BYTE] if t.dtype == torch.uint8 else _buffer(t)
+        if send:
+            return self.comm.Isend(buf, dest=peer, tag=tag)
+        return _Recv(self.comm.Irecv(buf, source=peer, tag=tag), t.numel() * t.element_size(), peer)
+
+    def _start_allreduce(self, t: torch.Tensor, op: str) -> Any:
+        return self.comm.Iallreduce(MPI.IN_PLACE, _buffer(t), op=_OPS[op])
+
+    def _start_bcast(self, t: torch.Tensor, root: int) -> Any:
+        return self.comm.Ibcast(_buffer(t), root=root)
+
+    def _start_allgather(self, t: torch.Tensor, out: torch.Tensor) -> Any:
+        return self.comm.Iallgather(_buffer(t), _buffer(out))
+
+    def _start_barrier(self) -> Any:
+        return self.comm.Ibarrier()
+
+    def _done(self, work: Any, what: str = "a message of an MGRIT solve") -> bool:
+        if isinstance(work, _Recv):
+            return work.test(what)
+        return work.Test()
+
+    def check_exits(self, what: str, real: Optional[Sequence[int]] = None) -> None:
+        side = _notices["comm"]
+        if side is None:
+            return
+        status = MPI.Status()
+        while side.Iprobe(source=MPI.ANY_SOURCE, tag=_EXIT_TAG, status=status):
+            src = status.Get_source()
+            buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+            side.Recv([buf, MPI.BYTE], source=src, tag=_EXIT_TAG)
+            _notices["seen"][src] = buf.tobytes().decode(errors="replace")
+        if not _notices["seen"]:
+            return
+        if self._members is None:
+            self._members = _members(self.comm)
+        for src, text in sorted(_notices["seen"].items()):
+            if src in self._members:
+                raise exited(self._local(src), src, self.rank, text, what, real)
+
+    def _local(self, world_rank: int) -> int:
+        world = MPI.COMM_WORLD.Get_group()
+        group = self.comm.Get_group()
+        try:
+            return MPI.Group.Translate_ranks(world, [world_rank], group)[0]
+        finally:
+            group.Free()
+            world.Free()
 
 
-def exchange_bytes(comm, sends, recvs, tag, what):
-    """Point-to-point: ``sends`` {dest: uint8 array} go out, ``recvs`` {source: uint8 array}
-    are filled; each received message must have exactly its buffer's size (else
-    RemoteRankError: the ranks disagree on what they exchange)."""
-    if isinstance(comm, Transport):
-        return comm.exchange_bytes(sends, recvs, tag, what)
-    reqs, statuses, sizes = [], [], []
-    for dest, buf in sends.items():
-        reqs.append(comm.Isend([buf, MPI.BYTE], dest=dest, tag=tag))
-    for src, buf in recvs.items():
-        reqs.append(comm.Irecv([buf, MPI.BYTE], source=src, tag=tag))
-        sizes.append((src, buf.size))
-    statuses = [MPI.Status() for _ in reqs]
-    if reqs:
-        wait(reqs, comm, what, statuses)
-    for (src, size), status in zip(sizes, statuses[len(sends) :]):
-        _check_received(status, size, f"{what} (from rank {src})")
+_world: list[Optional[MPIComm]] = [None]
+
+
+def world() -> MPIComm:
+    """MPI's COMM_WORLD as a transport (one object for the process)."""
+    comm = _world[0]
+    if comm is None:
+        comm = _world[0] = MPIComm(MPI.COMM_WORLD)
+    return comm
+
+
+def wrap(comm: Any) -> MPIComm:
+    """A user's mpi4py communicator as a transport (COMM_WORLD's is shared); never freed by
+    layerbraid."""
+    if comm == MPI.COMM_WORLD:
+        return world()
+    return MPIComm(comm)
 
 
 # ---------------------------------------------------------------- exit notices
@@ -400,9 +237,8 @@ def _start_notices():
     # MPI_Comm_dup is collective: non-blocking here, with the deadline, so that a rank that
     # never builds anything of layerbraid's is reported instead of waited for.
     side, req = MPI.COMM_WORLD.Idup()
-    wait(
+    world().wait(
         [req],
-        MPI.COMM_WORLD,
         "every rank to build its first layer-parallel model, grid, "
         "solver or loader (each rank builds the same ones, in the same order)",
     )
@@ -410,10 +246,9 @@ def _start_notices():
     side.Set_name("layerbraid notices")
 
 
-def add_peers(comm):
-    """Records the world ranks of ``comm``: they are told when this rank exits early."""
-    if isinstance(comm, Transport):
-        return None
+def _add_peers(comm: Any) -> None:
+    """Records the world ranks of the mpi4py ``comm``: they are told when this rank exits
+    early."""
     if _notices["comm"] is None or comm.Get_size() == 1:
         return
     world = MPI.COMM_WORLD.Get_group()
@@ -427,10 +262,8 @@ def add_peers(comm):
     _notices["peers"].update(r for r in ranks if r >= 0 and r != me)
 
 
-def _members(comm):
+def _members(comm: Any) -> set[int]:
     """The world ranks of ``comm``."""
-    if comm is MPI.COMM_WORLD or comm == MPI.COMM_WORLD:
-        return None  # everyone
     world = MPI.COMM_WORLD.Get_group()
     group = comm.Get_group()
     try:
@@ -438,36 +271,6 @@ def _members(comm):
     finally:
         group.Free()
         world.Free()
-
-
-def check_exits(comm, what, real=None):
-    """Raises RemoteRankError when a rank of ``comm`` has said that it exited
-    (Note [exit notices]).  ``real``: the ranks the user knows, by rank of ``comm`` (the MGRIT
-    core's communicators may order the ranks otherwise)."""
-    if isinstance(comm, Transport):
-        return comm.check_exits(what, real)
-    side = _notices["comm"]
-    if side is None:
-        return
-    status = MPI.Status()
-    while side.Iprobe(source=MPI.ANY_SOURCE, tag=_EXIT_TAG, status=status):
-        src = status.Get_source()
-        buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-        side.Recv([buf, MPI.BYTE], source=src, tag=_EXIT_TAG)
-        _notices["seen"][src] = buf.tobytes().decode(errors="replace")
-    if not _notices["seen"]:
-        return
-    members = _members(comm)
-    for src, text in sorted(_notices["seen"].items()):
-        if members is None or src in members:
-            local = src
-            if members is not None:
-                world = MPI.COMM_WORLD.Get_group()
-                group = comm.Get_group()
-                local = MPI.Group.Translate_ranks(world, [src], group)[0]
-                group.Free()
-                world.Free()
-            raise exited(local, src, comm.Get_rank(), text, what, real)
 
 
 def _describe_exit():

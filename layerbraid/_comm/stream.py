@@ -1,7 +1,7 @@
 """The MGRIT core's state messages over a point-to-point layer of Python's: what a transport
 whose messages go through the core's callbacks (Note [application transport] in
 cbridge/src/comm.c) shares, torch.distributed's (_comm/dist.py) and CUDA-aware MPI's
-(_comm/transport.py).
+(_comm/mpi.py).
 
 Note [state streams]: the core's messages between two ranks travel as one ordered stream (one
 tag), each led by a record that carries the core's tag, and the receiver keeps a message that

@@ -4,8 +4,6 @@ itself is ``_chain._ChainFn`` (see Note [every rank runs backward] there)."""
 
 import torch
 
-from .._comm.transport import bcast_tensor, recv_tensor, send_tensor
-
 __all__ = []
 
 
@@ -20,7 +18,7 @@ class _BroadcastFn(torch.autograd.Function):
         ctx.dummy_shape, ctx.dtype, ctx.device = y.shape, y.dtype, y.device
         if comm.Get_size() == 1:
             return y.clone()
-        out = bcast_tensor(comm, y if ctx.is_root else None, shape, dtype, y.device, root)
+        out = comm.bcast_tensor(y if ctx.is_root else None, shape, dtype, y.device, root)
         return y.clone() if ctx.is_root else out
 
     @staticmethod
@@ -51,11 +49,11 @@ class _ToFirstFn(torch.autograd.Function):
         if size == 1:
             return y.clone()
         if ctx.last:
-            send_tensor(comm, y, 0, _ToFirstFn.TAG)
+            comm.send_tensor(y, 0, _ToFirstFn.TAG)
             return torch.zeros((), dtype=y.dtype, device=y.device)
         if ctx.first:
             ctx.out_shape, ctx.out_dtype = shape, dtype
-            return recv_tensor(comm, shape, dtype, y.device, size - 1, _ToFirstFn.TAG)
+            return comm.recv_tensor(shape, dtype, y.device, size - 1, _ToFirstFn.TAG)
         return torch.zeros((), dtype=y.dtype, device=y.device)
 
     @staticmethod
@@ -65,11 +63,11 @@ class _ToFirstFn(torch.autograd.Function):
             return None, grad, None, None
         if ctx.first:
             g = grad if grad is not None else torch.zeros(ctx.out_shape, dtype=ctx.out_dtype)
-            send_tensor(comm, g.to(ctx.out_dtype), comm.Get_size() - 1, _ToFirstFn.TAG)
+            comm.send_tensor(g.to(ctx.out_dtype), comm.Get_size() - 1, _ToFirstFn.TAG)
         if ctx.last:
             return (
                 None,
-                recv_tensor(comm, ctx.shape, ctx.dtype, ctx.device, 0, _ToFirstFn.TAG),
+                comm.recv_tensor(ctx.shape, ctx.dtype, ctx.device, 0, _ToFirstFn.TAG),
                 None,
                 None,
             )

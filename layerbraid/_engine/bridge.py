@@ -11,14 +11,13 @@ in cbridge/src/comm.c).
 import re
 import sys
 import time
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI as _MPI
 
 from .._comm.base import Transport
-from .._comm.mpi import add_peers, barrier, bcast_obj, check_exits
 from .._comm.timeouts import timeout, wait_sleep
-from .._comm.transport import DeviceMessages, cuda_aware
 from ..errors import DivergenceError, MGRITError, RemoteRankError, StallError
 from .schedule import configure, ffi, lib, trace_array, trace_entries
 from .states import (
@@ -65,9 +64,9 @@ class _Core:
     """One MGRIT solver over a communicator.
 
     Args:
-        comm: an mpi4py communicator, or a Transport (a torch.distributed group: the core's
-            messages then go through it, Note [application transport] in
-            cbridge/src/comm.c).
+        comm: a Transport.  The core calls MPI itself on its ``native_mpi()`` communicator
+            where it has one, else its messages go through the transport (Note [application
+            transport] in cbridge/src/comm.c).
         num_steps, t_start, t_stop: the fine time grid.
         options: an MGRITOptions.
         init: ``init(app, t, index) -> state``: the initial value at index 0, the guess
@@ -96,7 +95,7 @@ class _Core:
 
     def __init__(
         self,
-        comm,
+        comm: Transport,
         num_steps,
         t_start,
         t_stop,
@@ -113,54 +112,54 @@ class _Core:
         step_interval=None,
         idle=None,
     ):
-        MPI = _MPI
         self._core = None  # what close() frees, set before anything here can fail
         self._messages = None
         self.comm = None
-        self._owns_comm = False
+        self._owned: list[Transport] = []  # what close() frees
         # MPI_Comm_dup below is a blocking collective: every rank arrives first, with the
         # deadline, so that one that never builds this solver is reported, not waited for.
-        barrier(
-            comm,
+        comm.barrier(
             "the construction of an MGRIT solver (every rank builds the same models "
             "and solvers, in the same order)",
         )
-        add_peers(comm)
+        comm.note_peers()
         self._init_fn, self._step_fn, self._interval_fn = init, step, step_interval
         self._idle_fn = idle
         self._app = None
         self._coarsen_fn, self._refine_fn = coarsen, refine
-        self._table = {}
-        self._private = set()  # Note [private states]
+        self._table: dict[int, Any] = {}
+        self._private: set[int] = set()  # Note [private states]
         self._next = 0
         self._error = None
         self._device = None
         self.step_seconds = 0.0
         self.comm = comm
-        self._owns_comm = bool(owns_comm)
+        if owns_comm:
+            self._owned.append(comm)
         self.rank = comm.Get_rank()
         self._real = list(real_ranks) if real_ranks is not None else list(range(comm.Get_size()))
         self._handle = ffi.new_handle(self)
         # The core's messages through Python (Note [application transport] in comm.c): over a
-        # torch.distributed group, on the core's own context (as MPI_Comm_dup gives it under
-        # MPI: Note [contexts] in _comm/dist.py); over CUDA-aware MPI, on the core's duplicate
-        # (Note [CUDA-aware MPI] in _comm/transport.py).  Else the core calls MPI itself.
+        # torch.distributed group or a CUDA-aware MPI (Note [CUDA-aware MPI] in _comm/mpi.py),
+        # on a duplicate of the communicator (its own context, as MPI_Comm_dup gives the core
+        # under MPI: Note [contexts] in _comm/dist.py).  Else the core calls MPI itself.
+        native = comm.native_mpi()
         self._messages = None
-        if isinstance(comm, Transport):
+        if native is None:
             self.comm = comm = comm.Dup()
-            self._owns_comm = True
+            self._owned.append(comm)
             self._messages = comm
-        elif cuda_aware():
-            self._messages = DeviceMessages(comm.Dup())
         app_transport = self._messages is not None
-        self._reductions = {}  # the application transport's pending allreduces: handle -> out
+        self._reductions: dict[
+            int, tuple
+        ] = {}  # the application transport's pending allreduces: handle -> out
         self._cbs = _callback_table(coarsen, refine, step_interval, idle, app_transport)
         out = ffi.new("mgrit_core **")
         problem = (int(num_steps), float(t_start), float(t_stop), self._cbs, self._handle, out)
         if app_transport:
             rc = lib.mgrit_create_app(comm.Get_rank(), comm.Get_size(), *problem)
         else:
-            comm_ptr = ffi.cast("MPI_Comm *", MPI._addressof(comm))
+            comm_ptr = ffi.cast("MPI_Comm *", _MPI._addressof(native))
             rc = lib.mgrit_create(comm_ptr, *problem)
         if rc != lib.MGRIT_OK:
             why = ffi.string(lib.mgrit_create_error()).decode()
@@ -196,14 +195,10 @@ class _Core:
             if not finalized:
                 lib.mgrit_destroy(self._core)
             self._core = None
-        if isinstance(self._messages, DeviceMessages) and not finalized:
-            self._messages.free()
         self._messages = None
-        comm = self.comm
-        if isinstance(comm, Transport):
-            comm.Free()
-        elif self._owns_comm and comm is not None and not finalized and comm != _MPI.COMM_NULL:
-            comm.Free()
+        for comm in self._owned:
+            comm.Free()  # safe after MPI has finalized: then it frees nothing
+        self._owned.clear()
         self.comm = None
         self._table.clear()
         self._private.clear()
@@ -284,7 +279,7 @@ class _Core:
             if err is not None:
                 text = f"{type(err).__name__}: {err}"
             if 0 <= failed < self.comm.Get_size():
-                text = bcast_obj(self.comm, text, failed, "report of the failed callback")
+                text = self.comm.bcast_obj(text, failed, "report of the failed callback")
             if rc in (lib.MGRIT_ERR_CALLBACK, lib.MGRIT_ERR_NOMEM) and err is not None:
                 raise err
             real = self._real[failed] if 0 <= failed < len(self._real) else -1
@@ -566,7 +561,7 @@ def _poll_cb(self):
     """Called while the core waits: a pending Ctrl-C is raised here (Python runs signal handlers
     between bytecodes), stored, and stops the wait; so is the notice of a rank of this
     communicator that exited (Note [exit notices] in _comm)."""
-    check_exits(self.comm, "a message of an MGRIT solve", self._real)
+    self.comm.check_exits("a message of an MGRIT solve", self._real)
     return 0
 
 

@@ -24,8 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._comm.mpi import allgather_ints, allgather_obj, arrive, bcast_ints, bcast_obj
-from .._comm.mpi import check_same_settings as _check_same_settings
+from .._comm.base import check_same_settings as _check_same_settings
 from ..errors import RemoteRankError
 
 __all__ = [
@@ -249,17 +248,16 @@ def agree_on_input(
             raise opened.error
         assert opened.meta is not None
         return opened.meta
-    arrive(comm, "the forward of model(x)")
-    records = allgather_ints(
-        comm,
+    comm.arrive("the forward of model(x)")
+    records = comm.allgather_ints(
         _opening_record(opened if first else None, fingerprint, settings_digest(settings)),
         "the input's fingerprints in model(x)",
     )
     head = records[0]
     if head[0] == _ERROR:
         error = opened.error if first and opened is not None else None
-        text = bcast_obj(
-            comm, f"{type(error).__name__}: {error}" if first else None, 0, "open layer's error"
+        text = comm.bcast_obj(
+            f"{type(error).__name__}: {error}" if first else None, 0, "open layer's error"
         )
         if error is not None:
             raise error
@@ -268,7 +266,7 @@ def agree_on_input(
             f"shape {_get_shape(head, 1)} went through the open layer: {text}"
         )
     if len(set(records[:, -1].tolist())) > 1:  # the settings differ: name them
-        _check_same_settings(allgather_obj(comm, settings, "the settings of model(x)"))
+        _check_same_settings(comm.allgather_obj(settings, "the settings of model(x)"))
     ref = _fingerprint_of(head)
     if ref is not None:
         theirs = [(r, _fingerprint_of(rec)) for r, rec in enumerate(records[1:], 1)]
@@ -284,10 +282,10 @@ def agree_on_settings(comm: Any, settings: dict[str, Any], where: str, what: str
     allgather of the settings' digest; the settings themselves only when the digests differ)."""
     if comm.Get_size() == 1:
         return
-    arrive(comm, where)
-    digests = allgather_ints(comm, np.array([settings_digest(settings)], dtype=np.int64), what)
+    comm.arrive(where)
+    digests = comm.allgather_ints(np.array([settings_digest(settings)], dtype=np.int64), what)
     if len(set(digests[:, 0].tolist())) > 1:
-        _check_same_settings(allgather_obj(comm, settings, what))
+        _check_same_settings(comm.allgather_obj(settings, what))
 
 
 def _raise_different_inputs(bad: list[tuple[int, Fingerprint]], ref: Fingerprint) -> None:
@@ -319,11 +317,11 @@ def share_close_report(comm: Any, report: CloseReport | None, root: int) -> Clos
         r[0] = int(report.status)
         _put_shape(r, 1, report.shape)
         r[-1] = -1 if report.dtype is None else _DTYPE_CODE[report.dtype]
-    r = bcast_ints(comm, r, root, "close layer's status at the end of model(x)")
+    r = comm.bcast_ints(r, root, "close layer's status at the end of model(x)")
     status = CloseStatus(int(r[0]))
     if status is CloseStatus.ERROR:
         mine = report.message if report is not None else None
-        text = bcast_obj(comm, mine, root, "close layer's error")
+        text = comm.bcast_obj(mine, root, "close layer's error")
         return CloseReport(status, message=text)
     return CloseReport(status, _get_shape(r, 1), _DTYPES[int(r[-1])])
 

@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .._comm.mpi import first_rank_where
 from .step_rule import check_shape, combine, euler_step, increment
 from .steps import Steps, _Graph
 from .torch_private import flatten_dense
@@ -125,7 +124,7 @@ class _LayerSteps(Steps):
     def _check_finite(self, grad_h0, grads):
         """Raises on every rank if any rank's input or parameter gradients are not finite."""
         bad = not all_finite([g for g in [grad_h0] + grads if g is not None])
-        first = first_rank_where(self.comm, bad, "the finiteness check of the gradients")
+        first = self.comm.first_rank_where(bad, "the finiteness check of the gradients")
         if first is not None:
             raise FloatingPointError(
                 f"the layer-parallel backward produced non-finite gradients (NaN or Inf) on rank "

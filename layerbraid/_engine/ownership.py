@@ -7,14 +7,18 @@ on the left: those layers are built here as frozen copies and refreshed from the
 per forward (a static plan made at construction, from the ranges every rank reports).
 """
 
-import numpy as np
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from .._comm.mpi import allgather_obj, exchange_bytes
+from .._comm.base import Transport
 from ..errors import RemoteRankError
 
 __all__ = []
+
+Tensors = list[torch.Tensor]
 
 _WEIGHT_TAG = 7301
 
@@ -64,8 +68,8 @@ class _StepLayers:
         report = None if error is None else f"{type(error).__name__}: {error}"
         mine = (owned[0], owned[-1]) if owned else None
         layout = None if error is not None else [_layout(layers[str(i)]) for i in owned]
-        everyone = allgather_obj(
-            comm, (needed, report, mine, layout), "the step layers' construction"
+        everyone = comm.allgather_obj(
+            (needed, report, mine, layout), "the step layers' construction"
         )
         failed = [(r, msg) for r, (_, msg, _, _) in enumerate(everyone) if msg is not None]
         if failed:
@@ -80,12 +84,7 @@ class _StepLayers:
             if rng is not None
             for i, lay in zip(range(rng[0], rng[1] + 1), lays)
         }
-        have = set(owned)
-        self.sends = {
-            r: [i for i in idx if i in have]
-            for r, (idx, _, _, _) in enumerate(everyone)
-            if r != rank and any(i in have for i in idx)
-        }
+        self.plan = _plan(rank, [(_owned_of(rng), idx) for idx, _, rng, _ in everyone])
         mismatch = self._build_copies(needed, ranges, layouts, factory, base, device)
         self._check_layouts(comm, mismatch)
 
@@ -93,7 +92,6 @@ class _StepLayers:
         """The copies of the layers this rank's coarse steps inject, and from which rank each
         is received; the first copy whose layout differs from its owner's layer (or None)."""
         self.copies = {}
-        self.recvs = {}
         mismatch = None
         for i in needed:
             layer = seeded_layer(factory, i, base, device)
@@ -103,7 +101,6 @@ class _StepLayers:
             owner = next(
                 r for r, rng in enumerate(ranges) if rng is not None and rng[0] <= i <= rng[1]
             )
-            self.recvs.setdefault(owner, []).append(i)
             if mismatch is None and _layout(layer) != layouts[i]:
                 mismatch = (i, owner, _layout(layer), layouts[i])
         return mismatch
@@ -112,7 +109,7 @@ class _StepLayers:
     def _check_layouts(comm, mismatch):
         # The copies are filled with the owners' bytes: every copy must have its owner's
         # parameter and buffer layout, decided here, the same on every rank.
-        bad = allgather_obj(comm, mismatch, "the step layers' layouts")
+        bad = comm.allgather_obj(mismatch, "the step layers' layouts")
         wrong = [(r, m) for r, m in enumerate(bad) if m is not None]
         if wrong:
             r, (i, owner, here, there) = wrong[0]
@@ -127,40 +124,85 @@ class _StepLayers:
         key = str(index)
         return self.layers[key] if key in self.layers else self.copies[index]
 
-    def exchange(self):
-        """Refreshes the copies from their owners (weights and buffers, as bytes)."""
-        if not self.sends and not self.recvs:
+    def exchange(self) -> None:
+        """Refreshes the copies from their owners (weights and buffers)."""
+        if not self.plan.sends and not self.plan.recvs:
             return
-        sends = {}
-        for dest, idx in self.sends.items():
-            sends[dest] = np.concatenate(
-                [_bytes(t) for i in idx for t in self.layers[str(i)].state_dict().values()]
-            )
-        incoming, recvs = [], {}
         ref = next((p for m in self.layers.values() for p in m.parameters()), None)
-        for src, idx in self.recvs.items():
-            if ref is not None:  # follow model.to(...) / .double() on the owned layers
-                for i in idx:
-                    self.copies[i].to(device=ref.device, dtype=ref.dtype)
-            tensors = [t for i in idx for t in self.copies[i].state_dict().values()]
-            buf = np.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=np.uint8)
-            recvs[src] = buf
-            incoming.append((buf, tensors))
-        exchange_bytes(
+        if ref is not None:  # follow model.to(...) / .double() on the owned layers
+            for copy in self.copies.values():
+                copy.to(device=ref.device, dtype=ref.dtype)
+        got = fetch(
             self.comm,
-            sends,
-            recvs,
+            self.plan,
+            lambda i: list(self.layers[str(i)].state_dict().values()),
+            lambda i: list(self.copies[i].state_dict().values()),
             _WEIGHT_TAG,
             "the weights of the step layers that coarse steps copy",
         )
-        for buf, tensors in incoming:
-            off = 0
-            for t in tensors:
-                n = t.numel() * t.element_size()
-                src = torch.from_numpy(buf[off : off + n].copy()).view(t.dtype).reshape(t.shape)
-                with torch.no_grad():
-                    t.copy_(src)
-                off += n
+        with torch.no_grad():
+            for i, values in got.items():
+                for t, v in zip(self.copies[i].state_dict().values(), values):
+                    t.copy_(v)
+
+
+# ---------------------------------------------------------------- fetching steps from owners
+@dataclass(frozen=True)
+class FetchPlan:
+    """Who sends which steps' tensors to whom: ``sends`` {rank: steps this rank sends it},
+    ``recvs`` {rank: steps this rank receives from it}, in step order."""
+
+    sends: Mapping[int, list[int]]
+    recvs: Mapping[int, list[int]]
+
+
+def _owned_of(rng):
+    return [] if rng is None else list(range(rng[0], rng[1] + 1))
+
+
+def _plan(rank: int, table: Sequence[tuple[Sequence[int], Sequence[int]]]) -> FetchPlan:
+    """The plan from every rank's (owned steps, wanted steps), by rank."""
+    owner = {i: r for r, (owned, _) in enumerate(table) for i in owned}
+    mine = set(table[rank][0])
+    sends = {
+        r: sorted(i for i in set(wanted) if i in mine)
+        for r, (_, wanted) in enumerate(table)
+        if r != rank and any(i in mine for i in wanted)
+    }
+    recvs: dict[int, list[int]] = {}
+    for i in sorted(set(table[rank][1]) - mine):
+        recvs.setdefault(owner[i], []).append(i)
+    return FetchPlan(sends, recvs)
+
+
+def plan_fetch(
+    comm: Transport, owned: Sequence[int], wanted: Sequence[int], what: str
+) -> FetchPlan:
+    """Collective: the plan by which every rank gets the steps it wants from their owners."""
+    table = comm.allgather_obj((sorted(owned), sorted(set(wanted))), f"the steps of {what}")
+    return _plan(comm.Get_rank(), table)
+
+
+def fetch(
+    comm: Transport,
+    plan: FetchPlan,
+    get: Callable[[int], Tensors],
+    like: Callable[[int], Tensors],
+    tag: int,
+    what: str,
+) -> dict[int, Tensors]:
+    """Collective: sends ``get(i)`` for the steps the plan sends, and returns {step: tensors}
+    for the steps it receives, shaped as ``like(i)`` and on its device.  One message per pair of
+    ranks, on the transport's device (``Transport.exchange``: nothing through numpy)."""
+    sends = {r: [t for i in idx for t in get(i)] for r, idx in plan.sends.items()}
+    recvs = {r: [t for i in idx for t in like(i)] for r, idx in plan.recvs.items()}
+    got = comm.exchange(sends, recvs, tag, what)
+    out: dict[int, Tensors] = {}
+    for r, idx in plan.recvs.items():
+        values = iter(got[r])
+        for i in idx:
+            out[i] = [next(values).to(t.device) for t in like(i)]
+    return out
 
 
 def _layout(layer):
@@ -175,10 +217,3 @@ def _describe(here, there):
         if (s1, d1) != (s2, d2):
             return f"{k} has shape {s1} and dtype {d1} against shape {s2} and dtype {d2}"
     return "different layouts"
-
-
-def _bytes(t):
-    flat = t.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return flat.contiguous().view(torch.uint8).numpy()

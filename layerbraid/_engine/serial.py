@@ -11,8 +11,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .._comm.mpi import allreduce_floats
-from .._comm.transport import neighbour_exchange
 from ..stats import SolveStats
 from .chain import BACKWARD_TWICE, _solve_state
 from .step_rule import euler_step
@@ -136,7 +134,7 @@ def parallel_penalty(comm: Any, layers: Sequence[nn.Module], first: int) -> torc
         )
     flat = [torch.cat([p.reshape(-1) for p in ps]) for ps in params]
     what = "the depth-smoothness penalty"
-    left, right = neighbour_exchange(comm, flat[0].detach(), flat[-1].detach(), what)
+    left, right = comm.neighbour_exchange(flat[0].detach(), flat[-1].detach(), what)
     inner = layers_penalty(layers)
     graph = inner
     if left is not None:
@@ -146,7 +144,7 @@ def parallel_penalty(comm: Any, layers: Sequence[nn.Module], first: int) -> torc
         right_pair = (right - flat[-1]).pow(2).sum()
         graph = graph + right_pair
         mine += float(right_pair.detach())
-    (total,) = allreduce_floats(comm, [mine], "sum", what)
+    (total,) = comm.allreduce_floats([mine], "sum", what)
     return graph + (total - graph).detach()
 
 

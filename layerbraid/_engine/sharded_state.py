@@ -11,7 +11,6 @@ from typing import Any, Callable, cast
 from torch import nn
 
 from .. import checkpoint
-from .._comm.mpi import allgather_obj, gather_obj
 from ..nn.batchnorm import _plain_copy, plain_modules
 from .ownership import seeded_layer
 from .parts import ShardedPart
@@ -58,9 +57,9 @@ class ShardedState(ShardedPart, nn.Module):
             return mine
         what = "the weights of every step layer"
         parts = (
-            allgather_obj(self._comm, mine, what)
+            self._comm.allgather_obj(mine, what)
             if root is None
-            else gather_obj(self._comm, mine, root, what)
+            else self._comm.gather_obj(mine, root, what)
         )
         if parts is None:
             return None

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import torch
 
-from .._comm.mpi import allreduce_floats
 from .._engine.parts import (
     ProbeSolve,
     TunedSolve,
@@ -91,7 +90,7 @@ def _relative_change(model, old, new, what):
             num += float((n - o).double().pow(2).sum())
             den += float(n.double().pow(2).sum())
     if comm is not None and comm.Get_size() > 1:
-        num, den = allreduce_floats(comm, [num, den], "sum", what)
+        num, den = comm.allreduce_floats([num, den], "sum", what)
     return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
 
 

@@ -29,7 +29,6 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .._comm.mpi import allreduce_floats
 from .._engine.parts import (
     ExactSolve,
     counted_parameters,
@@ -136,8 +135,8 @@ def audit_gradients(
     exact = _gradients_with(model, parts, closure, exactly)
     num, den, eps = _difference(counted, exact)
     if comm is not None and comm.Get_size() > 1:
-        num, den = allreduce_floats(comm, [num, den], "sum", "a gradient audit")
-        (eps,) = allreduce_floats(comm, [eps], "max", "a gradient audit")
+        num, den = comm.allreduce_floats([num, den], "sum", "a gradient audit")
+        (eps,) = comm.allreduce_floats([eps], "max", "a gradient audit")
     # the same on every rank, bit for bit: each rank's adaptive stopping rule uses it
     error = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
     calibrated = bool(parts[0].audit_ratios)

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .._comm.mpi import allgather_obj, bcast_obj, is_comm, world
+from .._comm.world import is_comm, resolve, world
 from .._engine.parts import LayerParallelPart
 from ..grid import ProcessGrid
 from ..launch import _enter
@@ -30,6 +30,7 @@ def _group_of(comm):
         comm = comm._process_grid() or comm.comm
     if isinstance(comm, ProcessGrid):
         return comm.world, comm.data_rank, comm.data_size
+    comm = resolve(comm)
     if not is_comm(comm):
         raise TypeError(
             f"comm must be an mpi4py communicator, a ProcessGrid or a layer-parallel "
@@ -45,14 +46,14 @@ def _agree_seed(world, seed):
         raise ValueError(f"seed must be an int or None, got {seed!r}")
     if world.Get_size() == 1:
         return int(torch.empty((), dtype=torch.int64).random_().item()) if seed is None else seed
-    seeds = allgather_obj(world, seed, "the loader's seed")
+    seeds = world.allgather_obj(seed, "the loader's seed")
     if seed is None and all(s is None for s in seeds):
         drawn = (
             int(torch.empty((), dtype=torch.int64).random_().item())
             if world.Get_rank() == 0
             else None
         )
-        return bcast_obj(world, drawn, 0, "the loader's drawn seed")
+        return world.bcast_obj(drawn, 0, "the loader's drawn seed")
     if len(set(seeds)) != 1:
         raise ValueError(
             f"the ranks were given different loader seeds {seeds}: pass the same "

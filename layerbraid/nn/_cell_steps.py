@@ -7,7 +7,6 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from .._comm.transport import allgather_rows, allreduce_sum, bcast_tensor
 from .._engine.steps import Steps, _Graph
 from ._cells import GRUMath, LSTMMath, _flat
 
@@ -157,7 +156,7 @@ class _CellSteps(Steps):
         assert mine.shape[0] == len(run.owned), "the final relaxation missed an owned point"
         if seq in states:
             mine = torch.cat([mine] + [r.unsqueeze(0) for r in self.last_rows(states[seq])])
-        rows = allgather_rows(self.comm, mine) if self.comm.Get_size() > 1 else mine
+        rows = self.comm.allgather_rows(mine) if self.comm.Get_size() > 1 else mine
         return rows.to(run.own.x.device).transpose(0, 1)
 
     def begin_adjoint(self, run, grad):
@@ -190,8 +189,8 @@ class _CellSteps(Steps):
         # gradient for h0: the adjoint at forward point 0, on rank 0
         gh0 = states.get(run.own.x.shape[1]) if comm.Get_rank() == 0 else None
         if comm.Get_size() > 1:
-            gh0 = bcast_tensor(
-                comm, gh0, tuple(run.own.h0.shape), run.own.h0.dtype, run.own.h0.device, 0
+            gh0 = comm.bcast_tensor(
+                gh0, tuple(run.own.h0.shape), run.own.h0.dtype, run.own.h0.device, 0
             )
         if self.fused:
             gx, gp = self._fused_grads(run)
@@ -361,7 +360,7 @@ class _CellSteps(Steps):
 
 def _allreduce_sum(comm, tensors):
     """Sums a list of tensors over comm in one message."""
-    return allreduce_sum(comm, tensors, "the gradients of the weights shared over sequence time")
+    return comm.allreduce_sum(tensors, "the gradients of the weights shared over sequence time")
 
 
 class _GRUSteps(GRUMath, _CellSteps):

@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._comm.transport import allreduce_sum
 from .._engine.chain import _solve_state
 
 __all__ = [
@@ -31,7 +30,7 @@ class _AllreduceSum(torch.autograd.Function):
 
 
 def _allreduce(comm, t):
-    return allreduce_sum(comm, [t], "the batch-norm statistics")[0]
+    return comm.allreduce_sum([t], "the batch-norm statistics")[0]
 
 
 class _LayerParallelBatchNorm:

@@ -54,8 +54,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .._comm.mpi import resolve
-from .._comm.transport import bcast_into
+from .._comm.world import resolve
 from .._engine.chain import Run, _Chain, _ChainFn, _check_target, _gradient_estimate
 from .._engine.handshake import agree_on_settings
 from .._engine.parts import FreedOnExit, LayerParallelPart
@@ -113,7 +112,7 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
         for name, p in ref.named_parameters():
             self.register_parameter(name, nn.Parameter(p.detach().clone()))
         self.bias = bias
-        bcast_into(self.comm, self.parameters())  # every rank holds rank 0's weights
+        self.comm.bcast_into(self.parameters())  # every rank holds rank 0's weights
         self._steps = self._cell(self.comm, bias, coarse_rule, fused)
         self._chains = {}
         self.forward_stats = []

@@ -33,9 +33,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import layerbraid
-from layerbraid._comm.mpi import barrier, bcast_obj
-from layerbraid._comm.mpi import world as _world
 from layerbraid.data import LayerParallelLoader
+from layerbraid.launch import world
 from layerbraid.nn import ConvBlock, LayerParallelGRU
 
 
@@ -71,7 +70,7 @@ def fault_here():
 
 
 def fail_on(rank, where):
-    if _world().Get_rank() == rank:
+    if world().Get_rank() == rank:
         fault_here()
         raise InjectedFault(f"injected fault on rank {rank} before {where}")
 
@@ -335,7 +334,7 @@ class StallingClose(nn.Module):
 
 def job(scenario):
     """The training job of ``scenario``, on this rank (run under mpiexec)."""
-    WORLD = _world()
+    WORLD = world()
     torch.set_default_dtype(torch.float64)
     x, y = _batch(16)
     one = WORLD.rank == 1
@@ -428,11 +427,8 @@ def _train(scenario, WORLD, model, loader, opt):
 def _finish(scenario, WORLD, model, opt):
     """After training: the serial copy, the checkpoint and the final barrier."""
     one = WORLD.rank == 1
-    path = bcast_obj(
-        WORLD,
-        os.path.join(tempfile.gettempdir(), f"layerbraid-drill-{os.getpid()}.ckpt"),
-        0,
-        "the checkpoint's path",
+    path = WORLD.bcast(
+        os.path.join(tempfile.gettempdir(), f"layerbraid-drill-{os.getpid()}.ckpt"), root=0
     )
     if scenario == "stall-to-serial":
         if WORLD.rank == 0:
@@ -447,7 +443,7 @@ def _finish(scenario, WORLD, model, opt):
     if scenario == "stall-checkpoint" and one:
         sleep_forever()
     layerbraid.save_checkpoint(model, path, opt)
-    barrier(WORLD, "the end of the drill")
+    WORLD.Barrier()
     if WORLD.rank == 0:
         os.unlink(path)
     print(f"rank {WORLD.rank}: no fault happened", flush=True)

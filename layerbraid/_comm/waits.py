@@ -1,0 +1,74 @@
+"""The waits every transport shares: the polled wait with the stall deadline (Note [deadlines]
+in _comm/base.py) and the errors a wait raises when a peer exited or never came."""
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+from ..errors import RemoteRankError, StallError
+from .timeouts import timeout, wait_sleep
+
+__all__ = ["exited", "missing_ranks", "poll"]
+
+
+def poll(done: Callable[[], bool], check: Callable[[], None], what: str, rank: int) -> None:
+    """Calls ``done()`` until it is true: a short spin, then, between tests, a yield of the
+    core when every rank of this node has a core of its own (a nap would wake late by up to
+    its length, on every wait of a pipeline), else a nap of a tenth of the time waited so far,
+    between ``wait_sleep()`` and 1 ms; several tests per wake (MPI's progress can need more
+    than one call to finish what arrived during a nap); ``check()`` (the exit notices) and the
+    timeout about every 50 ms.  Every wait of either transport goes through here (Note
+    [deadlines] in _comm/base.py)."""
+    limit = timeout()
+    t0 = time.perf_counter()
+    spins, sleep, next_check = 0, None, t0 + 0.05
+    while True:
+        for _ in range(4):
+            if done():
+                return
+        spins += 1
+        if spins <= 100:
+            continue
+        now = time.perf_counter()
+        if sleep is None:
+            sleep = wait_sleep()
+        if sleep > 0:
+            time.sleep(min(max((now - t0) / 10, sleep), 1e-3))
+        else:
+            os.sched_yield()
+        if now < next_check:
+            continue
+        next_check = now + 0.05
+        check()
+        waited = now - t0
+        if limit and waited > limit:
+            raise StallError(
+                f"stalled: rank {rank} waited {waited:.0f} s for {what}.  "
+                "LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit"
+            )
+
+
+def exited(
+    local: int, src: int, me: int, text: str, what: str, real: Optional[Sequence[int]] = None
+) -> RemoteRankError:
+    """The error of rank ``me`` told that rank ``local`` (``src`` in the whole job) exited with
+    ``text`` while it waited for ``what``; ``real``: the ranks the user knows, by rank of the
+    communicator waited on (the MGRIT core's may order them otherwise)."""
+    if real is not None:
+        local, me = real[local], real[me]
+    name = f"rank {local}" if local == src else f"rank {local} (world rank {src})"
+    return RemoteRankError(
+        f"{name} exited ({text}) while rank {me} waited for {what}", local, origin_raised=False
+    )
+
+
+def missing_ranks(rank: int, missing: Sequence[int], what: str) -> StallError:
+    """The StallError of a rank whose neighbours ``missing`` never reached ``what``."""
+    who = " and ".join(f"rank {p}" for p in missing)
+    return StallError(
+        f"stalled: rank {rank} waited {timeout():.0f} s for {who} to reach {what}; "
+        f"{'it' if len(missing) == 1 else 'they'} never did (stopped, or called model(x) "
+        "or backward() a different number of times, or with another batch).  "
+        "LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit"
+    )
