@@ -267,3 +267,46 @@ def test_a_fault_ends_every_rank_of_the_job_with_its_cause(scenario, launcher, d
     # loaded 2-core machine: the stall itself takes the timeout, the teardown a few seconds
     assert result["seconds"] < drill.TIMEOUT + 10, f"{result['seconds']:.1f} s"
 
+
+# ---------------------------------------------------------------- the rendezvous
+def _launch_alone(env_extra, timeout_s):
+    """``layerbraid.launch.world()`` in a process of its own, with ``env_extra`` over an environment
+    free of the launcher's variables: (return code, stderr, seconds)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA", "_PYTEST_MPI", "MPI_LOCAL",
+                                "MASTER_", "TORCHELASTIC", "LOCAL_RANK", "GROUP_", "ROLE_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env.update({k: v.replace("PORT", str(port)) for k, v in env_extra.items()})
+    t0 = time.perf_counter()
+    code = "from layerbraid.launch import world; print(world().size)"
+    proc = subprocess.run([sys.executable, "-c", code],
+                          env=env, capture_output=True, text=True, timeout=timeout_s)
+    return proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - t0
+
+
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="starts its own processes")
+@pytest.mark.parametrize("rank, came", [("0", "1 of 2 processes arrived"),
+                                        ("1", "could not reach the store that rank 0 hosts")])
+def test_a_rendezvous_whose_peer_never_comes_ends_within_the_timeout(rank, came):
+    rc, _, err, seconds = _launch_alone(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "PORT", "RANK": rank, "WORLD_SIZE": "2",
+         "LAYERBRAID_TIMEOUT": "3"}, 120)
+    assert rc != 0 and seconds < 3 + 10 + 5, (rc, seconds, err[-2000:])  # + interpreter start
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("layerbraid.errors.StallError: stalled: rank " + rank), err[-2000:]
+    assert "torch.distributed rendezvous at 127.0.0.1:" in last and "(WORLD_SIZE=2)" in last
+    assert came in last and "LAYERBRAID_TIMEOUT" in last
+
+
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="starts its own processes")
+def test_the_same_process_without_a_launcher_runs_alone():
+    rc, out, err, _ = _launch_alone({}, 120)
+    assert rc == 0 and out.strip() == "1", err[-2000:]

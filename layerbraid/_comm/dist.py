@@ -33,17 +33,20 @@ a counter; a waiting rank reads the counter every 50 ms and raises RemoteRankErr
 """
 
 import os
+import re
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..errors import RemoteRankError
+from ..errors import RemoteRankError, StallError
 from .base import Transport
+from .timeouts import timeout
 from .waits import exited
 
 __all__ = ["DistComm", "as_comm", "is_process_group", "launched_by_torchrun", "world"]
@@ -71,16 +74,51 @@ def world() -> "DistComm":
     environment first when the program has not called it: gloo for CPU tensors, and NCCL for
     CUDA tensors where CUDA is available (torch's default), or the backend that
     ``LAYERBRAID_DIST_BACKEND`` names ("gloo": CUDA states staged through the host, as when
-    several processes share one GPU, which NCCL refuses)."""
+    several processes share one GPU, which NCCL refuses).  The rendezvous has the stall
+    deadline (Note [rendezvous deadline])."""
     if not dist.is_initialized():
         backend = os.environ.get("LAYERBRAID_DIST_BACKEND") or None
         if backend not in (None, "gloo", "nccl", "mpi"):
             raise ValueError(f"LAYERBRAID_DIST_BACKEND must be gloo, nccl or mpi, got {backend!r}")
-        dist.init_process_group(backend=backend)
+        _init_default_group(backend)
     comm = _world[0]
     if comm is None:
         comm = _world[0] = DistComm(dist.group.WORLD)
     return comm
+
+
+# Note [rendezvous deadline]: init_process_group waits for every process of WORLD_SIZE to join
+# its store, by default for 30 minutes, silently.  Started here it waits the stall timeout
+# (plus a margin, so that a collective's own poll, which names what it waited for, always raises
+# before the backend's timeout of the same operation), and a peer that never comes ends the
+# process with StallError naming the rendezvous, the world size and how many arrived.
+_BACKEND_MARGIN = 5.0
+
+
+def _init_default_group(backend: Optional[str]) -> None:
+    limit = timeout()
+    deadline = timedelta(seconds=limit + _BACKEND_MARGIN) if limit else None
+    try:
+        dist.init_process_group(backend=backend, timeout=deadline)
+    except dist.DistError as exc:
+        raise StallError(_rendezvous_stalled(str(exc), limit + _BACKEND_MARGIN)) from exc
+
+
+def _rendezvous_stalled(why: str, waited: float) -> str:
+    env = os.environ
+    where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    size = env.get("WORLD_SIZE", "?")
+    joined = re.search(r"(\d+)/(\d+) clients joined", why)
+    if joined:
+        came = f"{joined.group(1)} of {joined.group(2)} processes arrived"
+    else:
+        came = "it could not reach the store that rank 0 hosts (rank 0 never started it)"
+    return (
+        f"stalled: rank {env.get('RANK', '?')} waited {waited:.0f} s for the torch.distributed "
+        f"rendezvous at {where} (WORLD_SIZE={size}): {came}.  Start every process of the job "
+        f"(torchrun --nproc-per-node {size}, or one per rank with the same MASTER_ADDR and "
+        "MASTER_PORT); LAYERBRAID_TIMEOUT or layerbraid.set_timeout sets the limit"
+    )
 
 
 def is_process_group(obj: Any) -> bool:
