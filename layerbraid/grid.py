@@ -49,8 +49,9 @@ class ProcessGrid(FreedOnExit):
         self.world = comm
         self.layer_size, self.data_size = layers, data_parallel
         self.layer_rank, self.data_rank = rank % layers, rank // layers
-        self.layer_comm = comm.Split(self.data_rank, self.layer_rank)
-        self.data_comm = comm.Split(self.layer_rank, self.data_rank)
+        what = "the construction of a ProcessGrid"
+        self.layer_comm = comm.Split(self.data_rank, self.layer_rank, what)
+        self.data_comm = comm.Split(self.layer_rank, self.data_rank, what)
 
     def free(self) -> None:
         """Frees the two communicators the grid made (also at the end of a ``with`` block)."""

@@ -101,7 +101,7 @@ class MGRIT:
             raise TypeError(f"options must be an MGRITOptions, got {type(options).__name__}")
         self.options = options
         self.comm = resolve(comm)
-        if not is_comm(comm):
+        if not is_comm(self.comm):
             raise TypeError(
                 f"comm must be an mpi4py communicator or a torch.distributed ProcessGroup, "
                 f"got {type(comm).__name__}"

@@ -10,10 +10,12 @@ import torch
 from mpi4py import MPI
 
 from layerbraid import StallError
+from layerbraid._comm.world import resolve
 from layerbraid._engine import handshake as hs
 from layerbraid.errors import RemoteRankError
 
-WORLD = MPI.COMM_WORLD
+WORLD = resolve(MPI.COMM_WORLD)  # the transport the internals take
+SELF = resolve(MPI.COMM_SELF)
 SETTINGS = {"warm_start": False, "target_error": None, "output": "all", "levels": (2, 1)}
 
 
@@ -76,11 +78,11 @@ def test_an_unknown_device_type_is_a_clear_error():
 
 def test_on_one_rank_the_handshake_is_local():
     o = opened()
-    assert hs.agree_on_input(MPI.COMM_SELF, o, None, SETTINGS) == o.meta
+    assert hs.agree_on_input(SELF, o, None, SETTINGS) == o.meta
     with pytest.raises(KeyError, match="boom"):
-        hs.agree_on_input(MPI.COMM_SELF, hs.Opened(error=KeyError("boom")), None, SETTINGS)
+        hs.agree_on_input(SELF, hs.Opened(error=KeyError("boom")), None, SETTINGS)
     report = hs.CloseReport(hs.CloseStatus.OK, (4, 10), torch.float32)
-    assert hs.share_close_report(MPI.COMM_SELF, report, 0) is report
+    assert hs.share_close_report(SELF, report, 0) is report
 
 
 # ---------------------------------------------------------------- two ranks

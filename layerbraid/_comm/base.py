@@ -59,8 +59,9 @@ class Transport(StateStream, ABC):
 
     # ---------------------------------------------------------------- the primitives
     @abstractmethod
-    def Split(self, color: int, key: int) -> "Transport":
-        """A new communicator of the ranks with the same ``color``, ordered by ``key``."""
+    def Split(self, color: int, key: int, what: str = "a split of a communicator") -> "Transport":
+        """A new communicator of the ranks with the same ``color``, ordered by ``key``; every
+        rank arrives first, with the deadline (a stall names ``what``)."""
 
     @abstractmethod
     def Dup(self) -> "Transport":
@@ -227,7 +228,7 @@ class Transport(StateStream, ABC):
         if self.size == 1:
             return [obj]
         data = _dumps(obj)
-        sizes = self.allgather_ints([data.numel()], f"the sizes of {what}")[:, 0]
+        sizes = self.allgather_ints([data.numel()], what)[:, 0]
         _check_counts(int(sizes.max()) * self.size, what)
         rows = torch.zeros((self.size, int(sizes.max())), dtype=torch.uint8, device=self.small)
         buf = torch.zeros(int(sizes.max()), dtype=torch.uint8, device=self.small)

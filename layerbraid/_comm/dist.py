@@ -291,8 +291,9 @@ class DistComm(Transport):
     def Dup(self) -> "DistComm":
         return DistComm(self.group, self.members, self._new_context())
 
-    def Split(self, color: int, key: int) -> "DistComm":
-        rows = self.allgather_obj((int(color), int(key)), "the colors of a split")
+    def Split(self, color: int, key: int, what: str = "a split of a communicator") -> "DistComm":
+        self.barrier(what)
+        rows = self.allgather_obj((int(color), int(key)), f"the colors of {what}")
         context = self._new_context()
         mine = sorted((k, r) for r, (c, k) in enumerate(rows) if c == color)
         members = [self.members[r] for _, r in mine]

@@ -106,8 +106,8 @@ class MPIComm(Transport):
         return f"MPIComm(rank {self.rank} of {self.size})"
 
     # ---- ranks and groups
-    def Split(self, color: int, key: int) -> "MPIComm":
-        self.barrier("the split of a communicator")  # a blocking collective: arrive first
+    def Split(self, color: int, key: int, what: str = "a split of a communicator") -> "MPIComm":
+        self.barrier(what)  # MPI_Comm_split is a blocking collective: arrive first
         new = MPIComm(self.comm.Split(color, key), owned=True)
         new.note_peers()
         return new

@@ -152,7 +152,7 @@ class _Chain:
         states its cycles read again: the gradients need the last point alone."""
         comm, spatial = self.comm, self.spatial
         rank, size = comm.Get_rank(), comm.Get_size()
-        rev = comm.Split(0, size - 1 - rank)
+        rev = comm.Split(0, size - 1 - rank, "the construction of the adjoint's MGRIT solver")
         return _Core(
             rev,
             self.num_steps,
