@@ -4,6 +4,7 @@ The top level is the training surface: the module, ``from_serial`` (a layer-para
 serial network), its options, the process grid, spatial coarsening, gradient clipping,
 checkpoints, the stall timeout, the errors, and the general solver.  Around it:
 ``layerbraid.data`` (loaders), ``layerbraid.nn`` (step blocks, batch norms, RNNs),
+``layerbraid.parameterization`` (what a step's parameters are),
 ``layerbraid.accuracy`` (gradient audits, probes, the iteration tuner), ``layerbraid.cli`` (the
 examples' flags), ``layerbraid.plan`` (the work model), ``layerbraid.launch`` (the abort hook).
 """
@@ -49,7 +50,18 @@ _LAZY = {
     "from_serial": "convert",
 }
 # Subpackages reachable as attributes after ``import layerbraid`` (loaded on first use).
-_SUBMODULES = {"accuracy", "cli", "data", "nn", "plan", "stats", "checkpoint", "launch", "mgrit"}
+_SUBMODULES = {
+    "accuracy",
+    "cli",
+    "data",
+    "nn",
+    "parameterization",
+    "plan",
+    "stats",
+    "checkpoint",
+    "launch",
+    "mgrit",
+}
 # Names that left the top level: where they live now (one release of warnings, CHANGELOG.md).
 _MOVED = {
     "audit_gradients": "accuracy",

@@ -14,6 +14,7 @@ from ._engine.serial import _SerialChain
 from .grid import ProcessGrid
 from .module import LayerParallelModule
 from .nn.batchnorm import layer_parallel_modules
+from .parameterization import ParameterizedModel, StepParameterization
 
 __all__ = ["from_serial", "own_skip_rule"]
 
@@ -42,11 +43,28 @@ def own_skip_rule(
     return x + ratio * (y - x)
 
 
+class _SerialBlocks(StepParameterization):
+    """Steps built from the blocks of a serial network.  Each rank keeps copies of only the
+    blocks it owns (and of the few its coarse steps inject); for every other step it keeps a
+    skeleton on the meta device (no memory), which ``to_serial()`` and the injected copies
+    build from."""
+
+    def __init__(self, blocks: Sequence[nn.Module]):
+        self.source: list[nn.Module] | None = list(blocks)  # until the owned ones are copied
+        self.skeletons = [_skeleton(b) for b in blocks]
+
+    def layer(self, model: ParameterizedModel, index: int) -> nn.Module:
+        if self.source is not None:
+            return layer_parallel_modules(copy.deepcopy(self.source[index]))
+        return _materialize(self.skeletons[index])
+
+    def attach(self, model: ParameterizedModel) -> None:
+        self.source = None  # the model shares no tensor with the user's blocks
+
+
 class _FromSerial(LayerParallelModule):
     """A LayerParallelModule whose open layer, step blocks and close layer came from a serial
-    network.  Each rank keeps copies of only the blocks it owns (and of the few its coarse
-    steps inject); for every other step it keeps a skeleton on the meta device (no memory),
-    which ``to_serial()`` and the injected copies build from."""
+    network (its parameterization is _SerialBlocks), stepped by ``rule`` if one is given."""
 
     def __init__(
         self,
@@ -58,35 +76,20 @@ class _FromSerial(LayerParallelModule):
         comm: Any,
         options: dict[str, Any],
     ):
-        super().__init__(len(blocks), t_final, comm, **options)
+        super().__init__(
+            len(blocks), t_final, comm, parameterization=_SerialBlocks(blocks), **options
+        )
         self.open = copy.deepcopy(open)
         self.close = copy.deepcopy(close)
-        object.__setattr__(self, "_rule", rule)
-        # The user's blocks, referenced until the owned ones are copied (in _build_steps).
-        object.__setattr__(self, "_source", list(blocks))
-        object.__setattr__(self, "_skeletons", [_skeleton(b) for b in blocks])
-
-    def _build_steps(self) -> None:
-        try:
-            super()._build_steps()
-        finally:
-            object.__setattr__(self, "_source", None)
-
-    def step_layer(self, index: int) -> nn.Module:
-        source = self.__dict__["_source"]
-        if source is not None:
-            return layer_parallel_modules(copy.deepcopy(source[index]))
-        skeletons: list[nn.Module] = self.__dict__["_skeletons"]
-        return _materialize(skeletons[index])
+        self._rule = rule
 
     def step_rule(self, layer: nn.Module, x: torch.Tensor, dt: float, index: int) -> torch.Tensor:
-        rule = self.__dict__["_rule"]
-        if rule is None:
+        if self._rule is None:
             return super().step_rule(layer, x, dt, index)
-        return rule(self, layer, x, dt, index)
+        return self._rule(self, layer, x, dt, index)
 
     def _custom_rule(self) -> Rule | None:
-        return self.__dict__["_rule"]
+        return self._rule
 
 
 def from_serial(
@@ -200,7 +203,7 @@ def _skeleton(block: nn.Module) -> nn.Module:
                 memo[id(b)] = b.to("meta")
     skeleton = copy.deepcopy(block, memo)
     devices = {t.device for t in [*block.parameters(), *block.buffers()]}
-    object.__setattr__(skeleton, "_lb_device", devices.pop() if len(devices) == 1 else None)
+    skeleton._lb_device = devices.pop() if len(devices) == 1 else None  # type: ignore[assignment]
     return skeleton
 
 
@@ -208,7 +211,7 @@ def _materialize(skeleton: nn.Module) -> nn.Module:
     """A block built from its skeleton, its meta tensors replaced by uninitialized ones on the
     block's device (tied ones stay tied): every use fills them (``to_serial()`` and the injected
     copies load the owners' weights)."""
-    device = skeleton.__dict__.get("_lb_device") or torch.device("cpu")
+    device = getattr(skeleton, "_lb_device", None) or torch.device("cpu")
     block = copy.deepcopy(skeleton)
     made: dict[int, Any] = {}
     for m in block.modules():

@@ -39,6 +39,7 @@ from .coarsening import SpatialCoarsening
 from .grid import ProcessGrid, _GradAverager
 from .launch import _enter
 from .options import MGRITOptions, check_int
+from .parameterization import StepParameterization
 from .stats import SolveStats
 
 __all__ = ["LayerParallelModule", "SolveStats"]
@@ -112,6 +113,9 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
             adjoint's final relaxation over it in one autograd call per run (default True);
             False takes one autograd call per step.  The two agree to round-off; fused saves
             the per-step calls (Note [fused runs] in _engine/layer_steps.py).
+        parameterization: what the steps' parameters are (a
+            :class:`layerbraid.parameterization.StepParameterization`); default: each step
+            layer's own weights, trained directly.
 
     The attribute ``retain_graphs`` (default False) keeps the steps' graphs after a backward,
     so that the same forward can be differentiated again (``retain_graph=True``,
@@ -138,6 +142,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         check_finite: bool = True,
         target_error: Optional[float] = None,
         fused: bool = True,
+        parameterization: Optional[StepParameterization] = None,
     ):
         super().__init__()
         _enter()
@@ -166,17 +171,25 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         self.warm_start = bool(warm_start)
         self.target_error = _check_target(target_error)
         _check_output_and_spatial(output, spatial)
+        if parameterization is None:
+            parameterization = StepParameterization()
+        if not isinstance(parameterization, StepParameterization):
+            raise TypeError(
+                "parameterization must be a StepParameterization, got "
+                f"{type(parameterization).__name__}"
+            )
+        self.parameterization = parameterization
         self.check_inputs = bool(check_inputs)
         self.check_finite = bool(check_finite)
         self.fused = fused
         self.retain_graphs = False
         self.output = output
-        object.__setattr__(self, "spatial", spatial)
+        self.spatial = spatial
         self.open = None
         self.close = None
         self.layers = nn.ModuleDict()
-        object.__setattr__(self, "_comm", comm)
-        object.__setattr__(self, "_grid", grid)
+        self._comm = comm
+        self._grid = grid
         self._built = False
         self._init_part()
 
@@ -218,7 +231,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
                 comm,
                 self._chain.levels,
                 self._chain.owned,
-                self.step_layer,
+                self._step_factory,
                 self._layer_seed,
                 ref.device if ref is not None else None,
                 self.layers,
@@ -242,7 +255,16 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
             data.bcast_into(list(self.parameters()) + list(self.buffers()))
             self._averager = _GradAverager(self.parameters(), data)
         self._anchor = torch.zeros((), requires_grad=True)
+        try:
+            self.parameterization.attach(self)
+        except BaseException:
+            self._release()
+            raise
         self._built = True
+
+    def _step_factory(self, index: int) -> nn.Module:
+        """The module of step ``index``, as the parameterization builds it."""
+        return self.parameterization.layer(self, index)
 
     def free(self) -> None:
         """Frees the communicator and the MGRIT cores this model created (MPICH allows about
@@ -291,6 +313,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         the same batch (checked, see ``check_inputs``), or None / a 0-d tensor off the first
         rank.  Returns the close layer's output on every rank."""
         self._check_usable()
+        self.parameterization.refresh(self)  # before the exchange of the injected copies
         first, last = self._rank == 0, self._rank == self._size - 1
         opened = _open_input(self.open, x, self.check_finite) if first else None
         fingerprint = Fingerprint.of(x) if self.check_inputs else None
@@ -328,7 +351,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         """The chain's output from ``h0``: the serial path (one rank, exact solves) or the
         MGRIT solves, as an autograd Function."""
         chain = self._solving(self._chain)
-        if self._size == 1 and self._serial_path():
+        if self._size == 1 and self._serial_path() and self.parameterization.serial_path(self):
             times = time_points(self.t_final, self.num_steps)
             owned, retain = self._chain.owned, self.retain_graphs
             return serial_forward(
@@ -341,12 +364,8 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         if anchor.device != meta.device:
             anchor = anchor.to(meta.device)
         params = [p for leaves in run.own.step_params.values() for _, p in leaves]
-        return _ChainFn.apply(chain, run, anchor, h0, *self._step_inputs(params))
-
-    def _step_inputs(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The chain's inputs that its step parameters' gradients are returned for: the
-        parameters themselves, or tensors they were made from (layerbraid.spline)."""
-        return params
+        inputs = self.parameterization.inputs(self, params)
+        return _ChainFn.apply(chain, run, anchor, h0, *inputs)
 
     def _serial_path(self):
         """Whether this forward takes the serial path (Note [serial path] in _engine/serial.py)."""

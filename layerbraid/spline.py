@@ -4,28 +4,26 @@ step at time ``t`` are a B-spline combination of ``nsplines`` coefficient sets,
 
 A :class:`SplineModule` is a :class:`LayerParallelModule` whose trainable step parameters are
 the coefficient sets (``model.coefficients``, every set on every rank of the layer group: their
-number does not grow with the depth).  Each forward first evaluates the weights of the steps
-this rank owns from them; the steps then run as any layer-parallel network's (the MGRIT
-solves, the copies coarse levels inject), and the adjoint's gradients of those weights go back
-to the coefficients through the basis (``dc_k = sum_i B_k(t_i) dtheta_i`` over the owned
-steps), summed over the layer group once, in one message, so that every rank holds the whole
-gradient and its optimizer keeps the replicas equal (Note [spline gradients]).
+number does not grow with the depth): its parameterization is :class:`SplineWeights`, the
+linear step weights (:class:`layerbraid.LinearStepWeights`) whose matrix is the basis.  Each
+forward first evaluates the weights of the steps this rank owns; the steps then run as any
+layer-parallel network's (the MGRIT solves, the copies coarse levels inject), and the
+adjoint's gradients of those weights go back to the coefficients through the basis
+(``dc_k = sum_i B_k(t_i) dtheta_i`` over the owned steps), summed over the layer group once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 from torch import nn
 
-from ._engine.ownership import seeded_layer
 from .module import LayerParallelModule
+from .parameterization import LinearStepWeights, ParameterizedModel
 
-__all__ = ["SplineModule", "bspline_basis"]
-
-_COEFFICIENT_SEED = 7919  # seeds coefficient set k apart from step layer k
+__all__ = ["SplineModule", "SplineWeights", "bspline_basis"]
 
 
 def bspline_basis(nsplines: int, degree: int, times: np.ndarray, t_final: float) -> np.ndarray:
@@ -55,6 +53,29 @@ def bspline_basis(nsplines: int, degree: int, times: np.ndarray, t_final: float)
     return basis
 
 
+class SplineWeights(LinearStepWeights):
+    """Step ``i``'s weights ``sum_k B_k(t_i) c_k`` for B-splines ``B_k`` of ``degree`` over
+    ``[0, T]`` (:func:`bspline_basis`) and ``nsplines`` coefficient sets ``factory(k)``."""
+
+    def __init__(self, nsplines: int, degree: int, factory: Callable[[int], nn.Module]):
+        if not isinstance(degree, int) or not 1 <= degree <= 3:
+            raise ValueError(f"degree must be 1, 2 or 3, got {degree!r}")
+        if not isinstance(nsplines, int) or nsplines < degree + 1:
+            raise ValueError(
+                f"nsplines must be an int >= degree + 1 = {degree + 1}, got {nsplines!r}"
+            )
+        super().__init__(nsplines, factory)
+        self.degree = degree
+        self._basis: np.ndarray | None = None
+
+    def weights(self, model: ParameterizedModel, index: int) -> list[tuple[int, float]]:
+        if self._basis is None:
+            times = np.arange(model.num_steps) * model.dt
+            self._basis = bspline_basis(self.sets, self.degree, times, model.t_final)
+        row = self._basis[index]
+        return [(k, float(row[k])) for k in range(self.sets) if row[k] != 0.0]
+
+
 class SplineModule(LayerParallelModule):
     """A layer-parallel network whose step weights are B-splines in time.
 
@@ -77,8 +98,6 @@ class SplineModule(LayerParallelModule):
     parallelism (a ``ProcessGrid`` with several data groups) it is not supported yet.
     """
 
-    _SERIAL_SKIP = ("coefficients.",)
-
     def __init__(
         self,
         num_steps: int,
@@ -89,21 +108,12 @@ class SplineModule(LayerParallelModule):
         degree: int = 1,
         **kwargs: Any,
     ):
-        if not isinstance(degree, int) or not 1 <= degree <= 3:
-            raise ValueError(f"degree must be 1, 2 or 3, got {degree!r}")
-        if not isinstance(nsplines, int) or nsplines < degree + 1:
-            raise ValueError(
-                f"nsplines must be an int >= degree + 1 = {degree + 1}, got {nsplines!r}"
-            )
-        super().__init__(num_steps, t_final, comm, **kwargs)
-        grid = self._grid
-        if grid is not None and grid.data_size > 1:
-            raise ValueError(
-                "SplineModule under data parallelism (a ProcessGrid with "
-                f"{grid.data_size} data groups) is not supported: use one data group"
-            )
+        weights = SplineWeights(nsplines, degree, self._coefficient_layer)
+        super().__init__(num_steps, t_final, comm, parameterization=weights, **kwargs)
         self.nsplines, self.degree = nsplines, degree
-        self.coefficients = nn.ModuleList()
+
+    def _coefficient_layer(self, index: int) -> nn.Module:
+        return self.coefficient_layer(index)  # looked up when called: the subclass's
 
     def coefficient_layer(self, index: int) -> nn.Module:
         """The module ``f`` holding coefficient set ``index``."""
@@ -113,106 +123,6 @@ class SplineModule(LayerParallelModule):
         """A module of ``f``'s structure; its parameters are overwritten at every forward."""
         return self.coefficient_layer(0)
 
-    # ------------------------------------------------------------------ construction
-    def _build_steps(self):
-        seed = self._coefficient_seed()
-        for k in range(self.nsplines):
-            self.coefficients.append(seeded_layer(self.coefficient_layer, k, seed))
-        ref = next(self._ref_tensors(), None)
-        if ref is not None:
-            self.coefficients.to(ref.device)
-        super()._build_steps()
-        basis = bspline_basis(
-            self.nsplines, self.degree, np.arange(self.num_steps) * self.dt, self.t_final
-        )
-        # {owned step: [(coefficient set, weight)]}: the sets whose support holds its time
-        self._weights = {
-            i: [(k, float(basis[i, k])) for k in range(self.nsplines) if basis[i, k] != 0.0]
-            for i in self._chain.owned
-        }
-        names = [n for n, _ in self.coefficients[0].named_parameters()]
-        for k, c in enumerate(self.coefficients):
-            if [n for n, _ in c.named_parameters()] != names:
-                raise ValueError(
-                    f"coefficient_layer({k}) has other parameters than coefficient_layer(0): "
-                    "every coefficient set must have the same"
-                )
-        for i, _ in self.owned_steps():
-            if [n for n, _ in self.layers[str(i)].named_parameters()] != names:
-                raise ValueError(
-                    "step_layer must build coefficient_layer's parameters (override neither "
-                    "or both)"
-                )
-
-    def _coefficient_seed(self) -> int:
-        # one draw from torch's generator, as the step layers' seed: the same on every rank
-        return int(torch.randint(0, 2**62, ()).item()) ^ _COEFFICIENT_SEED
-
-    # ------------------------------------------------------------------ forward
     def refresh_steps(self) -> None:
         """Evaluates the owned steps' weights from the coefficients (every forward does)."""
-        sets = [list(c.parameters()) for c in self.coefficients]
-        with torch.no_grad():
-            for i, layer in self.owned_steps():
-                for q, p in enumerate(layer.parameters()):
-                    value = sum(w * sets[k][q] for k, w in self._weights[i])
-                    p.copy_(value)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # before the forward's exchange of the weights that coarse steps inject
-        self.refresh_steps()
-        return super().forward(x)
-
-    def to_serial(self) -> nn.Module:
-        self.refresh_steps()
-        return super().to_serial()
-
-    def _serial_path(self) -> bool:
-        return False  # the coefficients' gradients come through the chain's inputs
-
-    def _step_inputs(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        coefficients = [p for c in self.coefficients for p in c.parameters()]
-        return list(_SplineFn.apply(self, len(params), *coefficients))
-
-
-# Note [spline gradients]: the chain's autograd Function takes, as the inputs its parameter
-# gradients are returned for, the outputs of _SplineFn (one per owned step parameter, the
-# evaluated weights), whose inputs are the coefficients.  So autograd hands _SplineFn.backward
-# the gradients of the evaluated weights; it maps them onto the coefficients through the basis
-# (each set's gradient sums its owned steps' gradients times their basis weights) and sums
-# every set over the layer group in one message (every rank reaches it: every rank's chain
-# backward runs, Note [every rank runs backward]).  Every rank thus gets the whole gradient of
-# every set, and identical optimizer steps keep the replicas identical.
-class _SplineFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, module: SplineModule, count: int, *coefficients: torch.Tensor):
-        ctx.module, ctx.shapes = module, [p.shape for p in coefficients]
-        outs = [p.detach() for _, layer in module.owned_steps() for p in layer.parameters()]
-        if len(outs) != count:
-            raise RuntimeError(
-                f"the spline steps have {len(outs)} parameters, the chain {count}: every "
-                "parameter of a spline step must require a gradient"
-            )
-        ctx.set_materialize_grads(False)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):
-        module = ctx.module
-        per_set = len(ctx.shapes) // module.nsplines
-        sums: list[torch.Tensor | None] = [None] * len(ctx.shapes)
-        n = 0
-        for i, layer in module.owned_steps():
-            params = list(layer.parameters())
-            for q, g in enumerate(grads[n : n + len(params)]):
-                if g is None:
-                    continue
-                for k, w in module._weights[i]:
-                    at = k * per_set + q
-                    sums[at] = w * g if sums[at] is None else sums[at] + w * g
-            n += len(params)
-        coefficients = [p for c in module.coefficients for p in c.parameters()]
-        local = [s if s is not None else torch.zeros_like(p) for s, p in zip(sums, coefficients)]
-        if module.comm.Get_size() > 1:
-            local = module.comm.allreduce_sum(local, "the spline coefficients' gradients")
-        return (None, None, *local)
+        self.parameterization.refresh(self)

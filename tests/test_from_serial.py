@@ -161,7 +161,7 @@ def test_each_rank_keeps_only_its_blocks_and_the_parts_stay_the_users():
     owned = [i for i, _ in model.owned_steps()]
     assert owned == list(range(4 * WORLD.rank, 4 * WORLD.rank + 4))
     assert sorted(int(k) for k in model.layers) == owned
-    for i, skeleton in enumerate(model._skeletons):  # the other blocks: shapes, no memory
+    for i, skeleton in enumerate(model.parameterization.skeletons):  # shapes, no memory
         assert all(p.is_meta for p in skeleton.parameters()), i
     for _, layer in model.owned_steps():  # copies: plain batch norms became layer-parallel
         assert isinstance(layer[1], layerbraid.nn.LPBatchNorm2d)

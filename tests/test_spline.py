@@ -212,7 +212,7 @@ def test_a_rank_late_for_the_gradient_sum_is_reported(short_timeout, monkeypatch
         real = model.comm.allreduce_sum
 
         def late(tensors, what):
-            if what == "the spline coefficients' gradients":
+            if what == "the coefficient sets' gradients":
                 reached.append(True)
                 time.sleep(short_timeout + 3)
             return real(tensors, what)
@@ -220,7 +220,7 @@ def test_a_rank_late_for_the_gradient_sum_is_reported(short_timeout, monkeypatch
         monkeypatch.setattr(model.comm, "allreduce_sum", late)
     loss = F.cross_entropy(model(x), y)
     if WORLD.rank == 0:
-        with pytest.raises(layerbraid.StallError, match="the spline coefficients' gradients"):
+        with pytest.raises(layerbraid.StallError, match="the coefficient sets' gradients"):
             loss.backward()
     else:  # late, after the chain's adjoint: whether its sum then fails or not is MPI's
         try:

@@ -36,8 +36,10 @@ class ShardedState(ShardedPart, nn.Module):
     _built: bool
     _chain: Any
     _layer_seed: int
+    parameterization: Any
 
-    def step_layer(self, index: int) -> nn.Module:
+    def _step_factory(self, index: int) -> nn.Module:
+        """The module of step ``index`` (the parameterization's)."""
         raise NotImplementedError
 
     def _custom_rule(self) -> Callable[..., Any] | None:
@@ -76,9 +78,10 @@ class ShardedState(ShardedPart, nn.Module):
         and runs anywhere; layer-parallel batch norms become plain ``nn.BatchNorm*`` with the
         same state.  A custom ``step_rule`` is called with the serial network as ``self``: it
         should depend only on its arguments."""
+        self.parameterization.refresh(self)
         full = self._gather_state()
         layers = nn.ModuleList(
-            seeded_layer(self.step_layer, i, self._layer_seed) for i in range(self.num_steps)
+            seeded_layer(self._step_factory, i, self._layer_seed) for i in range(self.num_steps)
         )
         serial = _SerialChain(
             _plain_copy(self.open),
@@ -90,7 +93,7 @@ class ShardedState(ShardedPart, nn.Module):
         # assign: each tensor keeps the dtype the model has (after .double(), say), not the
         # fresh layers' default; then the device of this rank's own tensors.
         # (Copies: on one rank the gathered tensors share the model's memory.)
-        skip = getattr(self, "_SERIAL_SKIP", ())  # state the serial network has no place for
+        skip = self.parameterization.serial_skip  # state the serial network has no place for
         serial.load_state_dict(
             {k: v.clone() for k, v in full.items() if not k.startswith(skip)}, assign=True
         )
