@@ -136,9 +136,9 @@ def rank_work(steps, ranks, levels, fwd, bwd, step, vjp, vjp_param):
     ``vjp_param``, with the parameter gradients; every other VJP at ``vjp``)."""
     import numpy as np
 
-    from layerbraid.plan import _STEP_OPS, OPS, schedule
+    from layerbraid.plan import OPS, STEP_OPS, schedule
 
-    codes = [OPS.index(op) for op in _STEP_OPS]
+    codes = [OPS.index(op) for op in STEP_OPS]
     fo, bo = _layer_options(levels, fwd, bwd)
     work = [0.0] * ranks
     for opts, adjoint, cost, done_cost in ((fo, False, step, step), (bo, True, vjp, vjp_param)):

@@ -20,8 +20,7 @@ With `cores` >= P this is exactly plan.simulate (the report checks it on every c
 """
 import math
 
-from layerbraid._engine.schedule import OPS
-from layerbraid.plan import _STEP_OPS
+from layerbraid.plan import OPS, STEP_OPS
 
 NAP_MIN, NAP_MAX, SPIN_SECONDS = 1e-4, 1e-3, 2e-4  # comm.c's keep_waiting
 
@@ -31,7 +30,7 @@ def simulate(traces, step_cost, done_cost, message_seconds, latency, *, cores, c
     """Seconds until the last rank finishes, the ranks of `traces` (plan.schedule) sharing
     `cores` cores; a step costs `step_cost` (`done_cost` in the final relaxation), `cpu` of it on
     a core.  Returns (seconds, CPU seconds of all ranks)."""
-    step_codes = {OPS.index(op) for op in _STEP_OPS}
+    step_codes = {OPS.index(op) for op in STEP_OPS}
     send, recv, norm = OPS.index("send"), OPS.index("recv"), OPS.index("norm")
     p = len(traces)
     over = p > cores

@@ -29,6 +29,8 @@ from ._engine.schedule import OPS, virtual_schedule
 from .options import MGRITOptions, check_int
 
 __all__ = [
+    "OPS",
+    "STEP_OPS",
     "Costs",
     "Prediction",
     "schedule",
@@ -41,7 +43,8 @@ __all__ = [
     "spatial_scale",
 ]
 
-_STEP_OPS = ("fstep", "cstep", "rstep", "gstep", "seqstep")
+# The trace's operation names (a schedule's "op" column indexes OPS), and those that run a step.
+STEP_OPS = ("fstep", "cstep", "rstep", "gstep", "seqstep")
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,7 @@ def schedule(
 
 def step_counts(traces: Sequence[np.ndarray]) -> list[dict[int, int]]:
     """Per rank, {level: steps run} (all step kinds), from schedule()'s traces."""
-    codes = [OPS.index(op) for op in _STEP_OPS]
+    codes = [OPS.index(op) for op in STEP_OPS]
     out = []
     for t in traces:
         mask = np.isin(t["op"], codes)
@@ -282,7 +285,7 @@ class _Simulation:
         self.traces, self.latency = traces, latency
         self.step_cost, self.done_cost, self.message_seconds = step_cost, done_cost, message_seconds
         self.level_scale, self.message_scale = level_scale, message_scale
-        self.step_codes = {OPS.index(op) for op in _STEP_OPS}
+        self.step_codes = {OPS.index(op) for op in STEP_OPS}
         self.send, self.recv, self.norm = OPS.index("send"), OPS.index("recv"), OPS.index("norm")
         p = len(traces)
         self.clock, self.pos = [0.0] * p, [0] * p

@@ -126,3 +126,20 @@ def test_the_top_level_is_the_training_surface():
         assert value is getattr(getattr(layerbraid, where), name)
         assert any(issubclass(w.category, DeprecationWarning) and f"layerbraid.{where}.{name}"
                    in str(w.message) for w in caught), name
+
+
+def test_the_benchmarks_and_the_drill_use_public_names_only():
+    """bench/ and the fault drill run layerbraid as a user would: no private module and no
+    private name of one (what they need is public: layerbraid.plan.OPS, launch.world, ...)."""
+    files = sorted((ROOT / "bench").rglob("*.py")) + [PKG / "tools" / "drill.py"]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("layerbraid"):
+                parts = node.module.split(".") + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                parts = [p for a in node.names if a.name.startswith("layerbraid")
+                         for p in a.name.split(".")]
+            else:
+                continue
+            private = [p for p in parts if p.startswith("_")]
+            assert not private, f"{path.relative_to(ROOT)}:{node.lineno} imports {private}"
