@@ -41,7 +41,7 @@ def _parts(model):
     parts = sharded_parts(model)
     comm = parts[0][1].comm if parts else None
     for _, m in parts[1:]:
-        if m.comm.Get_size() != comm.Get_size():
+        if m.comm.Get_size() != parts[0][1].comm.Get_size():
             raise ValueError("a checkpoint needs every layer-parallel part on one layer group")
     return parts, comm
 

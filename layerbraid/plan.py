@@ -290,7 +290,9 @@ class _Simulation:
         p = len(traces)
         self.clock, self.pos = [0.0] * p, [0] * p
         self.arrivals: dict[tuple, list] = {}
-        self.path = [{} for _ in range(p)] if critical_path else None
+        self.path: Optional[list[dict[str, float]]] = (
+            [{} for _ in range(p)] if critical_path else None
+        )
 
     def add(self, r, what, seconds):
         if self.path is not None:

@@ -11,7 +11,7 @@ in cbridge/src/comm.c).
 import re
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 from mpi4py import MPI as _MPI
@@ -114,7 +114,7 @@ class _Core:
     ):
         self._core = None  # what close() frees, set before anything here can fail
         self._messages = None
-        self.comm = None
+        self.comm: Optional[Transport] = None
         self._owned: list[Transport] = []  # what close() frees
         # MPI_Comm_dup below is a blocking collective: every rank arrives first, with the
         # deadline, so that one that never builds this solver is reported, not waited for.
@@ -130,7 +130,7 @@ class _Core:
         self._table: dict[int, Any] = {}
         self._private: set[int] = set()  # Note [private states]
         self._next = 0
-        self._error = None
+        self._error: Optional[BaseException] = None
         self._device = None
         self.step_seconds = 0.0
         self.comm = comm
@@ -278,6 +278,7 @@ class _Core:
             text = None
             if err is not None:
                 text = f"{type(err).__name__}: {err}"
+            assert self.comm is not None  # a solve ran: the solver is open
             if 0 <= failed < self.comm.Get_size():
                 text = self.comm.bcast_obj(text, failed, "report of the failed callback")
             if rc in (lib.MGRIT_ERR_CALLBACK, lib.MGRIT_ERR_NOMEM) and err is not None:

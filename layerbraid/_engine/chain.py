@@ -103,14 +103,16 @@ class _Chain:
         self._tuned_key = None
         self._parent = None  # a tuned variant's chain: it takes the variant's stats and states
         self.spatial, self.target_error = spatial, target_error
-        self.fwd = self.bwd = None
-        self.fwd = self._forward_core(forward_options)
+        self._cores: list[_Core] = []  # what free() closes, set before anything can fail
+        self.fwd: _Core = self._forward_core(forward_options)
+        self._cores.append(self.fwd)
         try:
             self.fwd.setup()  # collective: the options must agree across ranks
             self.levels = self.fwd.level_info()
             lo, hi, _ = self.levels[0]
             self.owned = list(range(max(lo, 1) - 1, hi))
-            self.bwd = self._adjoint_core(backward_options)
+            self.bwd: _Core = self._adjoint_core(backward_options)
+            self._cores.append(self.bwd)
             self.bwd.setup()
         except BaseException:
             self.free()
@@ -174,9 +176,8 @@ class _Chain:
     def free(self):
         """Frees both cores and the reversed communicator (owned by the adjoint core), and the
         exact chain's."""
-        for core in (self.fwd, self.bwd):
-            if core is not None:
-                core.close()
+        for core in self._cores:
+            core.close()
         if self._exact is not None:
             self._exact.free()
         for probe in self._probes.values():
@@ -230,6 +231,7 @@ class _Chain:
             self._tuned = self._counted(fwd_iters, bwd_iters)
             self._tuned._parent, self._tuned_key = self, key
         tuned = self._tuned
+        assert tuned is not None
         tuned._warm_fwd, tuned._warm_bwd = self._warm_fwd, self._warm_bwd
         tuned.calibration = self.calibration
         return tuned
@@ -255,7 +257,7 @@ class _Chain:
 
     @property
     def freed(self):
-        return self.fwd is None or self.fwd._core is None
+        return self.fwd._core is None
 
     def num_levels(self):
         return max(self.fwd.num_levels(), self.bwd.num_levels())

@@ -6,7 +6,7 @@ layer's input); each rank differentiates the layers it owns.
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -223,7 +223,8 @@ class _LayerSteps(Steps):
             return None
         defer = run.adjoint_levels == 1 and self.rank > 0
         graphs = [run.graphs[s] for s in ss]
-        out, start = [], 0
+        out: list[Optional[torch.Tensor]] = []
+        start = 0
         while start < len(graphs):
             end = start + 1  # graphs[start:end] chained: each step's x is the next one's y
             while end < len(graphs) and graphs[end].y is graphs[end - 1].x:
@@ -250,9 +251,12 @@ class _LayerSteps(Steps):
         if defer:
             run.own.deferred.append((graphs, w))
         _accumulate(run.grads, leaves, grads[len(xs) :])
-        states = [g if g is not None else torch.zeros_like(w) for g in grads[: len(xs)]]
+        states: list[Optional[torch.Tensor]] = [
+            g if g is not None else torch.zeros_like(w) for g in grads[: len(xs)]
+        ]
         if not keep:
-            states = [None] * (len(graphs) - 1) + states
+            missing: list[Optional[torch.Tensor]] = [None] * (len(graphs) - 1)
+            states = missing + states
         out.extend(states)
         return states[-1]
 
@@ -328,7 +332,7 @@ def _unchain_outputs(graphs):
 def _run_leaves(graphs):
     """{key: leaf} of a run's graphs that require a gradient; a parameter shared by several
     steps appears once, and one autograd call sums its gradient over them."""
-    leaves = {}
+    leaves: dict[Any, torch.Tensor] = {}
     for g in graphs:
         leaves.update((key, t) for key, t in g.leaves if t.requires_grad)
     return leaves
@@ -347,7 +351,7 @@ def all_finite(tensors):
     here), in the tensors' own precision, and the sum of those sums, read as one number per
     device and dtype, decide when they are all finite; a sum that is not finite (which a sum of
     huge finite values can be too) sends that group to the exact elementwise check."""
-    groups = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
             real = torch.view_as_real(t) if t.is_complex() else t

@@ -164,8 +164,10 @@ def counted_parameters(model):
         raise ValueError("the layer-parallel parts of the model must all be on one layer group")
     comm = next(iter(comms.values())) if comms else None
     rank = comm.Get_rank() if comm is not None else 0
-    inside, counted = set(), set()
+    inside: set[int] = set()
+    counted: set[int] = set()
     for m in parts:
+        assert isinstance(m, nn.Module)
         inside.update(id(p) for p in m.parameters())
         counted.update(id(p) for p in m._counted_parameters())
     params = [
@@ -176,6 +178,9 @@ def counted_parameters(model):
 
 class FreedOnExit:
     """``with obj:`` calls ``obj.free()`` at the end of the block (models, RNNs, grids)."""
+
+    def free(self) -> None:
+        raise NotImplementedError
 
     def __enter__(self):
         return self

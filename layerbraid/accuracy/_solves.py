@@ -4,6 +4,7 @@ the solves it leaves."""
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -23,7 +24,8 @@ def _solve_at(model, parts, closure, counts, cold=False):
     guess or, without ``cold``, from the guesses its next solves would start from (a
     probe's); and per part, what those solves left (``_solved``).  The model is left as it
     was (``_gradients_with``)."""
-    left, kept = [], []
+    left: list[Any] = []
+    kept: list[Any] = []
 
     def at(on):
         modes = [None if its is None else ProbeSolve(its[0], its[1], cold) for its in counts]

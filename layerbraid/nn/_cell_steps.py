@@ -46,7 +46,7 @@ class _CellSteps(Steps):
     reference module and how their state sits in the output sequence."""
 
     # nn.GRU or nn.LSTM: the parameters' names and initialization
-    reference: ClassVar[Optional[type[torch.nn.RNNBase]]] = None
+    reference: ClassVar[type[torch.nn.RNNBase]]
 
     def __init__(self, comm, bias, coarse_rule, fused=True):
         self.comm, self.bias, self.coarse_rule = comm, bias, coarse_rule
@@ -222,6 +222,7 @@ class _CellSteps(Steps):
         gp = [run.grads.get(id(p), torch.zeros_like(p)) for p in run.own.params]  # from blocks
         gx = torch.zeros_like(run.own.x) if run.own.x_requires_grad else None
         for first, g in run.own.block_gx.items():
+            assert gx is not None  # blocks keep an input gradient only where x needs one
             gx[:, first : first + g.shape[1]] = g
         if steps:
             k = [s - run.own.jac_lo for s in steps]

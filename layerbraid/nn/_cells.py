@@ -2,7 +2,7 @@
 and their closed-form VJPs (Note [fused cells] in rnn.py).  Mixed into the step providers of
 _cell_steps.py; they read only ``self.bias``."""
 
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -53,7 +53,8 @@ class GRUMath:
     """The GRU cell: its update, torch's multi-step kernel, the linearized gates and the
     closed-form VJP (Note [fused cells] in rnn.py)."""
 
-    reference: ClassVar[Optional[type[nn.RNNBase]]] = nn.GRU
+    reference: ClassVar[type[nn.RNNBase]] = nn.GRU
+    bias: bool  # the steps provider's (the class this one is mixed into)
 
     def cell(self, x, s, params):
         b_ih, b_hh = (params[2], params[3]) if self.bias else (None, None)
@@ -114,11 +115,13 @@ class LSTMMath:
     """The state is (h, c) stacked: (2, batch, hidden).  The chain's output is the h sequence
     and then c_n: (batch, seq + 1, hidden); the c's inside the sequence reach no loss."""
 
-    reference: ClassVar[Optional[type[nn.RNNBase]]] = nn.LSTM
+    reference: ClassVar[type[nn.RNNBase]] = nn.LSTM
     # torch's LSTM backward on CPU is one oneDNN call, faster than the closed-form VJPs' Python
     # loop; its GRU backward is not, so the GRU keeps the closed-form VJPs (bench/rnn.py
     # times both paths)
     block_graphs = True
+
+    bias: bool  # the steps provider's (the class this one is mixed into)
 
     def cell(self, x, s, params):
         b_ih, b_hh = (params[2], params[3]) if self.bias else (None, None)

@@ -1,11 +1,19 @@
 """Batch norms for layer-parallel networks (Note [batch-norm stats]), and the plain copies a
 serial network gets instead of them."""
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._comm.world import resolve
 from .._engine.chain import _solve_state
+
+if TYPE_CHECKING:  # the mixin sits before a torch batch norm in every class that uses it
+    _BatchNormBase = nn.modules.batchnorm._BatchNorm
+else:
+    _BatchNormBase = object
 
 __all__ = [
     "LPBatchNorm1d",
@@ -33,7 +41,7 @@ def _allreduce(comm, t):
     return comm.allreduce_sum([t], "the batch-norm statistics")[0]
 
 
-class _LayerParallelBatchNorm:
+class _LayerParallelBatchNorm(_BatchNormBase):
     """Note [batch-norm stats]: inside a forward MGRIT solve a step layer runs many times per
     batch (relaxation sweeps, coarse levels).  It always normalizes with the statistics of the
     batch it is given, but it updates the running statistics only in the final fine relaxation,
@@ -46,6 +54,7 @@ class _LayerParallelBatchNorm:
 
     def __init__(self, *args, sync_comm=None, **kwargs):
         super().__init__(*args, **kwargs)
+        sync_comm = resolve(sync_comm) if sync_comm is not None else None
         self.sync_comm = sync_comm if sync_comm is not None and sync_comm.Get_size() > 1 else None
 
     def forward(self, x):
@@ -69,15 +78,17 @@ class _LayerParallelBatchNorm:
         mean = stats[:c] / n
         var = stats[c : 2 * c] / n - mean * mean
         if update:
+            tracked, running_mean, running_var = (
+                self.num_batches_tracked,
+                self.running_mean,
+                self.running_var,
+            )
+            assert tracked is not None and running_mean is not None and running_var is not None
             with torch.no_grad():
-                self.num_batches_tracked += 1
-                m = (
-                    self.momentum
-                    if self.momentum is not None
-                    else 1.0 / float(self.num_batches_tracked)
-                )
-                self.running_mean.mul_(1 - m).add_(m * mean.detach())
-                self.running_var.mul_(1 - m).add_(m * var.detach() * n / (n - 1))
+                tracked.add_(1)
+                m = self.momentum if self.momentum is not None else 1.0 / float(tracked)
+                running_mean.mul_(1 - m).add_(m * mean.detach())
+                running_var.mul_(1 - m).add_(m * var.detach() * n / (n - 1))
         shape = [1, c] + [1] * (x.dim() - 2)
         y = (x - mean.view(shape)) / torch.sqrt(var.view(shape) + self.eps)
         if self.affine:

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -274,7 +275,8 @@ def _launch(scenario, ranks, mpiexec, launcher="mpiexec"):
 def _watch(proc, scenario, limit):
     """Reads the job's output as it comes until it ends or ``limit`` s pass (then it is
     killed): (rc, hung, lines, time of the fault, faulty rank, time of the end)."""
-    lines, state = [], {"fault": None, "faulty": None}
+    lines: list[str] = []
+    state: dict[str, Any] = {"fault": None, "faulty": None}
 
     def read():
         for line in proc.stdout:  # the job's output, as it comes; each line tagged "[rank] "
@@ -367,7 +369,7 @@ def job(scenario):
             sleep_forever()
         layerbraid.ProcessGrid(WORLD, data_parallel=WORLD.size)
     if scenario == "close-layer" and WORLD.rank == WORLD.size - 1:
-        model.close = FailingClose()
+        model.close = FailingClose()  # type: ignore[assignment]
     if scenario == "loader":
         fail_on(1, "the loader's seed agreement")
     if scenario == "stall-loader" and one:
@@ -384,8 +386,9 @@ def _train(scenario, WORLD, model, loader, opt):
     steps = 100000 if scenario in ("sigint", "kill") else 6
     batches = iter(loader)
     for step in range(steps):
-        xb, yb = next(batches, (None, None))
-        if xb is None:
+        try:
+            xb, yb = next(batches)
+        except StopIteration:
             batches = iter(loader)
             xb, yb = next(batches)
         last = step == steps - 1
