@@ -13,6 +13,8 @@ import layerbraid
 from layerbraid import cli
 from layerbraid.launch import world
 
+import common  # examples/common.py, beside this script
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -28,7 +30,7 @@ def main():
     p.add_argument("--tol", type=cli.nonneg_float, default=1e-10,
                    help="absolute residual tolerance")
     p.add_argument("--max-iters", type=cli.positive_int, default=100)
-    args = cli.parse_args(p)
+    args = common.parse_args(p)
 
     comm = world()  # mpiexec's COMM_WORLD, or torchrun's process group
     if args.steps < comm.size:

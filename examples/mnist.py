@@ -22,6 +22,7 @@ from layerbraid.data import load_mnist
 from layerbraid.nn import ConvBlock
 from layerbraid.spline import SplineModule
 
+import common  # examples/common.py, beside this script
 from training_loop import mgrit_summary, train  # examples/training_loop.py, beside this script
 
 
@@ -63,7 +64,7 @@ class MNISTSplineNet(SplineModule):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_training_arguments(parser, steps=8, channels=8, batch_size=64, epochs=2, lr=0.05)
+    common.add_training_arguments(parser, steps=8, channels=8, batch_size=64, epochs=2, lr=0.05)
     # The default is what the guide recommends on 2 ranks: one level, exact stepping, serial's
     # gradients.  On 2 ranks that is the fastest exact mode (docs/performance.md); more levels
     # pay on more ranks (--lp-levels 2 --lp-cfactor 4: with the first down-cycle relaxed, one
@@ -79,11 +80,11 @@ def main(argv=None):
                              "serial copy, in the same job (0: do not; default 10)")
     parser.add_argument("--dataset", choices=["mnist", "fashion"], default="mnist",
                         help="mnist (default) or fashion")
-    args = cli.parse_args(parser, argv)
+    args = common.parse_args(parser, argv)
     if args.compare_batches < 0:
         parser.error(f"--compare-batches must be >= 0, got {args.compare_batches}")
     comm = world()  # mpiexec's COMM_WORLD, or torchrun's process group
-    cli.check_run(parser, args, comm)
+    common.check_run(parser, args, comm)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # one core per rank
 

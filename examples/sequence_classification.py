@@ -26,6 +26,7 @@ from layerbraid.launch import world
 from layerbraid.data import load_mnist
 from layerbraid.nn import LayerParallelGRU, LayerParallelLSTM
 
+import common  # examples/common.py, beside this script
 from training_loop import train  # examples/training_loop.py, beside this script
 
 
@@ -58,7 +59,7 @@ def synthetic(n, length, channels=6, classes=6, seed=0):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_training_arguments(parser, batch_size=64, epochs=1, lr=2e-3, optimizer="adam",
+    common.add_training_arguments(parser, batch_size=64, epochs=1, lr=2e-3, optimizer="adam",
                                ode=False)
     # One level by default: exact sequential stepping over the ranks.  On MNIST rows, 2 levels
     # at 2 forward / 1 adjoint iteration leave the GRU's gradients about 100% off and train
@@ -73,7 +74,7 @@ def main(argv=None):
                         help="hidden size (default 32)")
     parser.add_argument("--length", type=cli.positive_int, default=200,
                         help="sequence length of --task synthetic (default 200)")
-    args = cli.parse_args(parser, argv)
+    args = common.parse_args(parser, argv)
     comm = world()  # mpiexec's COMM_WORLD, or torchrun's process group
     if args.task == "rows":
         args.steps, flag = 28, "--task rows: the sequence length"
@@ -81,7 +82,7 @@ def main(argv=None):
         args.steps, flag = 196, "--task pixels: the sequence length"
     else:
         args.steps, flag = args.length, "--length"
-    cli.check_run(parser, args, comm, steps_flag=flag)
+    common.check_run(parser, args, comm, steps_flag=flag)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     if args.task == "synthetic":

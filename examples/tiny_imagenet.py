@@ -27,6 +27,7 @@ from layerbraid.launch import world
 from layerbraid.data import TinyImageNet
 from layerbraid.nn import ConvBlock, LPBatchNorm2d
 
+import common  # examples/common.py, beside this script
 from training_loop import mgrit_summary, train  # examples/training_loop.py, beside this script
 
 MEAN = torch.tensor([0.480, 0.448, 0.398]).view(1, 3, 1, 1)
@@ -94,7 +95,7 @@ class Prepare:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_training_arguments(parser, steps=8, channels=16, batch_size=64, epochs=1, lr=0.05)
+    common.add_training_arguments(parser, steps=8, channels=16, batch_size=64, epochs=1, lr=0.05)
     # One level by default: exact, and the faster mode on 2 ranks.  At 2 levels and 2/1
     # iterations (--synthetic, 8 batches, 2 ranks on 2 cores) the audited gradient error was
     # 1.1 (110%) at 1137 ms/batch, against exact gradients at 954 ms/batch with one level.
@@ -106,9 +107,9 @@ def main(argv=None):
                         help="load at most this many training images per class (default all)")
     parser.add_argument("--synthetic", action="store_true",
                         help="random images and labels instead of Tiny-ImageNet: timing only")
-    args = cli.parse_args(parser, argv)
+    args = common.parse_args(parser, argv)
     comm = world()  # mpiexec's COMM_WORLD, or torchrun's process group
-    cli.check_run(parser, args, comm, steps_flag="--steps (per stage)")
+    common.check_run(parser, args, comm, steps_flag="--steps (per stage)")
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
 

@@ -29,6 +29,7 @@ from layerbraid.launch import world
 from layerbraid.nn import ConvBlock
 from layerbraid.spline import SplineModule
 
+import common  # examples/common.py, beside this script
 from training_loop import mgrit_summary, train  # examples/training_loop.py, beside this script
 
 SHAPES = ["ball", "cube", "shell", "rod"]
@@ -92,7 +93,7 @@ class VolumeSplineNet(SplineModule):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_training_arguments(parser, steps=16, channels=4, batch_size=16, epochs=2, lr=0.01,
+    common.add_training_arguments(parser, steps=16, channels=4, batch_size=16, epochs=2, lr=0.01,
                                optimizer="adam", log_interval=10)
     cli.add_lp_arguments(parser, levels=1, cfactor=2, fwd_iters=2, bwd_iters=1)
     cli.add_depth_arguments(parser, splines=True)
@@ -107,9 +108,9 @@ def main(argv=None):
                         help="volume edge (default 16)")
     parser.add_argument("--train-size", type=cli.positive_int, default=1024,
                         help="training volumes")
-    args = cli.parse_args(parser, argv)
+    args = common.parse_args(parser, argv)
     comm = world()  # mpiexec's COMM_WORLD, or torchrun's process group
-    cli.check_run(parser, args, comm)
+    common.check_run(parser, args, comm)
     if args.lp_sc_levels is None:
         args.lp_sc_levels = list(range(1, args.lp_levels))
     bad = [v for v in args.lp_sc_levels if not 1 <= v < args.lp_levels]

@@ -1,29 +1,30 @@
-"""The shared command line of the examples, reusable in your own scripts.
+"""The ``--lp-*`` flags of layer-parallel training, for the examples and your own scripts.
 
     parser = argparse.ArgumentParser()
-    layerbraid.cli.add_training_arguments(parser, steps=8, epochs=1)
+    ...                                             # the script's own flags
     layerbraid.cli.add_lp_arguments(parser)
-    args = layerbraid.cli.parse_args(parser)        # clear errors before any training starts
+    args = parser.parse_args()
+    layerbraid.cli.check_lp_arguments(parser, args)  # clear errors before any training starts
     forward, backward = layerbraid.cli.mgrit_options(args)
 
-Every rank parses the same argv, so a bad value stops every rank with the same message.
+Every rank parses the same argv, so a bad value stops every rank with the same message.  The
+examples' own flags (data, training, output, checkpoints) are examples/common.py's.
 """
 
 import argparse
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
-from ._comm.world import Comm, resolve, world
 from .options import MGRITOptions
 
 __all__ = [
     "add_depth_arguments",
     "add_lp_arguments",
     "depth_schedule",
-    "add_training_arguments",
-    "parse_args",
+    "check_lp_arguments",
+    "check_lp_launch",
     "mgrit_options",
-    "check_run",
+    "auto_levels",
     "positive_int",
     "nonneg_int",
     "positive_float",
@@ -81,9 +82,9 @@ def _levels(text):
 _DEFAULT = MGRITOptions()
 
 
-# Note [flag lists]: add_lp_arguments and add_training_arguments are each one flat list of
-# add_argument calls, in the order --help prints them.  They run past 60 lines, and are read
-# (and extended) more easily as one list than split into groups of functions.
+# Note [flag lists]: add_lp_arguments (and examples/common.py's add_training_arguments) is one
+# flat list of add_argument calls, in the order --help prints them.  They run past 60 lines,
+# and are read (and extended) more easily as one list than split into groups of functions.
 def add_lp_arguments(
     parser: argparse.ArgumentParser,
     *,
@@ -230,124 +231,6 @@ def add_lp_arguments(
         "the gradient error the epoch lines show; 0 = never, and the epoch "
         "lines show the residuals' calibrated estimate instead (default: 20 "
         "where MGRIT runs more than one level, never with one: it is exact)",
-    )
-    return g
-
-
-def add_training_arguments(  # Note [flag lists]
-    parser: argparse.ArgumentParser,
-    *,
-    steps: int = 8,
-    channels: int = 8,
-    t_final: float = 1.0,
-    batch_size: int = 64,
-    epochs: int = 1,
-    lr: float = 0.05,
-    optimizer: str = "sgd",
-    seed: int = 0,
-    log_interval: int = 50,
-    ode: bool = True,
-) -> argparse._ArgumentGroup:
-    """Adds the network, training, data and checkpoint flags.  ``ode=False`` leaves out the
-    ODE-network flags (``--steps``, ``--channels``, ``--t-final``), e.g. for an RNN script."""
-    g = parser.add_argument_group("network and training")
-    if ode:
-        g.add_argument(
-            "--steps",
-            type=_positive_int,
-            default=steps,
-            help=f"residual steps (layers) of the ODE network (default {steps})",
-        )
-        g.add_argument(
-            "--channels",
-            type=_positive_int,
-            default=channels,
-            help=f"channels of the state (default {channels})",
-        )
-        g.add_argument(
-            "--t-final",
-            type=_positive_float,
-            default=t_final,
-            help=f"final time T; the step size is T / steps (default {t_final})",
-        )
-    g.add_argument(
-        "--batch-size",
-        type=_positive_int,
-        default=batch_size,
-        help=f"training batch size (default {batch_size})",
-    )
-    g.add_argument(
-        "--epochs", type=_positive_int, default=epochs, help=f"epochs (default {epochs})"
-    )
-    g.add_argument("--lr", type=_positive_float, default=lr, help=f"learning rate (default {lr})")
-    g.add_argument(
-        "--optimizer",
-        choices=["sgd", "adam"],
-        default=optimizer,
-        help=f"optimizer; sgd uses momentum 0.9 (default {optimizer})",
-    )
-    g.add_argument(
-        "--dp-size",
-        type=_positive_int,
-        default=1,
-        metavar="D",
-        help="data-parallel groups: the ranks split into D groups of ranks/D "
-        "layer-parallel ranks, each reading its shard of every batch (default 1)",
-    )
-    g.add_argument("--seed", type=_nonneg_int, default=seed, help=f"random seed (default {seed})")
-    g.add_argument(
-        "--device",
-        default="cpu",
-        help="torch device, e.g. cpu or cuda; with cuda, rank r uses cuda:r %% "
-        "(GPUs) (default cpu)",
-    )
-    g.add_argument(
-        "--serial",
-        action="store_true",
-        help="train the plain serial PyTorch network instead (one process, no MPI "
-        "solve), for comparison",
-    )
-    g.add_argument(
-        "--max-batches",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="stop each epoch after N batches (default: the whole epoch)",
-    )
-    g.add_argument(
-        "--test-limit",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="evaluate on the first N test images only (default: all)",
-    )
-    g.add_argument(
-        "--log-interval",
-        type=_positive_int,
-        default=log_interval,
-        metavar="N",
-        help=f"update the progress line every N batches (default {log_interval})",
-    )
-    d = parser.add_argument_group("data and output")
-    d.add_argument(
-        "--data-dir",
-        default=None,
-        help="folder with the data set's files (default: data that ships in a package)",
-    )
-    d.add_argument(
-        "--out-dir", default=None, help="where the metrics JSON and the training-curve PNG go"
-    )
-    d.add_argument(
-        "--checkpoint",
-        default=None,
-        metavar="PATH",
-        help="save a checkpoint (any rank count can resume it) after every epoch",
-    )
-    d.add_argument(
-        "--resume",
-        default=None,
-        metavar="PATH",
-        help="resume from a checkpoint written by --checkpoint",
     )
     return g
 
@@ -528,14 +411,11 @@ def _flag(args: argparse.Namespace, name: str, default: Any) -> Any:
     return vars(args).get(name, default)
 
 
-def parse_args(
-    parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None
-) -> argparse.Namespace:
-    """Parses argv and checks the flags against each other; errors exit before any training.
-    Every rank parses the same argv and exits on the same error; only rank 0 prints it, with
-    the usage (N ranks would print it N times)."""
-    _quiet_off_rank_zero(parser)
-    args = parser.parse_args(argv)
+def check_lp_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks the parsed ``--lp-*`` flags against each other (and against the script's own
+    ``--steps``, ``--epochs``, ``--serial``, ``--dp-size`` and ``--resume`` where it has them);
+    a bad combination exits through ``parser.error`` before any training starts.  Sets
+    ``--lp-probe-every`` to 20 where ``--lp-tune-error`` is given without it."""
     if _flag(args, "lp_levels", None) == "auto":
         for flag, values in (("--lp-cfactor", args.lp_cfactor), ("--lp-relax", args.lp_relax)):
             if len(values) > 1:
@@ -565,68 +445,21 @@ def parse_args(
             )
         if not _flag(args, "lp_probe_every", None):
             args.lp_probe_every = 20
-    if _flag(args, "dp_size", 1) > 1:
-        size = world().Get_size()
-        if size % args.dp_size:
-            parser.error(f"--dp-size {args.dp_size} does not divide the {size} ranks")
-        if args.batch_size < args.dp_size:
-            parser.error(
-                f"--batch-size {args.batch_size} is smaller than --dp-size "
-                f"{args.dp_size}: every data group needs part of each batch"
-            )
     _check_depth_flags(parser, args)
-    if _flag(args, "resume", None):
-        import os
-
-        if not os.path.exists(args.resume):
-            parser.error(f"--resume {args.resume}: no such file")
-    return args
 
 
-def _quiet_off_rank_zero(parser):
-    """parser.error exits silently (status 2) on ranks other than 0 of an MPI launch."""
-    import os
-    import sys
-
-    if not any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
-        return  # not under mpiexec: one process, which prints
-    if world().Get_rank() != 0:
-        parser.error = lambda message: sys.exit(2)
-
-
-def check_run(
+def check_lp_launch(
     parser: argparse.ArgumentParser,
     args: argparse.Namespace,
-    comm: Optional[Comm] = None,
-    *,
-    steps: Optional[int] = None,
-    steps_flag: str = "--steps",
-) -> argparse.Namespace:
-    """Checks the flags against the MPI launch (the same answer on every rank) and sets
-    ``args.device`` to this rank's device (with ``cuda``, rank r takes GPU r % count).
-
-    ``steps``: the number of time steps each layer-parallel rank needs at least one of (default
-    ``args.steps``); ``steps_flag`` names where it comes from in the message.  Errors exit
-    through ``parser.error`` before any training starts."""
-    import torch
-
-    comm = resolve(comm)
-    serial, dp = _flag(args, "serial", False), _flag(args, "dp_size", 1)
-    if serial and comm.Get_size() > 1:
-        parser.error("--serial trains in one process: run it without mpiexec")
-    if serial and dp > 1:
-        parser.error("--serial and --dp-size > 1 do not go together")
-    if "batch_size" in vars(args) and args.batch_size % dp:
-        parser.error(
-            f"--batch-size {args.batch_size} does not split evenly over --dp-size {dp} data groups"
-        )
-    steps = _flag(args, "steps", None) if steps is None else steps
-    layer_ranks = comm.Get_size() // dp
-    if not serial and steps is not None and steps < layer_ranks:
-        parser.error(
-            f"{steps_flag} {steps} is smaller than the number of layer-parallel ranks "
-            f"({layer_ranks})"
-        )
+    steps: Optional[int],
+    layer_ranks: int,
+    rank: int = 0,
+) -> None:
+    """Checks the ``--lp-*`` flags against the launch: ``steps`` time steps on ``layer_ranks``
+    layer-parallel ranks (over depths, every depth's steps must cover the ranks), and settles
+    ``--lp-levels auto`` (the planner's choice, printed on ``rank`` 0).  Every rank computes
+    the same answer; errors exit through ``parser.error``."""
+    serial = _flag(args, "serial", False)
     for flag in ("--lp-nested-levels", "--lp-mgopt-levels"):
         k = _flag(args, flag[2:].replace("-", "_"), 1)
         if k > 1 and steps is not None:
@@ -638,18 +471,12 @@ def check_run(
                 parser.error(f"{flag} {k}: {exc}")
     if _flag(args, "lp_levels", None) == "auto":
         args.lp_levels = 1 if serial or steps is None else auto_levels(args, steps, layer_ranks)
-        if comm.Get_rank() == 0:
+        if rank == 0:
             print(
                 f"--lp-levels auto: {args.lp_levels} level(s) for {steps} steps on "
                 f"{layer_ranks} layer-parallel rank(s)",
                 flush=True,
             )
-    device = _flag(args, "device", "cpu")
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            parser.error(f"--device {device}: CUDA is not available here")
-        args.device = f"cuda:{comm.Get_rank() % torch.cuda.device_count()}"
-    return args
 
 
 # The largest hierarchy --lp-levels auto considers.

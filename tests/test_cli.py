@@ -1,19 +1,26 @@
+"""The --lp-* flags (layerbraid.cli) and the examples' own command line (examples/common.py)
+beside them, as the examples parse them."""
 import argparse
+import sys
+from pathlib import Path
 
 import pytest
 
 from layerbraid import MGRITOptions, cli
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import common  # noqa: E402  (examples/common.py, as the examples import it)
+
 
 def parser():
     p = argparse.ArgumentParser(prog="train")
-    cli.add_training_arguments(p)
+    common.add_training_arguments(p)
     cli.add_lp_arguments(p)
     return p
 
 
 def test_defaults_give_valid_options():
-    args = cli.parse_args(parser(), [])
+    args = common.parse_args(parser(), [])
     fwd, bwd = cli.mgrit_options(args)
     assert isinstance(fwd, MGRITOptions) and fwd.max_levels == 2 and fwd.cfactor == 4
     assert fwd.max_iters == 2 and bwd.max_iters == 1 and fwd.nrelax == 0
@@ -21,7 +28,7 @@ def test_defaults_give_valid_options():
 
 
 def test_per_level_values_and_switches():
-    args = cli.parse_args(parser(), [
+    args = common.parse_args(parser(), [
         "--lp-levels", "3", "--lp-cfactor", "4", "2", "--lp-relax", "F", "FCF", "--lp-cycle", "F",
         "--no-lp-skip-downcycle", "--lp-fwd-iters", "5", "--lp-bwd-iters", "3", "--lp-tol", "1e-8",
         "--steps", "32", "--channels", "4", "--t-final", "2.5", "--batch-size", "10",
@@ -34,15 +41,15 @@ def test_per_level_values_and_switches():
 
 
 def test_tuned_iterations_probe_every_twenty_batches_unless_told():
-    assert cli.parse_args(parser(), ["--lp-tune-error", "1e-2"]).lp_probe_every == 20
-    args = cli.parse_args(parser(), ["--lp-tune-error", "1e-2", "--lp-probe-every", "4"])
+    assert common.parse_args(parser(), ["--lp-tune-error", "1e-2"]).lp_probe_every == 20
+    args = common.parse_args(parser(), ["--lp-tune-error", "1e-2", "--lp-probe-every", "4"])
     assert args.lp_tune_error == 1e-2 and args.lp_probe_every == 4
-    assert cli.parse_args(parser(), []).lp_tune_error is None
+    assert common.parse_args(parser(), []).lp_tune_error is None
     # no flag: the training loop decides (every 20th batch where MGRIT runs several levels)
-    assert cli.parse_args(parser(), []).lp_probe_every is None
-    assert cli.parse_args(parser(), ["--lp-probe-every", "0"]).lp_probe_every == 0
+    assert common.parse_args(parser(), []).lp_probe_every is None
+    assert common.parse_args(parser(), ["--lp-probe-every", "0"]).lp_probe_every == 0
     assert args.lp_tune_margin == 2.0
-    assert cli.parse_args(parser(), ["--lp-tune-margin", "1"]).lp_tune_margin == 1.0
+    assert common.parse_args(parser(), ["--lp-tune-margin", "1"]).lp_tune_margin == 1.0
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -69,7 +76,7 @@ def test_tuned_iterations_probe_every_twenty_batches_unless_told():
 ])
 def test_bad_values_stop_with_a_message_naming_flag_and_value(argv, words, capsys):
     with pytest.raises(SystemExit) as info:
-        cli.parse_args(parser(), argv)
+        common.parse_args(parser(), argv)
     assert info.value.code == 2
     err = capsys.readouterr().err
     for w in words:
@@ -118,7 +125,7 @@ def test_check_run_names_the_flag_against_the_launch(argv, ranks, steps, words, 
         pytest.skip("CUDA is available here")
     args = parser().parse_args(argv)
     with pytest.raises(SystemExit):
-        cli.check_run(parser(), args, _Ranks(ranks), steps=steps, steps_flag="--length" if steps
+        common.check_run(parser(), args, _Ranks(ranks), steps=steps, steps_flag="--length" if steps
                       else "--steps")
     err = capsys.readouterr().err
     for w in words:
@@ -127,7 +134,7 @@ def test_check_run_names_the_flag_against_the_launch(argv, ranks, steps, words, 
 
 def test_check_run_accepts_a_good_launch():
     args = parser().parse_args(["--steps", "4"])
-    assert cli.check_run(parser(), args, _Ranks(4, 3)).device == "cpu"
+    assert common.check_run(parser(), args, _Ranks(4, 3)).device == "cpu"
 
 
 def test_auto_levels_take_the_planners_fastest_schedule(capsys):
@@ -135,16 +142,16 @@ def test_auto_levels_take_the_planners_fastest_schedule(capsys):
     replays fastest (unit step costs), the same on every rank, said once by rank 0."""
     from layerbraid import plan
 
-    args = cli.check_run(parser(), cli.parse_args(parser(), ["--lp-levels", "auto", "--steps",
+    args = common.check_run(parser(), common.parse_args(parser(), ["--lp-levels", "auto", "--steps",
                                                               "64"]), _Ranks(1))
     assert args.lp_levels == 1
     for steps, ranks in ((64, 4), (256, 16)):
         argv = ["--lp-levels", "auto", "--steps", str(steps), "--lp-cfactor", "4"]
-        chosen = {cli.check_run(parser(), cli.parse_args(parser(), argv),
+        chosen = {common.check_run(parser(), common.parse_args(parser(), argv),
                                 _Ranks(ranks, r)).lp_levels for r in range(ranks)}
         assert len(chosen) == 1
         costs = plan.Costs(step_seconds=1.0, vjp_seconds=2.0, latency=0.0)
-        times = {lv: plan.predict(steps, ranks, *cli.mgrit_options(cli.parse_args(
+        times = {lv: plan.predict(steps, ranks, *cli.mgrit_options(common.parse_args(
             parser(), ["--lp-levels", str(lv), "--lp-cfactor", "4"])), costs).seconds
             for lv in range(1, cli.AUTO_MAX_LEVELS + 1)}
         assert chosen == {min(times, key=lambda lv: (times[lv], lv))}
