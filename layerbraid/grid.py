@@ -65,6 +65,16 @@ class ProcessGrid(FreedOnExit):
         )
 
 
+def replicate(module: "torch.nn.Module", grid: Optional[ProcessGrid]) -> Optional["_GradAverager"]:
+    """Under data parallelism (a grid of several data groups): every replica of ``module``
+    starts from data rank 0's weights and buffers (as DDP does), and averages its gradients over
+    the data group at the end of every backward (the returned averager); else nothing."""
+    if grid is None or grid.data_size == 1:
+        return None
+    grid.data_comm.bcast_into(list(module.parameters()) + list(module.buffers()))
+    return _GradAverager(module.parameters(), grid.data_comm)
+
+
 class _GradAverager:
     """Averages the gradients of ``params`` over ``comm`` at the end of every backward, in flat
     buckets; a bucket's allreduce starts (non-blocking) as soon as all its gradients are

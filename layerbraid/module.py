@@ -3,7 +3,7 @@
 import abc
 import dataclasses
 import logging
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -18,25 +18,21 @@ from ._engine.chain import (
 )
 from ._engine.chain_part import OneChainPart
 from ._engine.handshake import (
-    MAX_DIMS,
-    CloseReport,
-    CloseStatus,
     Fingerprint,
     InputMeta,
-    Opened,
     agree_on_input,
-    check_input,
     raise_for_close,
     share_close_report,
 )
-from ._engine.layer_steps import _LayerSteps, all_finite
+from ._engine.layer_steps import _LayerSteps
 from ._engine.ownership import _StepLayers, draw_seed
 from ._engine.parts import ExactSolve, FreedOnExit
 from ._engine.serial import parallel_penalty, serial_forward, time_points
 from ._engine.sharded_state import ShardedState
+from ._engine.stages import close_output, open_input, placeholder
 from ._engine.step_rule import euler_step
 from .coarsening import SpatialCoarsening
-from .grid import ProcessGrid, _GradAverager
+from .grid import ProcessGrid, replicate
 from .launch import _enter
 from .options import MGRITOptions, check_int
 from .parameterization import StepParameterization
@@ -247,13 +243,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
             sp,
             self.check_finite,
         )
-        self._averager = None
-        if self._grid is not None and self._grid.data_size > 1:
-            # The replicas in a data group start from rank 0's weights (as DDP does), then
-            # average their gradients at the end of every backward.
-            data = self._grid.data_comm
-            data.bcast_into(list(self.parameters()) + list(self.buffers()))
-            self._averager = _GradAverager(self.parameters(), data)
+        self._averager = replicate(self, self._grid)
         self._anchor = torch.zeros((), requires_grad=True)
         try:
             self.parameterization.attach(self)
@@ -315,18 +305,18 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         self._check_usable()
         self.parameterization.refresh(self)  # before the exchange of the injected copies
         first, last = self._rank == 0, self._rank == self._size - 1
-        opened = _open_input(self.open, x, self.check_finite) if first else None
+        opened = open_input(self.open, x, self.check_finite) if first else None
         fingerprint = Fingerprint.of(x) if self.check_inputs else None
         meta = agree_on_input(self._comm, opened, fingerprint, self._settings())
         if self.spatial is not None:  # the same check, and error, on every rank
             self.spatial.check(meta.shape, self._chain.num_levels())
         h0 = opened.state if opened is not None else None  # set where the open layer ran
-        h0 = h0 if h0 is not None else _placeholder(x, meta)
+        h0 = h0 if h0 is not None else placeholder(x, meta)
         self._step_layers.exchange()
         made = self._solve(h0, meta, torch.is_grad_enabled())
         out, report, error = made, None, None
         if last:
-            out, report, error = _close_output(self.close, made, self.check_finite)
+            out, report, error = close_output(self.close, made, self.check_finite)
         report = share_close_report(self._comm, report, self._size - 1)
         raise_for_close(report, error, self._size - 1)
         if self._size == 1 and out is not made:
@@ -427,46 +417,3 @@ def _check_output_and_spatial(output, spatial):
         raise ValueError(f"output must be 'all' or 'next', got {output!r}")
     if spatial is not None and not isinstance(spatial, SpatialCoarsening):
         raise TypeError(f"spatial must be a SpatialCoarsening, got {type(spatial).__name__}")
-
-
-def _open_input(open_layer: Optional[nn.Module], x: Any, check_finite: bool) -> Opened:
-    """The open layer's state from ``x`` on the first rank, or the error it raised."""
-    try:
-        check_input(x, check_finite)
-        h0 = open_layer(x) if open_layer is not None else x
-        if not isinstance(h0, torch.Tensor):
-            raise TypeError(f"the open layer must return a tensor, got {type(h0).__name__}")
-        if h0.dim() > MAX_DIMS:
-            raise ValueError(f"the chain's state has {h0.dim()} dimensions, more than {MAX_DIMS}")
-        return Opened(InputMeta(tuple(h0.shape), h0.dtype, h0.device), state=h0)
-    except Exception as exc:  # tell every rank, then raise here
-        return Opened(error=exc, input_shape=tuple(getattr(x, "shape", ())))
-
-
-def _close_output(
-    close: Optional[nn.Module], out: Any, check_finite: bool
-) -> tuple[Any, CloseReport, Optional[BaseException]]:
-    """The close layer's output on the last rank and its report to the others."""
-    try:
-        if close is not None:
-            out = close(out)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"the close layer must return a tensor, got {type(out).__name__}")
-        if out.dim() > MAX_DIMS:
-            raise ValueError(
-                f"the close layer's output has {out.dim()} dimensions, more than {MAX_DIMS}"
-            )
-        ok = not check_finite or all_finite([out.detach()])
-        status = CloseStatus.OK if ok else CloseStatus.NONFINITE
-        return out, CloseReport(status, tuple(out.shape), out.dtype), None
-    except Exception as exc:  # tell every rank, then raise here
-        return out, CloseReport(CloseStatus.ERROR, message=f"{type(exc).__name__}: {exc}"), exc
-
-
-def _placeholder(x: Any, meta: InputMeta) -> torch.Tensor:
-    """The chain's input off the first rank: not used by the solve; but when ``x`` comes from
-    an earlier stage it must stay in the graph, so that that stage's backward (collective)
-    runs on this rank too."""
-    if isinstance(x, torch.Tensor) and x.requires_grad:
-        return x
-    return torch.zeros((), dtype=meta.dtype, device=meta.device)
