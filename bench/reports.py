@@ -108,7 +108,8 @@ REPORTS = {
                                                   "bench/workers/contraction.py"]),
     "docs/depth.md": (["bench.depth"],
                       _RESNET + _MNIST + _VOLUMES + _HARNESS + [
-                          "layerbraid/depth.py", "layerbraid/mgopt.py", "layerbraid/spline.py",
+                          "layerbraid/depth/__init__.py", "layerbraid/depth/mgopt.py",
+                          "layerbraid/depth/spline.py", "layerbraid/parameterization.py",
                           "layerbraid/data/loader.py", "bench/depth.py",
                           "bench/workers/depth.py"]),
 }

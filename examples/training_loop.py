@@ -79,7 +79,7 @@ class Depths:
     """Training over depths around the loop (--lp-nested-levels, --lp-mgopt-levels): which
     network trains at each epoch, refined into the next depth where a shallower stage ends
     (layerbraid.depth.refine, the optimizer's state included), and, at full depth, MG/Opt's
-    hierarchy (layerbraid.mgopt.MGOpt).  ``build(steps)`` makes the network at a depth."""
+    hierarchy (layerbraid.depth.mgopt.MGOpt).  ``build(steps)`` makes the network at a depth."""
 
     def __init__(self, args, model, build, rank):
         self.args, self.full, self.build, self.rank = args, model, build, rank
@@ -113,7 +113,7 @@ class Depths:
         return self.model, optimizer
 
     def _hierarchy(self, levels, optimizer):
-        from layerbraid.mgopt import MGOpt
+        from layerbraid.depth.mgopt import MGOpt
 
         steps = layerbraid.depth.depths(self.args.steps, levels, self.args.lp_depth_factor)
         coarse = [self.build(n) for n in reversed(steps[:-1])]

@@ -27,7 +27,7 @@ import layerbraid
 from layerbraid import cli
 from layerbraid.launch import world
 from layerbraid.nn import ConvBlock
-from layerbraid.spline import SplineModule
+from layerbraid.depth.spline import SplineModule
 
 import common  # examples/common.py, beside this script
 from training_loop import mgrit_summary, train  # examples/training_loop.py, beside this script

@@ -240,8 +240,8 @@ def add_depth_arguments(
 ) -> argparse._ArgumentGroup:
     """Adds the ``--lp-nested-*`` flags (nested iteration: train shallower networks first,
     layerbraid.depth); with ``mgopt``, the ``--lp-mgopt-*`` flags (MG/Opt over depths,
-    layerbraid.mgopt; for a network that is one layer-parallel module); with ``splines``,
-    ``--lp-splines`` and ``--lp-spline-degree`` (layerbraid.spline).  Off by default."""
+    layerbraid.depth.mgopt; for a network that is one layer-parallel module); with ``splines``,
+    ``--lp-splines`` and ``--lp-spline-degree`` (layerbraid.depth.spline).  Off by default."""
     g = parser.add_argument_group("training over depths, spline steps")
     g.add_argument(
         "--lp-nested-levels",

@@ -143,3 +143,20 @@ def test_the_benchmarks_and_the_drill_use_public_names_only():
                 continue
             private = [p for p in parts if p.startswith("_")]
             assert not private, f"{path.relative_to(ROOT)}:{node.lineno} imports {private}"
+
+
+def test_the_modules_that_moved_still_import_with_a_warning():
+    import importlib
+    import sys
+    import warnings
+
+    for old, new, name in (("layerbraid.mgopt", "layerbraid.depth.mgopt", "MGOpt"),
+                           ("layerbraid.spline", "layerbraid.depth.spline", "SplineModule"),
+                           ("layerbraid.audit", "layerbraid.accuracy", "audit_gradients")):
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert getattr(module, name) is getattr(importlib.import_module(new), name)
+        assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message)
+                   for w in caught), old

@@ -1,4 +1,4 @@
-"""MG/Opt (layerbraid.mgopt): the coherence term makes each coarse objective's gradient at the
+"""MG/Opt (layerbraid.depth.mgopt): the coherence term makes each coarse objective's gradient at the
 restricted point the restricted fine gradient; the layer-parallel cycle equals the one-rank
 cycle; the corrections lower the loss; bad options and a failing rank are clear errors."""
 import time
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import layerbraid
-from layerbraid.mgopt import MGOpt
+from layerbraid.depth.mgopt import MGOpt
 from nets import ODEResNet, batch
 from transports import WORLD
 

@@ -1,4 +1,4 @@
-"""Spline-parameterized steps (layerbraid.spline): the B-spline basis, and a SplineModule equal
+"""Spline-parameterized steps (layerbraid.depth.spline): the B-spline basis, and a SplineModule equal
 to a serial spline network written here in plain PyTorch (float64, 1e-12) on 1-3 ranks, one
 level and converged MGRIT, outputs and every gradient; training, refinement in depth,
 checkpoints, to_serial; bad input; a rank that stalls before the coefficients' gradient sum."""
@@ -14,7 +14,7 @@ from torch.func import functional_call
 import layerbraid
 from layerbraid import depth
 from layerbraid.nn import ConvBlock
-from layerbraid.spline import SplineModule, bspline_basis
+from layerbraid.depth.spline import SplineModule, bspline_basis
 from nets import batch
 from transports import WORLD
 

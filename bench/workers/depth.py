@@ -82,7 +82,7 @@ def main():
 
     from layerbraid import depth
     from layerbraid.data import LayerParallelLoader
-    from layerbraid.mgopt import MGOpt
+    from layerbraid.depth.mgopt import MGOpt
 
     example, mode = sys.argv[1], sys.argv[2]
     segments, batches, tests, seed = map(int, sys.argv[3:7])

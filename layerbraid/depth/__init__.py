@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from ._engine.ownership import fetch, plan_fetch
-from .module import LayerParallelModule
+from .._engine.ownership import fetch, plan_fetch
+from ..module import LayerParallelModule
 
 __all__ = ["depths", "interpolate", "nested_iteration", "refine", "restrict"]
 
@@ -82,7 +82,7 @@ def restriction(rule: str, fine_steps: int, coarse_steps: int) -> Sources:
     """``sources(k)``: the fine steps and weights whose combination is coarse step ``k``.
     ``rule`` is ``"injection"``, ``"average"`` or, for gradients, ``"adjoint"`` (the
     transpose of linear interpolation: every fine step's share of each coarse step it is
-    interpolated from, summed; see layerbraid.mgopt)."""
+    interpolated from, summed; see layerbraid.depth.mgopt)."""
     cf = _factor(fine_steps, coarse_steps, "restrict")
     if rule == "adjoint":
         inverse: dict[int, list[tuple[int, float]]] = {}
@@ -249,7 +249,7 @@ def _check_rule(rule: str, what: str) -> None:
 # step is computed once, by its owner, and a distribution that changes with the depth (the
 # blocks move between ranks) costs only the steps that cross.  What moves is a step's list of
 # tensors: its state and optimizer state (interpolate, restrict), or a vector over the
-# parameters (MG/Opt's gradients and corrections, layerbraid.mgopt).
+# parameters (MG/Opt's gradients and corrections, layerbraid.depth.mgopt).
 Tensors = list[torch.Tensor]
 
 
