@@ -21,7 +21,7 @@ assert not installed.startswith(source + os.sep), f"imported {installed} from th
 names = [m.name for m in pkgutil.walk_packages(layerbraid.__path__, "layerbraid.")]
 for name in names:
     importlib.import_module(name)
-for sub in ("layerbraid.nn", "layerbraid.data", "layerbraid._mgrit_core"):
+for sub in ("layerbraid.nn", "layerbraid.data", "layerbraid.depth", "layerbraid._mgrit_core"):
     assert sub in names, f"{sub} is missing from the installed package"
 assert os.path.exists(os.path.join(installed, "py.typed")), "py.typed is missing (PEP 561)"
 
