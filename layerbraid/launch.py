@@ -38,8 +38,9 @@ def world() -> Any:
     """The job's communicator, the default wherever layerbraid takes ``comm``: MPI's
     ``COMM_WORLD`` under mpiexec or srun (and in a plain one-process run); under torchrun the
     default torch.distributed process group (made from torchrun's environment unless the
-    program made it first), as a communicator with the same ``rank``, ``size``, ``allreduce``
-    and ``bcast`` a training script uses from mpi4py."""
+    program made it first, with the stall deadline).  Either is returned as layerbraid's
+    transport over it, with the same ``rank``, ``size``, ``allreduce``, ``bcast``,
+    ``allgather``, ``gather`` and ``Barrier`` a training script uses from mpi4py."""
     return _world.world()
 
 
