@@ -83,7 +83,7 @@ class _LayerSteps(Steps):
         own.h0 = h0 if self.rank == 0 else None
         own.h0_requires_grad, own.h0_shape, own.h0_dtype = h0.requires_grad, h0.shape, h0.dtype
         # the parameters whose gradients the chain returns, in the order of its other inputs
-        # (which may be tensors they were made from: LayerParallelModule._step_inputs)
+        # (which may be tensors they were made from: StepParameterization.inputs)
         own.params = [p for leaves in own.step_params.values() for _, p in leaves]
         own.coarse_x = {}
 
