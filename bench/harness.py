@@ -155,8 +155,8 @@ def launch(worker, ranks, *args, timeout=3600, echo=True, env=None, cores_per_ra
 
 def example(name):
     """The module of examples/<name>.py (its networks and defaults; its main() is not run).
-    The examples are scripts that import their neighbour training_loop.py, so that is loaded
-    first under that name."""
+    The examples are scripts that import their neighbours common.py and training_loop.py, so
+    those are loaded first under their names."""
     def load(module, path):
         if module not in sys.modules:
             spec = importlib.util.spec_from_file_location(module, path)
@@ -164,6 +164,7 @@ def example(name):
             spec.loader.exec_module(sys.modules[module])
         return sys.modules[module]
 
+    load("common", ROOT / "examples" / "common.py")
     load("training_loop", ROOT / "examples" / "training_loop.py")
     return load(f"example_{name}", ROOT / "examples" / f"{name}.py")
 

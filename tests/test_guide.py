@@ -43,8 +43,10 @@ def test_guide_code_block_runs(code, ranks, launcher, prints, tmp_path):
     script.write_text(code)
     cmd = [sys.executable, str(script)]
     if launcher == "torchrun":
+        # --no-python: torchrun starts a script under `python -u`, whose print writes a line
+        # and its newline apart (see below); started as a program, the children buffer.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(ranks), str(script)]
+               str(ranks), "--no-python", sys.executable, str(script)]
     elif ranks > 1:
         cmd = ["mpiexec", "-n", str(ranks)] + cmd
     # Unbuffered, print writes a line and its newline apart, and two ranks sharing the pipe

@@ -34,6 +34,7 @@ a counter; a waiting rank reads the counter every 50 ms and raises RemoteRankErr
 
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -91,17 +92,40 @@ def world() -> "DistComm":
 # its store, by default for 30 minutes, silently.  Started here it waits the stall timeout
 # (plus a margin, so that a collective's own poll, which names what it waited for, always raises
 # before the backend's timeout of the same operation), and a peer that never comes ends the
-# process with StallError naming the rendezvous, the world size and how many arrived.
+# process with StallError naming the rendezvous, the world size and how many arrived.  A rank
+# other than 0 first waits, polling, until rank 0's store accepts a connection: torch's client
+# retries with backoff and overran the timeout by 5-10 s.
 _BACKEND_MARGIN = 5.0
 
 
 def _init_default_group(backend: Optional[str]) -> None:
     limit = timeout()
     deadline = timedelta(seconds=limit + _BACKEND_MARGIN) if limit else None
+    if limit and os.environ.get("RANK", "0") != "0" and not _store_reachable(limit):
+        why = "the store never accepted a connection"
+        raise StallError(_rendezvous_stalled(why, limit))
     try:
         dist.init_process_group(backend=backend, timeout=deadline)
     except dist.DistError as exc:
         raise StallError(_rendezvous_stalled(str(exc), limit + _BACKEND_MARGIN)) from exc
+
+
+def _store_reachable(limit: float) -> bool:
+    """Whether MASTER_ADDR:MASTER_PORT accepts a TCP connection within ``limit`` seconds (True
+    where the environment names no such address: another rendezvous, torch's to time)."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not host or not port.isdigit():
+        return True
+    end = time.monotonic() + limit
+    while True:
+        left = end - time.monotonic()
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(min(left, 1.0), 0.05)):
+                return True
+        except OSError:
+            if left <= 0:
+                return False
+            time.sleep(min(0.1, max(left, 0.0)))
 
 
 def _rendezvous_stalled(why: str, waited: float) -> str:
