@@ -3,6 +3,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
+import layerbraid
+
 from transports import WORLD
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.complex64, torch.int64,
@@ -62,3 +64,54 @@ def test_the_core_over_cuda_aware_mpi_mode_equals_serial():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_the_wire_packs_mixed_dtypes_and_unpacks_them_exactly():
+    """A list of tensors of mixed dtypes (the layout of a step's state: float weights, an int64
+    counter, a bool mask) round-trips through one byte tensor, misaligned offsets included."""
+    from layerbraid._comm.wire import nbytes, pack, unpack
+
+    tensors = [make(torch.float64, (3,), 0), make(torch.bool, (1,), 1),
+               make(torch.float32, (2, 2), 2), make(torch.int64, (), 3),
+               make(torch.bfloat16, (5,), 4), make(torch.complex64, (2,), 5)]
+    flat = pack(tensors, torch.device("cpu"))
+    assert flat.dtype == torch.uint8 and flat.numel() == nbytes(tensors)
+    for got, want in zip(unpack(flat, tensors), tensors):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    with pytest.raises(ValueError, match="do not hold"):
+        unpack(flat[:-1], tensors)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([2])
+def test_the_step_weights_fetch_moves_tensors_only(monkeypatch):
+    """The copies of the step layers that coarse steps inject are refreshed from their owners
+    with no numpy on the way (under NCCL, no copy through host memory): torch.Tensor.numpy
+    raises while they move, over a torch.distributed group.  (Under MPI, the host buffers
+    handed to mpi4py are numpy views by design: the MPI path is not checked here.)"""
+    from layerbraid._comm.dist import DistComm
+    from nets import ODEResNet
+
+    if not isinstance(WORLD, DistComm):
+        pytest.skip("a torch.distributed group (torchrun) carries the check")
+    torch.manual_seed(0)
+    # rank 1 owns steps 5-9; its coarse step from point 4 injects step 4's layer, rank 0's
+    options = layerbraid.MGRITOptions(max_levels=2, cfactor=4)
+    model = ODEResNet(WORLD, num_steps=10, forward_options=options)
+    steps = model._step_layers
+    assert steps.plan.recvs if WORLD.rank == 1 else steps.plan.sends  # something moves
+    for copy in steps.copies.values():
+        for p in copy.parameters():
+            p.data.zero_()
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a tensor went through numpy")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", refuse)
+    steps.exchange()
+    monkeypatch.undo()
+    serial = model.to_serial()  # collective: every step's weights, from their owners
+    for i, copy in steps.copies.items():
+        for got, want in zip(copy.state_dict().values(), serial.layers[i].state_dict().values()):
+            assert torch.equal(got, want), i

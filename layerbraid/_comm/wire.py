@@ -35,6 +35,10 @@ def unpack(flat: torch.Tensor, templates: Sequence[torch.Tensor]) -> list[torch.
     """The tensors packed in ``flat`` (a flat uint8 tensor) with ``templates``' shapes and dtypes,
     in order, on ``flat``'s device: views of ``flat`` where the bytes are aligned for the dtype,
     else copies."""
+    if flat.numel() != nbytes(templates):
+        raise ValueError(
+            f"{flat.numel()} bytes do not hold the {nbytes(templates)} bytes of the templates"
+        )
     out, off = [], 0
     for t in templates:
         n = t.numel() * t.element_size()
@@ -43,8 +47,6 @@ def unpack(flat: torch.Tensor, templates: Sequence[torch.Tensor]) -> list[torch.
             piece = piece.clone()
         out.append(piece.view(t.dtype).view(t.shape))
         off += n
-    if off != flat.numel():
-        raise ValueError(f"{flat.numel()} bytes do not hold the {off} bytes of the templates")
     return out
 
 
