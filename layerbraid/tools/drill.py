@@ -91,8 +91,8 @@ class BadStep(_Net):
 
 
 # scenario: (what happens, the text of the cause, which rank must print it: "faulty" (the rank
-# that printed FAULT), "waiting" (another rank, which caught the fault in a collective) or "job"
-# (the launcher's output))
+# that printed FAULT), "waiting" (another rank, which caught the fault in a collective), "any"
+# (some rank: the fault reached them all) or "job" (the launcher's output))
 SCENARIOS = {
     "loader": (
         "rank 1 raises before the loader's seed agreement",
@@ -149,7 +149,9 @@ SCENARIOS = {
         "from rank 1 (level",
         "waiting",
     ),
-    "sigint": ("Ctrl-C: SIGINT to mpiexec while training", "KeyboardInterrupt", "faulty"),
+    # mpiexec forwards Ctrl-C to every rank: whichever rank handles it first prints the cause
+    # and aborts the job, possibly before another rank (inside the core) has printed its own
+    "sigint": ("Ctrl-C: SIGINT to mpiexec while training", "KeyboardInterrupt", "any"),
     "kill": ("rank 1 is killed (SIGKILL) while training", "signal 9", "job"),
     "rnn": (
         "rank 1 raises before a layer-parallel GRU forward",
@@ -233,6 +235,8 @@ def run(scenario, ranks=2, limit=60, mpiexec="mpiexec", launcher="mpiexec"):
         shown = faulty in cause_on
     elif where == "waiting":
         shown = any(r != faulty for r in cause_on)
+    elif where == "any":
+        shown = bool(cause_on)
     else:
         shown = cause in job or bool(cause_on)
     return {
@@ -463,7 +467,12 @@ def problems(scenario, result, limit):
     if result["rc"] == 0:
         out.append("the job ended with exit status 0")
     if not result["cause"]:
-        by = {"faulty": "the faulty rank", "waiting": "a waiting rank", "job": "the launcher"}
+        by = {
+            "faulty": "the faulty rank",
+            "waiting": "a waiting rank",
+            "any": "any rank",
+            "job": "the launcher",
+        }
         out.append(f"the cause was not printed by {by[SCENARIOS[scenario][2]]}")
     if any("no fault happened" in text for text in result["outputs"].values()):
         out.append("a rank finished as if nothing happened")
