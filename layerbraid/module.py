@@ -27,6 +27,7 @@ from ._engine.handshake import (
 from ._engine.layer_steps import _LayerSteps
 from ._engine.ownership import _StepLayers, draw_seed
 from ._engine.parts import ExactSolve, FreedOnExit
+from ._engine.pipeline import Pipeline, PipelineFn, check_independent, microbatch_sizes
 from ._engine.serial import parallel_penalty, serial_forward, time_points
 from ._engine.sharded_state import ShardedState
 from ._engine.stages import close_output, open_input, placeholder
@@ -112,6 +113,13 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         parameterization: what the steps' parameters are (a
             :class:`layerbraid.parameterization.StepParameterization`); default: each step
             layer's own weights, trained directly.
+        microbatches: with exact solves on several ranks, split each batch along its first
+            dimension into this many microbatches and pipeline them through the ranks (GPipe
+            order, Note [microbatched exact path] in _engine/pipeline.py): a rank steps one
+            microbatch while the next rank steps the one before.  The output and every
+            gradient equal the batched ones to round-off.  Refused (ValueError) with a batch
+            norm in training mode in a step layer, whose statistics are over the batch.
+            Default 1: the whole batch at once.
 
     The attribute ``retain_graphs`` (default False) keeps the steps' graphs after a backward,
     so that the same forward can be differentiated again (``retain_graph=True``,
@@ -139,6 +147,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         target_error: Optional[float] = None,
         fused: bool = True,
         parameterization: Optional[StepParameterization] = None,
+        microbatches: int = 1,
     ):
         super().__init__()
         _enter()
@@ -177,6 +186,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         self.parameterization = parameterization
         self.check_inputs = bool(check_inputs)
         self.check_finite = bool(check_finite)
+        self.microbatches = check_int("microbatches", microbatches, 1, 2**31 - 1)
         self.fused = fused
         self.retain_graphs = False
         self.output = output
@@ -341,19 +351,38 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         """The chain's output from ``h0``: the serial path (one rank, exact solves) or the
         MGRIT solves, as an autograd Function."""
         chain = self._solving(self._chain)
+        owned, retain = self._chain.owned, self.retain_graphs
         if self._size == 1 and self._serial_path() and self.parameterization.serial_path(self):
             times = time_points(self.t_final, self.num_steps)
-            owned, retain = self._chain.owned, self.retain_graphs
             return serial_forward(
                 self._steps, chain, owned, h0, times, record, retain, self.check_finite
             )
-        run = Run(self._steps, meta.shape, meta.dtype, meta.device, record, self.retain_graphs)
-        run.own.step_params = self._steps.step_params(self._chain.owned)
-        run.own.fused = bool(self.fused)
+        step_params = self._steps.step_params(owned)
+        params = [p for leaves in step_params.values() for _, p in leaves]
         anchor = self._anchor
         if anchor.device != meta.device:
             anchor = anchor.to(meta.device)
-        params = [p for leaves in run.own.step_params.values() for _, p in leaves]
+        sizes = microbatch_sizes(meta.shape[0], self.microbatches) if meta.shape else [1]
+        if self._size > 1 and len(sizes) > 1 and self._serial_path():
+            check_independent([layer for _, layer in self.owned_steps()], self.training)
+            times = time_points(self.t_final, self.num_steps)
+            pipe = Pipeline(
+                self._comm,
+                self._steps,
+                owned,
+                times,
+                sizes,
+                chain,
+                params,
+                record=record,
+                retain=retain,
+                check_finite=self.check_finite,
+            )
+            inputs = self.parameterization.inputs(self, params)
+            return PipelineFn.apply(pipe, meta.shape, meta.dtype, anchor, h0, *inputs)
+        run = Run(self._steps, meta.shape, meta.dtype, meta.device, record, retain)
+        run.own.step_params = step_params
+        run.own.fused = bool(self.fused)
         inputs = self.parameterization.inputs(self, params)
         return _ChainFn.apply(chain, run, anchor, h0, *inputs)
 
@@ -378,6 +407,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
             "output": self.output,
             "check_finite": (self.check_finite, self._steps.check_finite),
             "check_inputs": self.check_inputs,
+            "microbatches": self.microbatches,
             "the solve mode (audit_gradients, probe_gradients, IterationTuner)": self.solve_mode,
         }
 

@@ -15,7 +15,7 @@ def _is_int(x):
 
 def check_int(
     name: str, value: Any, lo: int = 1, hi: Optional[int] = None, hi_text: Optional[str] = None
-) -> None:
+) -> int:
     """``value`` when it is an int (not a bool) in ``lo..hi``; else ValueError "``name`` must be
     an int >= lo, got ..." (or "in lo..hi", with ``hi_text`` for hi)."""
     if _is_int(value) and value >= lo and (hi is None or value <= hi):

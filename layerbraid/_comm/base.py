@@ -34,7 +34,7 @@ from .stream import StateStream
 from .waits import missing_ranks, poll
 from .wire import nbytes, pack, unpack, unpack_into
 
-__all__ = ["Transport", "check_same_settings"]
+__all__ = ["Message", "Transport", "check_same_settings"]
 
 _ARRIVE_TAG = 7602
 _LEFT_TAG, _RIGHT_TAG = 7401, 7402  # a neighbour exchange: what goes left, what goes right
@@ -341,10 +341,30 @@ class Transport(StateStream, ABC):
         return unpack(buf, [template])[0].to(device)
 
     def send_tensor(self, t: torch.Tensor, dest: int, tag: int, what: str = "a tensor") -> None:
-        self.wait(
-            [self._start_p2p(True, pack([t], self.device), dest, tag)],
-            f"rank {dest} to take {what}",
-        )
+        self.start_send(t, dest, tag, what).wait()
+
+    def start_send(self, t: torch.Tensor, dest: int, tag: int, what: str = "a tensor") -> "Message":
+        """Starts sending ``t`` to ``dest``; the returned message's ``wait()`` finishes it.
+        Messages between two ranks with the same tag arrive in the order they were started."""
+        buf = pack([t], self.device)
+        work = self._start_p2p(True, buf, dest, tag)
+        return Message(self, work, buf, f"rank {dest} to take {what}")
+
+    def start_recv(
+        self,
+        shape: Any,
+        dtype: torch.dtype,
+        device: Any,
+        source: int,
+        tag: int,
+        what: str = "a tensor",
+    ) -> "Message":
+        """Starts receiving a tensor of ``shape`` and ``dtype`` from ``source``; the returned
+        message's ``wait()`` gives it, on ``device``."""
+        template = torch.empty(shape, dtype=dtype, device="meta")
+        buf = torch.empty(nbytes([template]), dtype=torch.uint8, device=self.device)
+        work = self._start_p2p(False, buf, source, tag)
+        return Message(self, work, buf, f"{what} from rank {source}", template, device)
 
     def recv_tensor(
         self,
@@ -355,10 +375,9 @@ class Transport(StateStream, ABC):
         tag: int,
         what: str = "a tensor",
     ) -> torch.Tensor:
-        template = torch.empty(shape, dtype=dtype, device="meta")
-        buf = torch.empty(nbytes([template]), dtype=torch.uint8, device=self.device)
-        self.wait([self._start_p2p(False, buf, source, tag)], f"{what} from rank {source}")
-        return unpack(buf, [template])[0].to(device)
+        got = self.start_recv(shape, dtype, device, source, tag, what).wait()
+        assert got is not None
+        return got
 
     def bcast_into(
         self, tensors: Sequence[torch.Tensor], root: int = 0, what: str = "the weights"
@@ -517,3 +536,29 @@ def _op_name(op: Any) -> str:
         if op == mpi_op:
             return name
     raise ValueError(f"comm.allreduce takes sum, max or min, got {op!r}")
+
+
+class Message:
+    """A point-to-point message under way (:meth:`Transport.start_send`, ``start_recv``): it
+    holds its buffer until :meth:`wait` finishes it with the deadline (Note [deadlines])."""
+
+    def __init__(
+        self,
+        comm: Transport,
+        work: Any,
+        buf: torch.Tensor,
+        what: str,
+        template: Optional[torch.Tensor] = None,
+        device: Any = None,
+    ):
+        self.comm, self.work, self.buf, self.what = comm, work, buf, what
+        self.template, self.device = template, device
+
+    def wait(self) -> Optional[torch.Tensor]:
+        """Finishes the message: None for a send, the tensor for a receive."""
+        if self.work is not None:
+            self.comm.wait([self.work], self.what)
+            self.work = None
+        if self.template is None:
+            return None
+        return unpack(self.buf, [self.template])[0].to(self.device)

@@ -1,0 +1,185 @@
+"""The exact path in microbatches (``microbatches=M``): the batch pipelined through the ranks,
+equal to the batched path and to serial PyTorch to round-off in float64."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import layerbraid
+from layerbraid import LayerParallelModule, MGRITOptions
+from nets import ODEResNet, assert_gradients_match, batch, train
+from tolerances import ROUNDOFF
+from transports import WORLD
+
+
+@pytest.fixture(autouse=True)
+def _all_float64(float64):
+    pass
+
+
+def _compare(model, x, y):
+    """Output, input gradient and every parameter gradient against model.to_serial()."""
+    serial = model.to_serial()
+    xp = x.clone().requires_grad_(True)
+    out = model(xp)
+    F.cross_entropy(out, y).backward()
+    xs = x.clone().requires_grad_(True)
+    ref = serial(xs)
+    F.cross_entropy(ref, y).backward()
+    torch.testing.assert_close(out, ref, rtol=ROUNDOFF, atol=ROUNDOFF)
+    if WORLD.rank == 0:
+        torch.testing.assert_close(xp.grad, xs.grad, rtol=ROUNDOFF, atol=ROUNDOFF)
+    assert_gradients_match(model, serial, ROUNDOFF, WORLD)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2, 3, 4])
+def test_microbatches_equal_serial_to_roundoff():
+    # 7 samples in 3 microbatches of 3, 2, 2; more microbatches than samples; 9 steps that do
+    # not divide evenly over the ranks
+    for m, n in ((3, 7), (2, 6), (10, 4)):
+        torch.manual_seed(0)
+        model = ODEResNet(WORLD, num_steps=9, microbatches=m)
+        _compare(model, *batch(n=n))
+        assert model.forward_stats.iterations == 0
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 3])
+def test_training_in_microbatches_follows_serial_and_gradients_accumulate():
+    torch.manual_seed(0)
+    model = ODEResNet(WORLD, num_steps=6, microbatches=3)
+    serial = model.to_serial()
+    torch.testing.assert_close(
+        torch.tensor(train(model, 4)), torch.tensor(train(serial, 4)), rtol=1e-10, atol=1e-10
+    )
+    # two backwards without zero_grad: the gradients add up, as in PyTorch
+    (x1, y1), (x2, y2) = batch(seed=1), batch(seed=2)
+    model.zero_grad()
+    serial.zero_grad()
+    for x, y in ((x1, y1), (x2, y2)):
+        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(serial(x), y).backward()
+    assert_gradients_match(model, serial, ROUNDOFF, WORLD)
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+def test_microbatches_keep_the_step_rule_the_eval_mode_and_retained_graphs():
+    class Midpoint(ODEResNet):
+        def step_rule(self, layer, x, dt, index):
+            return x + dt * layer(x + 0.5 * dt * layer(x))
+
+    torch.manual_seed(0)
+    model = Midpoint(WORLD, num_steps=4, microbatches=2)
+    _compare(model, *batch())
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch()[0]), model.to_serial().eval()(batch()[0]),
+                                   rtol=ROUNDOFF, atol=ROUNDOFF)
+    model.train()
+    model.retain_graphs = True
+    model.zero_grad()
+    x, y = batch()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward(retain_graph=True)
+    once = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    loss.backward()
+    twice = [p.grad for p in model.parameters() if p.grad is not None]
+    for a, b in zip(once, twice):
+        torch.testing.assert_close(2 * a, b, rtol=ROUNDOFF, atol=ROUNDOFF)
+
+
+class _Normed(LayerParallelModule):
+    def __init__(self, comm, **kw):
+        super().__init__(num_steps=4, comm=comm, **kw)
+
+    def step_layer(self, index):
+        return nn.Sequential(nn.Conv2d(1, 1, 3, padding=1), nn.BatchNorm2d(1))
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+def test_a_batch_norm_in_training_is_refused_with_microbatches_and_runs_in_eval():
+    torch.manual_seed(0)
+    model = _Normed(WORLD, microbatches=2)
+    x = batch()[0]
+    with pytest.raises(ValueError, match="microbatches > 1 with a batch norm in training mode"):
+        model(x)
+    model.eval()  # running statistics: each sample alone
+    serial = model.to_serial().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), serial(x), rtol=ROUNDOFF, atol=ROUNDOFF)
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+def test_microbatches_do_not_change_mgrit():
+    """With MGRIT (several levels) the solve is the core's, batched: microbatches apply to the
+    exact path only, and leave a multilevel solve as it is, to the bit."""
+    opts = MGRITOptions(max_levels=2, cfactor=2, max_iters=2)
+    outs = []
+    for m in (1, 3):
+        torch.manual_seed(0)
+        model = ODEResNet(WORLD, num_steps=8, forward_options=opts, backward_options=opts,
+                          microbatches=m)
+        outs.append(model(batch()[0]).detach())
+    assert torch.equal(outs[0], outs[1])
+
+
+_FAULT = {"where": None}  # where _Failing's step 5 raises: "forward", "backward" or None
+
+
+class _Failing(ODEResNet):
+    """Step 5 raises in the forward, or in its VJP, as _FAULT says (the serial copy, which
+    calls this rule with itself as ``self``, too)."""
+
+    def step_rule(self, layer, x, dt, index):
+        if index == 5 and _FAULT["where"] == "forward":
+            raise RuntimeError("step 5 failed")
+        y = x + dt * layer(x)
+        if index == 5 and _FAULT["where"] == "backward":
+            y.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("step 5's VJP failed")))
+        return y
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([3])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_step_that_raises_in_a_microbatch_raises_on_every_rank(where):
+    """Step 5 of 9 runs on rank 1 of 3: rank 1 raises its own error, the ranks before and
+    after it a RemoteRankError naming rank 1 and the message, none waits for the deadline."""
+    torch.manual_seed(0)
+    model = _Failing(WORLD, num_steps=9, microbatches=3)
+    _FAULT["where"] = where
+    assert (5 in [i for i, _ in model.owned_steps()]) == (WORLD.rank == 1)
+    x, y = batch()
+    with pytest.raises(Exception) as info:
+        F.cross_entropy(model(x), y).backward()
+    if WORLD.rank == 1:
+        assert type(info.value) is RuntimeError and "step 5" in str(info.value)
+    else:
+        assert isinstance(info.value, layerbraid.RemoteRankError), repr(info.value)
+        assert "rank 1" in str(info.value) and "step 5" in str(info.value)
+    # the layer group is still usable: the same model, without the fault
+    _FAULT["where"] = None
+    model.zero_grad()  # the close layer's backward ran before the failure
+    _compare(model, x, y)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_a_bad_microbatch_count_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=rf"microbatches must be an int .*got {bad!r}"):
+        ODEResNet(WORLD, num_steps=4, microbatches=bad)
+
+
+def test_the_microbatch_sizes_are_tensor_splits():
+    from layerbraid._engine.pipeline import microbatch_sizes
+
+    for batch_size in range(1, 12):
+        for m in range(1, 14):
+            want = [len(c) for c in torch.arange(batch_size).tensor_split(min(m, batch_size))]
+            assert microbatch_sizes(batch_size, m) == want
