@@ -40,7 +40,7 @@ _RESNET = _ENGINE + ["layerbraid/module.py", "layerbraid/_engine/handshake.py",
                      "layerbraid/_engine/layer_steps.py", "layerbraid/_engine/torch_private.py",
                      "layerbraid/_engine/step_rule.py",
                      "layerbraid/_engine/ownership.py", "layerbraid/_engine/autograd.py",
-                     "layerbraid/nn/__init__.py"]
+                     "layerbraid/_engine/pipeline.py", "layerbraid/nn/__init__.py"]
 # The examples' networks that reports train or time.  bench.harness.example loads
 # examples/training_loop.py too, because the scripts import it, but no report runs any of it:
 # the workers have loops of their own (tests/test_reports.py checks that the examples use
@@ -83,6 +83,10 @@ REPORTS = {
                                                            "bench/performance.py",
                                                            "bench/workers/performance.py",
                                                            "bench/workers/resnet.py"]),
+    "docs/vs_pipelining.md": (["bench.vs_pipelining"],
+                              _RESNET + _HARNESS + ["layerbraid/convert.py",
+                                                    "bench/vs_pipelining.py",
+                                                    "bench/workers/vs_pipelining.py"]),
     "docs/plan_validation.md": (["bench.plan_validation"],
                                 _RESNET + _HARNESS + ["layerbraid/plan.py",
                                                       "bench/plan_validation.py",

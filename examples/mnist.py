@@ -34,10 +34,11 @@ def open_and_close(channels):
 
 class MNISTNet(layerbraid.LayerParallelModule):
     def __init__(self, comm, steps, channels, t_final, forward_options, backward_options,
-                 warm_start, target_error=None):
+                 warm_start, target_error=None, microbatches=1):
         super().__init__(num_steps=steps, t_final=t_final, comm=comm,
                          forward_options=forward_options, backward_options=backward_options,
-                         warm_start=warm_start, target_error=target_error)
+                         warm_start=warm_start, target_error=target_error,
+                         microbatches=microbatches)
         self.channels = channels
         self.open, self.close = open_and_close(channels)
 
@@ -49,11 +50,11 @@ class MNISTSplineNet(SplineModule):
     """The same network, its step weights B-splines in time (--lp-splines)."""
 
     def __init__(self, comm, steps, channels, t_final, forward_options, backward_options,
-                 warm_start, target_error=None, *, nsplines, degree):
+                 warm_start, target_error=None, *, nsplines, degree, microbatches=1):
         super().__init__(num_steps=steps, t_final=t_final, comm=comm, nsplines=nsplines,
                          degree=degree, forward_options=forward_options,
                          backward_options=backward_options, warm_start=warm_start,
-                         target_error=target_error)
+                         target_error=target_error, microbatches=microbatches)
         self.channels = channels
         self.open, self.close = open_and_close(channels)
 
@@ -69,7 +70,7 @@ def main(argv=None):
     # gradients.  On 2 ranks that is the fastest exact mode (docs/performance.md); more levels
     # pay on more ranks (--lp-levels 2 --lp-cfactor 4: with the first down-cycle relaxed, one
     # iteration solves this depth's two C-intervals exactly, docs/accuracy.md).
-    cli.add_lp_arguments(parser, levels=1, fwd_iters=1, bwd_iters=1, skip=False)
+    cli.add_lp_arguments(parser, levels=1, fwd_iters=1, bwd_iters=1, skip=False, microbatches=1)
     cli.add_depth_arguments(parser, splines=True)
     parser.add_argument("--serial-reference", action=argparse.BooleanOptionalAction, default=True,
                         help="train plain PyTorch beside the run on the first rank, from the same "
@@ -95,10 +96,11 @@ def main(argv=None):
     fwd, bwd = cli.mgrit_options(args)
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
     def build(steps):  # the network at any depth (nested iteration, MG/Opt)
-        net, spline = MNISTNet, {}
+        net, spline = MNISTNet, {"microbatches": args.lp_microbatches}
         if args.lp_splines:
             net, spline = MNISTSplineNet, {"nsplines": args.lp_splines,
-                                           "degree": args.lp_spline_degree}
+                                           "degree": args.lp_spline_degree,
+                                           "microbatches": args.lp_microbatches}
         return net(MPI.COMM_SELF if args.serial else grid, steps, args.channels, args.t_final,
                    fwd, bwd, args.lp_warm_start, args.lp_target_error, **spline).to(args.device)
 

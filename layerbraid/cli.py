@@ -95,10 +95,12 @@ def add_lp_arguments(
     relax: str = "FCF" if _DEFAULT.nrelax else "F",
     skip: bool = _DEFAULT.skip_first_downcycle,
     audit_every: int = 50,
+    microbatches: Optional[int] = None,
 ) -> argparse._ArgumentGroup:
     """Adds the ``--lp-*`` MGRIT flags.  The defaults are MGRITOptions' (levels, cfactor,
     relaxation, skip, cycle), with 2 forward / 1 adjoint iterations and no residual tolerance;
-    a script may change them."""
+    a script may change them.  ``--lp-microbatches`` is added where the script gives its
+    default (and passes it to its model's ``microbatches``)."""
     g = parser.add_argument_group("layer-parallel MGRIT")
     g.add_argument(
         "--lp-levels",
@@ -196,6 +198,17 @@ def add_lp_arguments(
         help="with --lp-tune-error E, aim the probed error at E / M, room for the "
         "error to drift between probes (default 2; 1 aims at E itself)",
     )
+    if microbatches is not None:
+        g.add_argument(
+            "--lp-microbatches",
+            type=_positive_int,
+            default=microbatches,
+            metavar="M",
+            help="with exact solves (--lp-levels 1) on several ranks, pipeline each batch "
+            "through the ranks in M microbatches, so that the ranks step different "
+            "microbatches at once; the gradients equal the batch's to round-off "
+            f"(default {microbatches})",
+        )
     g.add_argument(
         "--lp-smoothness",
         type=_nonneg_float,

@@ -158,3 +158,15 @@ def test_auto_levels_take_the_planners_fastest_schedule(capsys):
         assert chosen != {1}  # 4-16 ranks: a hierarchy beats sequential stepping
     out = capsys.readouterr().out
     assert out.count("--lp-levels auto:") == 3  # rank 0 of each launch
+
+
+def test_microbatches_are_a_flag_where_the_script_takes_them(capsys):
+    p = argparse.ArgumentParser(prog="train")
+    cli.add_lp_arguments(p, microbatches=1)
+    assert p.parse_args([]).lp_microbatches == 1
+    assert p.parse_args(["--lp-microbatches", "4"]).lp_microbatches == 4
+    with pytest.raises(SystemExit):
+        p.parse_args(["--lp-microbatches", "0"])
+    assert "--lp-microbatches" in capsys.readouterr().err
+    # a script that gives no default has no such flag: it would not pass it to its model
+    assert "lp_microbatches" not in vars(common.parse_args(parser(), []))

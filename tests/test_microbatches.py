@@ -7,6 +7,8 @@ from torch import nn
 
 import layerbraid
 from layerbraid import LayerParallelModule, MGRITOptions
+from layerbraid.depth.spline import SplineModule
+from layerbraid.nn import ConvBlock
 from nets import ODEResNet, assert_gradients_match, batch, train
 from tolerances import ROUNDOFF
 from transports import WORLD
@@ -183,3 +185,31 @@ def test_the_microbatch_sizes_are_tensor_splits():
         for m in range(1, 14):
             want = [len(c) for c in torch.arange(batch_size).tensor_split(min(m, batch_size))]
             assert microbatch_sizes(batch_size, m) == want
+
+
+class _Spline(SplineModule):
+    """Spline step weights: the chain's inputs are the evaluated weights, whose gradients go
+    back to the coefficient sets through an autograd Function of their own."""
+
+    def __init__(self, comm, **kw):
+        super().__init__(num_steps=6, comm=comm, nsplines=3, degree=1, **kw)
+        self.open = nn.Conv2d(1, 4, 3, padding=1)
+        self.close = nn.Sequential(nn.Flatten(), nn.Linear(4 * 8 * 8, 3))
+
+    def coefficient_layer(self, index):
+        return ConvBlock(4)
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+def test_spline_weights_in_microbatches_equal_the_batched_solve():
+    grads = []
+    for m in (1, 3):
+        torch.manual_seed(0)
+        model = _Spline(WORLD, microbatches=m)
+        x, y = batch()
+        F.cross_entropy(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=ROUNDOFF, atol=ROUNDOFF)

@@ -1,0 +1,254 @@
+"""Time per training batch of one network, every system of docs/vs_pipelining.md side by side in
+one job (a worker of bench/vs_pipelining.py; prints one JSON line on rank 0).
+
+    torchrun --standalone --nproc-per-node 2 -m bench.workers.vs_pipelining --batch 50
+    mpiexec -n 2 python -m bench.workers.vs_pipelining --batch 50
+
+The network: a 3x3 convolution from 1 to 8 channels, 64 steps ``x + dt * relu(conv2(relu(conv1
+x)))`` of 8 channels at 28x28, a linear layer to 10 outputs; float32, MSE loss, one thread per
+process, SGD.  Systems (each its own copy of the same initial weights):
+
+- ``plain``: the serial network on rank 0, the whole batch (the other ranks wait in a barrier);
+- ``gpipe-M``, ``1f1b-M``: torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B with M
+  microbatches, the network cut into as many stages as processes at the step boundaries
+  layerbraid uses (the first stage holds the first layer, the last the last); torchrun only;
+- ``lp-M``: layerbraid exact (one level) with ``microbatches=M``;
+- ``lp-mgrit``: layerbraid, 2 MGRIT levels, cfactor 4, 1 forward and 1 adjoint iteration.
+
+Each round runs one training batch of every system, in an order that rotates from round to
+round; a system's time is the slowest rank's.  Beside each system: its gradient's relative
+error against the serial network's at the initial weights, and the peak bytes its autograd
+graph held for the backward on each rank (what ``saved_tensors_hooks`` saw live at once: the
+activation memory, which is what microbatching schedules trade).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import layerbraid
+from bench.harness import bind_self, steady_allocator
+from layerbraid.nn import ConvBlock
+
+CHANNELS, SIZE, CLASSES = 8, 28, 10
+
+
+class Euler(nn.Module):
+    """``x <- x + dt * f(x)`` over ``blocks``, after ``open`` and before ``close`` (either may
+    be None): the serial network, or one pipeline stage of it."""
+
+    def __init__(self, blocks, dt, open=None, close=None):
+        super().__init__()
+        self.open, self.blocks, self.close, self.dt = open, nn.ModuleList(blocks), close, dt
+
+    def forward(self, x):
+        if self.open is not None:
+            x = self.open(x)
+        for f in self.blocks:
+            x = x + self.dt * f(x)
+        return self.close(x) if self.close is not None else x
+
+
+def serial_network(steps: int) -> Euler:
+    torch.manual_seed(0)
+    open_ = nn.Conv2d(1, CHANNELS, 3, padding=1)
+    blocks = [ConvBlock(CHANNELS) for _ in range(steps)]
+    close = nn.Sequential(nn.Flatten(), nn.Linear(CHANNELS * SIZE * SIZE, CLASSES))
+    return Euler(blocks, 1.0 / steps, open_, close)
+
+
+class Peak:
+    """The peak of the bytes that autograd graphs recorded under it hold for their backward
+    (``saved_tensors_hooks``: each saved tensor counted while its graph keeps it)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def hooks(self) -> Any:
+        peak = self
+
+        class Held:
+            def __init__(self, t: torch.Tensor) -> None:
+                self.t, self.n = t, t.numel() * t.element_size()
+                peak.live += self.n
+                peak.peak = max(peak.peak, peak.live)
+
+            def __del__(self) -> None:
+                peak.live -= self.n
+
+        return torch.autograd.graph.saved_tensors_hooks(Held, lambda h: h.t)
+
+
+def stage_bounds(steps: int, comm) -> tuple[int, int]:
+    """The steps of this rank's pipeline stage: those layerbraid gives this rank."""
+    probe = _from_serial(serial_network(steps), comm)
+    owned = [i for i, _ in probe.owned_steps()]
+    probe.free()
+    return owned[0], owned[-1] + 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--batch", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--microbatches", type=int, nargs="+", default=[2, 5, 10])
+    p.add_argument("--systems", nargs="+",
+                   default=["plain", "gpipe", "1f1b", "lp", "lp-mgrit"],
+                   help="families to run: plain gpipe 1f1b lp lp-mgrit")
+    a = p.parse_args()
+    bind_self()
+    steady_allocator()
+    torch.set_num_threads(1)
+    comm = layerbraid.launch.world()
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    rank, size = comm.Get_rank(), comm.Get_size()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(a.batch, 1, SIZE, SIZE, generator=g)
+    y = torch.randn(a.batch, CLASSES, generator=g)
+
+    systems: dict[str, Callable[[], None]] = {}
+    errors: dict[str, float] = {}
+    serial = serial_network(a.steps)
+    reference = _serial_grads(serial, x, y)
+    if "plain" in a.systems:
+        systems["plain"] = _plain(serial_network(a.steps), x, y, rank)
+        errors["plain"] = 0.0
+    lo, hi = stage_bounds(a.steps, comm)
+    for family in ("gpipe", "1f1b"):
+        if family in a.systems and torchrun and size > 1:
+            for m in a.microbatches:
+                name = f"{family}-{m}"
+                systems[name], errors[name] = _pipelining(family, m, a.steps, lo, hi, x, y,
+                                                          reference, comm)
+    if "lp" in a.systems:
+        for m in [1, *a.microbatches]:
+            systems[f"lp-{m}"], errors[f"lp-{m}"] = _layerbraid(a.steps, x, y, reference, comm,
+                                                                 microbatches=m)
+    if "lp-mgrit" in a.systems:
+        opts = layerbraid.MGRITOptions(max_levels=2, cfactor=4, max_iters=1)
+        systems["lp-mgrit"], errors["lp-mgrit"] = _layerbraid(
+            a.steps, x, y, reference, comm, forward_options=opts, backward_options=opts)
+
+    names = list(systems)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    peaks: dict[str, int] = {}
+    for r in range(a.warmup + a.rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            peak = Peak()
+            comm.barrier("the start of a timed batch")
+            t0 = time.perf_counter()
+            with peak.hooks():
+                systems[name]()
+            comm.barrier("the end of a timed batch")
+            if r >= a.warmup:
+                times[name].append(time.perf_counter() - t0)
+            peaks[name] = max(peaks.get(name, 0), peak.peak)
+    per_rank = comm.gather_obj(peaks, 0, "every rank's peaks")
+    if rank == 0:
+        assert per_rank is not None
+        print(json.dumps({
+            "ranks": size, "batch": a.batch, "steps": a.steps,
+            "transport": "torch.distributed (gloo)" if torchrun else "MPI",
+            "times": times, "errors": errors,
+            "peak_bytes": {n: [pr[n] for pr in per_rank] for n in names},
+            "medians": {n: statistics.median(t) for n, t in times.items()},
+        }))
+
+
+def _serial_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    net.zero_grad()
+    F.mse_loss(net(x), y).backward()
+    return {n: q.grad.detach().clone() for n, q in net.named_parameters()}
+
+
+def _relative(pairs: list[tuple[torch.Tensor, torch.Tensor]], comm) -> float:
+    """The relative error of the gradients in ``pairs`` (mine, the serial one) over every rank."""
+    diff = sum(float((a - b).double().square().sum()) for a, b in pairs)
+    norm = sum(float(b.double().square().sum()) for _, b in pairs)
+    diff, norm = comm.allreduce_floats([diff, norm], "sum", "the gradient errors")
+    return (diff / norm) ** 0.5 if norm > 0 else 0.0
+
+
+def _plain(net: nn.Module, x, y, rank: int) -> Callable[[], None]:
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+    def batch() -> None:
+        if rank == 0:
+            opt.zero_grad()
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+    return batch
+
+
+def _pipelining(family, m, steps, lo, hi, x, y, reference, comm):
+    """A pipeline stage of this rank's steps under torch.distributed.pipelining."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    full = serial_network(steps)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    stage = Euler(list(full.blocks[lo:hi]), full.dt, full.open if rank == 0 else None,
+                  full.close if rank == size - 1 else None)
+    names = {id(q): n for n, q in full.named_parameters()}
+    pipe = PipelineStage(stage, rank, size, torch.device("cpu"), group=dist.group.WORLD)
+    kind = ScheduleGPipe if family == "gpipe" else Schedule1F1B
+    schedule = kind(pipe, m, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(stage.parameters(), lr=1e-3)
+
+    def run() -> None:
+        if rank == 0:
+            schedule.step(x)
+        elif rank == size - 1:
+            schedule.step(target=y, losses=[])
+        else:
+            schedule.step()
+
+    run()  # the gradients at the initial weights
+    error = _relative([(q.grad, reference[names[id(q)]]) for q in stage.parameters()], comm)
+
+    def batch() -> None:
+        opt.zero_grad()
+        run()
+        opt.step()
+    return batch, error
+
+
+def _from_serial(full: Euler, comm, **options) -> layerbraid.LayerParallelModule:
+    return layerbraid.from_serial(open=full.open, steps=full.blocks, close=full.close,
+                                  dt=full.dt, comm=comm, **options)
+
+
+def _layerbraid(steps, x, y, reference, comm, **options):
+    model = _from_serial(serial_network(steps), comm, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    F.mse_loss(model(x), y).backward()
+    pairs = []
+    for i, layer in model.owned_steps():
+        for (n, q) in layer.named_parameters():
+            pairs.append((q.grad, reference[f"blocks.{i}.{n}"]))
+    if comm.Get_rank() == 0:
+        pairs += [(q.grad, reference[f"open.{n}"]) for n, q in model.open.named_parameters()]
+    if comm.Get_rank() == comm.Get_size() - 1:
+        pairs += [(q.grad, reference[f"close.{n}"]) for n, q in model.close.named_parameters()]
+    error = _relative(pairs, comm)
+
+    def batch() -> None:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return batch, error
+
+
+if __name__ == "__main__":
+    main()
