@@ -52,6 +52,26 @@ def _label(name):
     return LABELS[family].format(m=m)
 
 
+def predicted(job, name):
+    """The planner's seconds per batch for a row (layerbraid.plan.predict_pipeline, with the
+    step costs the job measured at the row's microbatch size), or None for a row it does not
+    model this way (the MGRIT row: bench/plan_validation.py validates those)."""
+    from layerbraid.plan import Costs, predict_pipeline
+
+    family, _, m = name.rpartition("-")
+    if name == "plain" or name == "lp-mgrit" or family not in ("gpipe", "1f1b", "lp"):
+        return None
+    c = job["costs"]
+    step, vjp_param = c["busy"][m]
+    alone = c["alone"]
+    costs = Costs(step, vjp_param, vjp_param, message_bytes=c["message_bytes"] * job["batch"]
+                  / int(m), latency=50e-6, bandwidth=1e9)
+    serial = job["steps"] * (alone[0] + alone[1])
+    schedule = "1f1b" if family == "1f1b" else "gpipe"
+    return predict_pipeline(job["steps"], job["ranks"], int(m), costs, schedule,
+                            serial).seconds
+
+
 def report(data):
     lines = ["# layerbraid against pipeline parallelism", "",
              (__doc__ or "").split("\n\n", 1)[1].strip(), "",
@@ -61,20 +81,31 @@ def report(data):
              "faster), median [min-max] over the rounds; ms per batch likewise (the slowest "
              "process's).  Gradient error: relative, against the serial network's at the "
              "initial weights.  Peak saved MiB: the most bytes the autograd graphs held for the "
-             "backward at once, per process (rank 0 / rank 1).  " + SAME_LEGEND, ""]
+             "backward at once, per process (rank 0 / rank 1).  Predicted: the planner's "
+             "time (`layerbraid.plan.predict_pipeline`, the bubble model of GPipe and 1F1B "
+             "schedules) from a step's forward and VJP seconds that the job measured at the "
+             "row's microbatch size with both processes measuring at once; measured / "
+             "predicted compares it with the row's median.  " + SAME_LEGEND, ""]
+    ratios = []
     best = {}
     for job in data["jobs"]:
         plain = job["times"]["plain"]
         lines += [f"## Batch {job['batch']}, {job['ranks']} processes, "
                   f"{job['transport']}", "",
-                  "| system | ms per batch | speedup | gradient error | peak saved MiB |",
-                  "|---|---|---|---|---|"]
+                  "| system | ms per batch | speedup | gradient error | peak saved MiB "
+                  "| predicted ms | measured / predicted |",
+                  "|---|---|---|---|---|---|---|"]
         for name, times in job["times"].items():
             med = statistics.median(times)
             cell = speedup(plain, times)[3] if name != "plain" else "1.00"
             peaks = " / ".join(f"{b / 2**20:.0f}" for b in job["peak_bytes"][name])
+            guess = predicted(job, name)
+            model = "- | -"
+            if guess is not None:
+                model = f"{1e3 * guess:.0f} | {med / guess:.2f}"
+                ratios.append(med / guess)
             lines.append(f"| {_label(name)} | {spread(times)} | {cell} | "
-                         f"{job['errors'][name]:.1e} | {peaks} |")
+                         f"{job['errors'][name]:.1e} | {peaks} | {model} |")
             exact = name.startswith("lp-") and name != "lp-mgrit"
             family = name.split("-")[0]
             kind = "pipelining" if family in ("gpipe", "1f1b") else "layerbraid" if exact else None
@@ -93,6 +124,10 @@ def report(data):
                          f"({_label(lp[0])}, {1e3 * lp[1]:.0f} ms) against the fastest "
                          f"pipelining row ({_label(pp[0])}, {1e3 * pp[1]:.0f} ms): "
                          f"{ratio:.2f}x its speed (> 1: layerbraid faster), medians.")
+    if ratios:
+        lines.append(f"- The planner's pipeline model: measured / predicted "
+                     f"{min(ratios):.2f} to {max(ratios):.2f} over the {len(ratios)} modelled "
+                     f"rows ({sum(abs(r - 1) <= 0.15 for r in ratios)} within 15%).")
     return lines
 
 

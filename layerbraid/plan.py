@@ -41,6 +41,9 @@ __all__ = [
     "recommend",
     "measure_step",
     "spatial_scale",
+    "PIPELINE_SCHEDULES",
+    "pipeline_orders",
+    "predict_pipeline",
 ]
 
 # The trace's operation names (a schedule's "op" column indexes OPS), and those that run a step.
@@ -400,6 +403,102 @@ def predict(
     serial = num_steps * (costs.step_seconds + costs.vjp_param())
     counts = [sum(c.values()) for c in step_counts(fwd_traces)]
     return Prediction(ranks, data_parallel, total, serial, tf, tb, counts)
+
+
+# Note [pipeline model]: a pipeline over the ranks in M microbatches (layerbraid's exact path with
+# microbatches=M, torch.distributed.pipelining's GPipe and 1F1B) is simulated action by action:
+# rank r runs its actions in its schedule's order, the forward of microbatch m after rank r - 1's
+# (plus a message), its backward after rank r + 1's backward of m (plus a message) and its own
+# forward of m.  A rank's forward of a microbatch costs its owned steps times a step's seconds,
+# its backward its owned steps times a VJP with parameter gradients, both at the microbatch's
+# size (a step's cost is not linear in its batch on a CPU: measure it there).  The close layer
+# and the loss are not modelled, nor is the contention of ranks that share a node's memory.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def pipeline_orders(ranks: int, microbatches: int, schedule: str) -> list[list[tuple[str, int]]]:
+    """Each rank's actions, ("F" or "B", microbatch), in the order it runs them: "gpipe" (every
+    forward, then every backward, the last microbatch first, as layerbraid's exact path runs
+    them) or "1f1b" (as many forwards as stages ahead, then one backward and one forward in
+    turn)."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}")
+    m = microbatches
+    orders = []
+    for r in range(ranks):
+        if schedule == "gpipe":
+            orders.append([("F", k) for k in range(m)] + [("B", k) for k in reversed(range(m))])
+            continue
+        warmup = min(m, ranks - r)
+        order = [("F", k) for k in range(warmup)]
+        for k in range(m - warmup):
+            order += [("B", k), ("F", warmup + k)]
+        order += [("B", k) for k in range(m - warmup, m)]
+        orders.append(order)
+    return orders
+
+
+def predict_pipeline(
+    num_steps: int,
+    ranks: int,
+    microbatches: int,
+    costs: Costs,
+    schedule: str = "gpipe",
+    serial_seconds: Optional[float] = None,
+) -> Prediction:
+    """Predicted seconds per batch of a pipeline of ``microbatches`` microbatches over ``ranks``
+    ranks (Note [pipeline model]), each rank the steps the core's block distribution gives it;
+    ``costs`` measured at the microbatch's size.  ``serial_seconds``: plain PyTorch's time for
+    the whole batch (default: the microbatches' steps one after another at these costs).  The
+    prediction's ``forward_seconds`` is when the last forward ends (under 1F1B, after some
+    backwards)."""
+    _check(num_steps, ranks)
+    check_int("microbatches", microbatches)
+    owned = [sum(c.values()) for c in step_counts(schedule_of_exact(num_steps, ranks))]
+    over = costs.overhead_seconds
+    cost = {
+        "F": [n * (costs.step_seconds + over) for n in owned],
+        "B": [n * (costs.vjp_param() + over) for n in owned],
+    }
+    msg = costs.message_seconds()
+    orders = pipeline_orders(ranks, microbatches, schedule)
+    done: dict[tuple[str, int, int], float] = {}
+    clock, at = [0.0] * ranks, [0] * ranks
+    while any(at[r] < len(orders[r]) for r in range(ranks)):
+        moved = False
+        for r in range(ranks):
+            while at[r] < len(orders[r]):
+                kind, k = orders[r][at[r]]
+                deps = _pipeline_deps(kind, r, k, ranks, msg)
+                if any(d not in done for d, _ in deps):
+                    break
+                start = max([clock[r]] + [done[d] + wait for d, wait in deps])
+                done[(kind, r, k)] = clock[r] = start + cost[kind][r]
+                at[r] += 1
+                moved = True
+        assert moved, "a pipeline schedule whose ranks wait for each other"
+    forward = max(t for (kind, _, _), t in done.items() if kind == "F")
+    total = max(clock)
+    if serial_seconds is None:
+        serial_seconds = microbatches * num_steps * (costs.step_seconds + costs.vjp_param())
+    return Prediction(ranks, 1, total, serial_seconds, forward, total - forward, owned)
+
+
+def _pipeline_deps(
+    kind: str, r: int, k: int, ranks: int, msg: float
+) -> list[tuple[tuple[str, int, int], float]]:
+    """What action (kind, r, k) waits for, and the message time after each."""
+    if kind == "F":
+        return [(("F", r - 1, k), msg)] if r > 0 else []
+    deps = [(("F", r, k), 0.0)]
+    if r < ranks - 1:
+        deps.append((("B", r + 1, k), msg))
+    return deps
+
+
+def schedule_of_exact(num_steps: int, ranks: int) -> list[np.ndarray]:
+    """The exact solve's schedule (one level): each rank steps the steps it owns."""
+    return schedule(num_steps, ranks, MGRITOptions(max_levels=1))
 
 
 def sweep(

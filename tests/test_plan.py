@@ -242,3 +242,45 @@ def test_settings_table_compares_exact_with_the_fastest_multilevel_settings():
         faster = r.multilevel_speedup > r.exact_speedup
         assert r.choice == (f"{r.levels} levels, cfactor {r.cfactor}" if faster
                             else "1 level (exact)")
+
+
+@pytest.mark.parametrize("ranks, m", [(2, 1), (2, 5), (4, 8), (3, 2)])
+def test_pipelines_in_microbatches_have_the_bubble_of_gpipe(ranks, m):
+    """Equal stages (steps divisible by the ranks), free messages: GPipe and 1F1B both take
+    (M + P - 1) stage times forward and as many backward, each stage its steps' costs (GPipe's
+    forward ends before its backward begins; 1F1B's are interleaved)."""
+    costs = plan.Costs(1.0, 1.0, 2.0, latency=0.0)
+    steps = 12 * ranks
+    stage = steps // ranks
+    for schedule in plan.PIPELINE_SCHEDULES:
+        p = plan.predict_pipeline(steps, ranks, m, costs, schedule)
+        assert p.steps_per_rank == [stage] * ranks
+        if schedule == "gpipe":
+            assert p.forward_seconds == pytest.approx((m + ranks - 1) * stage * 1.0)
+        assert p.seconds == pytest.approx((m + ranks - 1) * stage * 3.0)
+        assert p.serial_seconds == pytest.approx(m * steps * 3.0)
+
+
+def test_pipeline_orders_and_messages():
+    gpipe = plan.pipeline_orders(2, 3, "gpipe")
+    assert gpipe[0] == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
+    one = plan.pipeline_orders(2, 3, "1f1b")
+    assert one[1] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert one[0] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    # every message on the critical path: 2 (P - 1) forward and backward hand-offs of the first
+    # and last microbatch
+    free = plan.predict_pipeline(8, 2, 1, plan.Costs(1.0, 1.0, 1.0, latency=0.0))
+    slow = plan.predict_pipeline(8, 2, 1, plan.Costs(1.0, 1.0, 1.0, latency=0.5))
+    assert slow.seconds - free.seconds == pytest.approx(2 * 0.5)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        plan.pipeline_orders(2, 2, "interleaved")
+    with pytest.raises(ValueError, match="microbatches must be an int"):
+        plan.predict_pipeline(8, 2, 0, plan.Costs(1.0, 1.0))
+
+
+def test_command_line_compares_pipelines_and_names_the_crossover(capsys):
+    plan_cli.main(["--steps", "64", "--ranks", "2", "16", "--levels", "2", "--step-seconds",
+                   "1e-3", "--vjp-seconds", "2e-3", "--microbatches", "2", "4"])
+    out = capsys.readouterr().out
+    assert "pipelining 1F1B, 4 microbatch(es)" in out and "layerbraid exact, 2" in out
+    assert "MGRIT beats no pipeline" in out or "beats every pipeline from" in out

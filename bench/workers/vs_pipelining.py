@@ -154,6 +154,7 @@ def main() -> None:
             if r >= a.warmup:
                 times[name].append(time.perf_counter() - t0)
             peaks[name] = max(peaks.get(name, 0), peak.peak)
+    costs = _costs(a.batch, [1, *a.microbatches], comm)
     per_rank = comm.gather_obj(peaks, 0, "every rank's peaks")
     if rank == 0:
         assert per_rank is not None
@@ -163,7 +164,32 @@ def main() -> None:
             "times": times, "errors": errors,
             "peak_bytes": {n: [pr[n] for pr in per_rank] for n in names},
             "medians": {n: statistics.median(t) for n, t in times.items()},
+            "costs": costs,
         }))
+
+
+def _costs(batch: int, counts: list[int], comm) -> dict[str, Any]:
+    """What the planner needs (layerbraid.plan.predict_pipeline): a step's seconds, forward
+    and VJP with parameter gradients, at each microbatch count's largest microbatch, measured
+    on every rank at once (the ranks of a pipeline step side by side and share the node), and
+    at the whole batch on rank 0 alone (plain PyTorch has the node to itself)."""
+    from layerbraid.plan import measure_step
+
+    def measure(n: int) -> tuple[float, float]:
+        torch.manual_seed(0)
+        step, _, vjp_param = measure_step(ConvBlock(CHANNELS), torch.randn(n, CHANNELS, SIZE, SIZE))
+        return step, vjp_param
+
+    busy = {}
+    for m in counts:
+        comm.barrier("the start of a cost measurement")
+        busy[m] = measure(-(-batch // m))
+    alone = None
+    comm.barrier("the start of the serial cost measurement")
+    if comm.Get_rank() == 0:
+        alone = measure(batch)
+    comm.barrier("the end of the serial cost measurement")
+    return {"busy": busy, "alone": alone, "message_bytes": 4 * CHANNELS * SIZE * SIZE}
 
 
 def _serial_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:

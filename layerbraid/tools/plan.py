@@ -65,6 +65,17 @@ def _parse(argv=None):
         help="also print the fastest settings for each rank count",
     )
     p.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        metavar="M",
+        help="also compare, on each rank count, the pipelines in M microbatches: layerbraid's "
+        "exact path (microbatches=M) and torch.distributed.pipelining's GPipe and 1F1B, "
+        "beside plain PyTorch and the MGRIT settings, and name the fewest ranks on which "
+        "MGRIT beats the fastest of them; with --measure-conv the step costs are measured "
+        "at each microbatch's size, else taken as the whole batch's over M",
+    )
+    p.add_argument(
         "--table",
         action="store_true",
         help="print the guide's table: exact or multilevel, by depth (--steps) and --ranks",
@@ -84,6 +95,9 @@ def _parse(argv=None):
         p.error(f"--ranks must be >= 1, got {bad[0]}")
     if args.levels < 1:
         p.error(f"--levels must be >= 1, got {args.levels}")
+    bad = [m for m in args.microbatches or [] if m < 1]
+    if bad:
+        p.error(f"--microbatches must be >= 1, got {bad[0]}")
     return p, args
 
 
@@ -95,6 +109,79 @@ def main(argv=None):
         return
     fwd, bwd = _options(parser, args)
     _print_table(args, costs, fwd, bwd, message_bytes)
+    if args.microbatches:
+        _print_pipelines(args, costs, fwd, bwd, _microbatch_costs(args, costs))
+
+
+def _microbatch_costs(args, costs):
+    """{M: the Costs of a step on one microbatch of M}: measured with --measure-conv, else the
+    whole batch's over M."""
+    out = {}
+    for m in args.microbatches:
+        if args.measure_conv:
+            import torch
+
+            from ..nn import ConvBlock
+
+            b, c, h, w = (int(v) for v in args.measure_conv.split(","))
+            x = torch.randn(-(-b // m), c, h, w)
+            step, vjp, vjp_p = measure_step(ConvBlock(c), x)
+            out[m] = replace(
+                costs,
+                step_seconds=step,
+                vjp_seconds=vjp,
+                vjp_param_seconds=vjp_p,
+                message_bytes=x.numel() * 4,
+            )
+        else:
+            out[m] = replace(
+                costs,
+                step_seconds=costs.step_seconds / m,
+                vjp_seconds=costs.vjp_seconds / m,
+                vjp_param_seconds=costs.vjp_param() / m,
+                message_bytes=costs.message_bytes / m,
+            )
+    return out
+
+
+def _print_pipelines(args, costs, fwd, bwd, per_m):
+    """Seconds per batch of each schedule on each rank count; the fewest ranks where MGRIT
+    (the flags' settings) beats every pipeline."""
+    from ..plan import predict, predict_pipeline
+
+    serial = args.steps * (costs.step_seconds + costs.vjp_param())
+    print(f"\npipelines in microbatches (plain PyTorch: {serial:.4f} s/batch)")
+    print(f"{'ranks':>6} {'schedule':<34} {'s/batch':>10} {'speedup':>8}")
+    crossover = None
+    for p in [r for r in args.ranks if r <= args.steps]:
+        rows = []
+        for m, c in per_m.items():
+            rows.append(
+                (
+                    f"layerbraid exact, {m} microbatch(es)",
+                    predict_pipeline(args.steps, p, m, c, "gpipe", serial).seconds,
+                )
+            )
+            rows.append(
+                (
+                    f"pipelining 1F1B, {m} microbatch(es)",
+                    predict_pipeline(args.steps, p, m, c, "1f1b", serial).seconds,
+                )
+            )
+        best_pipe = min(t for _, t in rows)
+        mgrit = predict(args.steps, p, fwd, bwd, costs).seconds
+        rows.append((f"layerbraid MGRIT, {args.levels} levels", mgrit))
+        for name, t in rows:
+            print(f"{p:>6} {name:<34} {t:>10.4f} {serial / t:>8.2f}")
+        if crossover is None and mgrit < best_pipe:
+            crossover = p
+    if crossover is None:
+        print("MGRIT beats no pipeline on these rank counts")
+    else:
+        print(
+            f"MGRIT ({args.levels} levels) beats every pipeline from {crossover} ranks on "
+            "(of those given)"
+        )
 
 
 def _print_settings(args, costs):
