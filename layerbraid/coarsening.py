@@ -63,7 +63,7 @@ class SpatialCoarsening:
         restrict: Union[str, Callable] = "full-weighting",
         interpolate: Union[str, Callable] = "linear",
         mode: str = "branch",
-    ):
+    ) -> None:
         levels = tuple(sorted(set(levels)))
         if not levels or any(
             isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in levels
@@ -84,7 +84,7 @@ class SpatialCoarsening:
         self.mode = mode
         self._restrict, self._interpolate = restrict, interpolate
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"SpatialCoarsening(levels={self.levels}, restrict={self._restrict!r}, "
             f"interpolate={self._interpolate!r}, mode={self.mode!r})"

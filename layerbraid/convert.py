@@ -49,7 +49,7 @@ class _SerialBlocks(StepParameterization):
     skeleton on the meta device (no memory), which ``to_serial()`` and the injected copies
     build from."""
 
-    def __init__(self, blocks: Sequence[nn.Module]):
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
         self.source: list[nn.Module] | None = list(blocks)  # until the owned ones are copied
         self.skeletons = [_skeleton(b) for b in blocks]
 
@@ -75,7 +75,7 @@ class _FromSerial(LayerParallelModule):
         rule: Rule | None,
         comm: Any,
         options: dict[str, Any],
-    ):
+    ) -> None:
         super().__init__(
             len(blocks), t_final, comm, parameterization=_SerialBlocks(blocks), **options
         )

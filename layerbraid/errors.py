@@ -16,7 +16,7 @@ class RemoteRankError(MGRITError):
             the job with its traceback); False when it exited.
     """
 
-    def __init__(self, message: str, rank: int = -1, origin_raised: bool = True):
+    def __init__(self, message: str, rank: int = -1, origin_raised: bool = True) -> None:
         super().__init__(message)
         self.rank = rank
         self.origin_raised = origin_raised

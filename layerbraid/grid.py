@@ -1,6 +1,6 @@
 """ProcessGrid: data parallel x layer parallel, and gradient averaging across data groups."""
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -27,7 +27,7 @@ class ProcessGrid(FreedOnExit):
         data_rank, data_size: this rank's data group index (which shard it reads), and D.
     """
 
-    def __init__(self, comm: Optional[Comm] = None, data_parallel: int = 1):
+    def __init__(self, comm: Optional[Comm] = None, data_parallel: int = 1) -> None:
         _enter()
 
         comm = resolve(comm)
@@ -58,7 +58,7 @@ class ProcessGrid(FreedOnExit):
         for c in (self.layer_comm, self.data_comm):
             c.Free()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"ProcessGrid(data_parallel={self.data_size}, layer_parallel={self.layer_size}, "
             f"data_rank={self.data_rank}, layer_rank={self.layer_rank})"
@@ -84,7 +84,7 @@ class _GradAverager:
     hooks fire in, so the collectives match across the data group.
     """
 
-    def __init__(self, params, comm, bucket_bytes=8 << 20):
+    def __init__(self, params, comm, bucket_bytes=8 << 20) -> None:
         self.comm, self.size = comm, comm.Get_size()
         params = [p for p in params if p.requires_grad]
         # Gradients appear roughly in reverse order of the parameters (close layer first).
@@ -102,13 +102,13 @@ class _GradAverager:
         for p in params:
             p.register_post_accumulate_grad_hook(self._hook)
 
-    def _reset(self):
+    def _reset(self) -> None:
         self.ready = [0] * len(self.buckets)
         self.launched = 0
-        self.pending = []
+        self.pending: list[Any] = []
         self.queued = False
 
-    def _hook(self, p):
+    def _hook(self, p) -> None:
         if not self.queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self.queued = True
@@ -120,7 +120,7 @@ class _GradAverager:
             self._launch(self.launched)
             self.launched += 1
 
-    def _launch(self, k):
+    def _launch(self, k) -> None:
         params = [p for p in self.buckets[k] if p.grad is not None]
         if not params:
             self.pending.append((None, [], None))
@@ -138,7 +138,7 @@ class _GradAverager:
         req = self.comm.start_allreduce_sum(flat)
         self.pending.append((req, params, flat))
 
-    def _finish(self):
+    def _finish(self) -> None:
         while self.launched < len(self.buckets):  # buckets some of whose params got no grad
             self._launch(self.launched)
             self.launched += 1

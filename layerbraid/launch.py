@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from mpi4py import MPI
 
@@ -138,7 +138,7 @@ def install_process_hooks() -> None:
         at_exit = _mpi.at_exit
     real_exit = sys.exit
 
-    def exit(status=None):
+    def exit(status: Any = None) -> NoReturn:
         _mpi.record_exit_status(status)
         real_exit(status)
 
@@ -174,7 +174,7 @@ _previous: dict[str, Any] = {}
 _switched_off = False
 
 
-def _abort(code=1, why=""):
+def _abort(code: int = 1, why: str = "") -> None:
     if _world.torch_launch():
         # No MPI_Abort across a torchrun job: tell the others through the store (a rank that
         # waits raises RemoteRankError with the cause), then end this process; torchrun ends
@@ -205,7 +205,7 @@ def _rank():
     return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() and not MPI.Is_finalized() else "?"
 
 
-def _abort_hook(exc_type, exc, tb):
+def _abort_hook(exc_type, exc, tb) -> None:
     rank = _rank()
     _previous["sys"](exc_type, exc, tb)
     print(
@@ -226,13 +226,13 @@ def _abort_hook(exc_type, exc, tb):
 _RELAY_PAUSE = 2.0
 
 
-def _abort_thread_hook(args):
+def _abort_thread_hook(args) -> None:
     _previous["threading"](args)
     if args.exc_type is not SystemExit:
         _abort(1, f"uncaught {args.exc_type.__name__} in a thread: {args.exc_value}")
 
 
-def _enter():
+def _enter() -> None:
     """Called by every entry point that starts collectives: the launch check, once, and the
     abort hook in a job of 2+ ranks (unless switched off)."""
     if not _checked:

@@ -78,7 +78,7 @@ class MGRIT:
         refine: Optional[Callable] = None,
         store_all: bool = True,
         step_interval: Optional[Callable] = None,
-    ):
+    ) -> None:
         _enter()
 
         # here, not at the top: `import layerbraid` does not load the compiled core (the

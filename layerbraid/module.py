@@ -148,7 +148,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         fused: bool = True,
         parameterization: Optional[StepParameterization] = None,
         microbatches: int = 1,
-    ):
+    ) -> None:
         super().__init__()
         _enter()
 
@@ -273,7 +273,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         close layer, hence the name.)"""
         self._release()
 
-    def _release(self):
+    def _release(self) -> None:
         chain = self.__dict__.get("_chain")
         if chain is not None:
             chain.free()

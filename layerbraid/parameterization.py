@@ -102,7 +102,9 @@ class LinearStepWeights(StepParameterization):
         name: the attribute of the model that holds the sets.
     """
 
-    def __init__(self, sets: int, factory: Callable[[int], nn.Module], name: str = "coefficients"):
+    def __init__(
+        self, sets: int, factory: Callable[[int], nn.Module], name: str = "coefficients"
+    ) -> None:
         if isinstance(sets, bool) or not isinstance(sets, int) or sets < 1:
             raise ValueError(f"sets must be an int >= 1, got {sets!r}")
         self.sets, self.factory, self.name = sets, factory, name

@@ -284,7 +284,7 @@ class _Simulation:
         level_scale,
         message_scale,
         critical_path,
-    ):
+    ) -> None:
         self.traces, self.latency = traces, latency
         self.step_cost, self.done_cost, self.message_seconds = step_cost, done_cost, message_seconds
         self.level_scale, self.message_scale = level_scale, message_scale
@@ -297,7 +297,7 @@ class _Simulation:
             [{} for _ in range(p)] if critical_path else None
         )
 
-    def add(self, r, what, seconds):
+    def add(self, r, what, seconds) -> None:
         if self.path is not None:
             self.path[r][what] = self.path[r].get(what, 0.0) + seconds
 
@@ -338,7 +338,7 @@ class _Simulation:
         self.clock[r], self.pos[r] = t, a
         return a < n
 
-    def allreduce(self, seconds):
+    def allreduce(self, seconds) -> None:
         """Every rank waits for the last, then the allreduce's own time."""
         t = max(self.clock) + seconds
         if self.path is not None:

@@ -550,7 +550,7 @@ class Message:
         what: str,
         template: Optional[torch.Tensor] = None,
         device: Any = None,
-    ):
+    ) -> None:
         self.comm, self.work, self.buf, self.what = comm, work, buf, what
         self.template, self.device = template, device
 

@@ -164,11 +164,12 @@ class _Threaded:
 
     __slots__ = ("work", "done", "error")
 
-    def __init__(self, work):
-        self.work, self.done, self.error = work, False, None
+    def __init__(self, work) -> None:
+        self.work, self.done = work, False
+        self.error: Optional[BaseException] = None
         threading.Thread(target=self._run, daemon=True, name="layerbraid-p2p").start()
 
-    def _run(self):
+    def _run(self) -> None:
         try:
             self.work.wait()
         except BaseException as exc:  # reported by the poll, on the main thread
@@ -280,7 +281,7 @@ class DistComm(Transport):
     """A torch.distributed process group, its ranks in ``members`` order (global ranks): rank k
     of this communicator is global rank ``members[k]``."""
 
-    def __init__(self, group, members: Optional[Sequence[int]] = None, context: int = 0):
+    def __init__(self, group, members: Optional[Sequence[int]] = None, context: int = 0) -> None:
         self.group = group
         self.members = list(dist.get_process_group_ranks(group) if members is None else members)
         self.me = dist.get_rank()
@@ -300,7 +301,7 @@ class DistComm(Transport):
         self._by_group = [self.members.index(g) for g in group_ranks]
         self._stream_init()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"DistComm(rank {self.rank} of {self.size}, members={self.members})"
 
     # ---- ranks and groups

@@ -64,7 +64,7 @@ class _Recv:
 
     __slots__ = ("request", "status", "nbytes", "peer", "finished")
 
-    def __init__(self, request: Any, nbytes: int, peer: int):
+    def __init__(self, request: Any, nbytes: int, peer: int) -> None:
         self.request, self.nbytes, self.peer = request, nbytes, peer
         self.status = MPI.Status()
         self.finished = False
@@ -90,7 +90,7 @@ class MPIComm(Transport):
     """An mpi4py intracommunicator as a transport.  ``owned``: :meth:`Free` frees it (one this
     package made by Split or Dup; never a user's)."""
 
-    def __init__(self, comm: Any, owned: bool = False):
+    def __init__(self, comm: Any, owned: bool = False) -> None:
         self.comm, self.owned = comm, owned
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.device = (
@@ -229,7 +229,7 @@ def record_exit_status(status: Any) -> None:
     _notices["exit"] = status
 
 
-def _start_notices():
+def _start_notices() -> None:
     """Called once by ``launch.install_process_hooks`` in a job of 2+ ranks: the notice
     communicator (the exit handler and the sys.exit wrapper are installed there)."""
     if _notices["comm"] is not None:
@@ -273,7 +273,7 @@ def _members(comm: Any) -> set[int]:
         world.Free()
 
 
-def _describe_exit():
+def _describe_exit() -> str:
     status = _notices["exit"]
     if status is None:
         return "the end of its script"
@@ -316,7 +316,7 @@ def at_exit() -> None:
     _drain()
 
 
-def _drain():
+def _drain() -> None:
     """Receives the notices that arrived, so that none is left pending at MPI_Finalize."""
     side = _notices["comm"]
     status = MPI.Status()

@@ -11,7 +11,7 @@ in cbridge/src/comm.c).
 import re
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 from mpi4py import MPI as _MPI
@@ -37,7 +37,9 @@ __all__ = []
 
 
 # ---------------------------------------------------------------- the solver handle
-def _callback_table(coarsen, refine, step_interval, idle, app_transport):
+def _callback_table(
+    coarsen: Any, refine: Any, step_interval: Any, idle: Any, app_transport: bool
+) -> Any:
     """The core's callback table: every callback this module defines, the optional ones
     (spatial coarsening, runs of steps, idle work, the application's transport) only where the
     solver has them."""
@@ -96,24 +98,24 @@ class _Core:
     def __init__(
         self,
         comm: Transport,
-        num_steps,
-        t_start,
-        t_stop,
-        options,
-        init,
-        step,
-        trace=False,
-        mirror=False,
-        coarsen=None,
-        refine=None,
-        store_all=True,
-        real_ranks=None,
-        owns_comm=False,
-        step_interval=None,
-        idle=None,
-    ):
+        num_steps: int,
+        t_start: float,
+        t_stop: float,
+        options: Any,
+        init: Callable[..., Any],
+        step: Callable[..., Any],
+        trace: bool = False,
+        mirror: bool = False,
+        coarsen: Optional[Callable[..., Any]] = None,
+        refine: Optional[Callable[..., Any]] = None,
+        store_all: bool = True,
+        real_ranks: Optional[list[int]] = None,
+        owns_comm: bool = False,
+        step_interval: Optional[Callable[..., Any]] = None,
+        idle: Optional[Callable[..., Any]] = None,
+    ) -> None:
         self._core = None  # what close() frees, set before anything here can fail
-        self._messages = None
+        self._messages: Optional[Transport] = None
         self.comm: Optional[Transport] = None
         self._owned: list[Transport] = []  # what close() frees
         # MPI_Comm_dup below is a blocking collective: every rank arrives first, with the
@@ -172,21 +174,34 @@ class _Core:
         self._core = out[0]
         self._configure(options, trace, mirror, store_all)
 
-    def _configure(self, options, trace, mirror, store_all):
+    def _configure(self, options: Any, trace: bool, mirror: bool, store_all: bool) -> None:
         self._set_options(options, trace)
         self._check(lib.mgrit_set_timeout(self._core, timeout()))
         self._check(lib.mgrit_set_wait_sleep(self._core, wait_sleep()))
         self._check(lib.mgrit_set_mirror(self._core, int(bool(mirror))))
         self._check(lib.mgrit_set_store_all(self._core, int(bool(store_all))))
 
-    def _check(self, rc):
+    def _check(self, rc: int) -> None:
         if rc != lib.MGRIT_OK:
             raise ValueError(ffi.string(lib.mgrit_error_message(self._core)).decode())
 
-    def _set_options(self, o, trace):
+    def _set_options(self, o: Any, trace: bool) -> None:
         configure(self._core, o, trace)
 
-    def close(self):
+    @property
+    def messages(self) -> Transport:
+        """The transport of the core's messages where it calls no MPI itself (Note
+        [application transport] in cbridge/src/comm.c)."""
+        assert self._messages is not None
+        return self._messages
+
+    @property
+    def transport(self) -> Transport:
+        """The communicator of a core that is not closed."""
+        assert self.comm is not None
+        return self.comm
+
+    def close(self) -> None:
         """Frees the core, its duplicate of the communicator and (owns_comm) the communicator.
         Safe to call twice, and after MPI has finalized (then nothing is freed: the process is
         ending)."""
@@ -203,7 +218,7 @@ class _Core:
         self._table.clear()
         self._private.clear()
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:  # pragma: no cover - interpreter shutdown
@@ -219,7 +234,7 @@ class _Core:
     # shares it with no other id (a clone shares until one of the two is written) and has not
     # handed it to application code since (_handed); sums into a private state are in place,
     # the others make a new, private state.
-    def _put(self, x, private=False):
+    def _put(self, x: Any, private: bool = False) -> int:
         x = _as_state(x)
         if self._device is None and _is_torch(x):
             self._device = x.device
@@ -230,12 +245,12 @@ class _Core:
             self._private.add(i)
         return i
 
-    def _handed(self, i):
+    def _handed(self, i: int) -> Any:
         """State ``i``, for application code, which may keep it: no longer private."""
         self._private.discard(i)
         return self._table[i]
 
-    def _fail(self, exc, where):
+    def _fail(self, exc: BaseException, where: str) -> int:
         if self._error is None:
             if sys.version_info >= (3, 11):  # add_note is new in 3.11
                 exc.add_note(
@@ -244,7 +259,7 @@ class _Core:
             self._error = exc
         return 1
 
-    def _raise(self, rc):
+    def _raise(self, rc: int) -> None:
         """Raise the error of status rc on this rank; with the failing rank's message on all."""
         # The core names ranks of its own communicator: say the ranks the user knows.
         msg = re.sub(
@@ -296,17 +311,17 @@ class _Core:
             raise ValueError(msg)
         raise MGRITError(msg or f"the MGRIT core failed with status {rc}")
 
-    def set_trace(self, on):
+    def set_trace(self, on: bool) -> None:
         """Record the schedule of the following solves (see ``trace()``)."""
         self._check(lib.mgrit_set_trace(self._core, int(bool(on))))
 
-    def setup(self):
+    def setup(self) -> None:
         """Checks the options across ranks and builds the levels (collective)."""
         rc = lib.mgrit_setup(self._core)
         if rc != lib.MGRIT_OK:
             self._raise(rc)
 
-    def level_info(self):
+    def level_info(self) -> list[tuple[int, int, int]]:
         """[(first owned point, last owned point, stride)] per level, after setup or a solve."""
         out = []
         for level in range(lib.mgrit_num_levels(self._core)):
@@ -315,7 +330,7 @@ class _Core:
         return out
 
     # solve
-    def solve(self, app=None, device=None):
+    def solve(self, app: Any = None, device: Any = None) -> tuple[int, list[float]]:
         """Runs the solve, handing ``app`` to the init and step callbacks; returns (iterations,
         residual norms).  ``device``: where received states land (None: the device of the
         first state this rank makes).  Raises on every rank on error."""
@@ -336,7 +351,7 @@ class _Core:
         norms = lib.mgrit_norms(self._core)
         return lib.mgrit_iterations(self._core), [norms[k] for k in range(n)]
 
-    def final_residual(self):
+    def final_residual(self) -> tuple[Optional[float], Optional[float], Optional[float]]:
         """(residual, residual sum, state norm) measured by the last solve's final
         C-relaxation over the level-0 C-points (see mgrit.h), or Nones when it did not measure
         one (one level, no final relaxation)."""
@@ -345,33 +360,33 @@ class _Core:
             return None, None, None
         return (r, lib.mgrit_final_residual_sum(self._core), lib.mgrit_final_state_norm(self._core))
 
-    def num_c_points(self):
+    def num_c_points(self) -> int:
         """The fine C-points from cfactor on (where residuals are measured); 0 with one level."""
         if lib.mgrit_num_levels(self._core) < 2:
             return 0
         return int(lib.mgrit_level_points(self._core, 1)) - 1
 
-    def set_rtol(self, rtol):
+    def set_rtol(self, rtol: float) -> None:
         """The relative tolerance of the following solves (every rank the same)."""
         self._check(lib.mgrit_set_rtol(self._core, float(rtol)))
 
-    def set_skip(self, skip):
+    def set_skip(self, skip: bool) -> None:
         """Skip the first down-cycle in the following solves (every rank the same)."""
         self._check(lib.mgrit_set_skip(self._core, int(bool(skip))))
 
-    def comm_seconds(self):
+    def comm_seconds(self) -> float:
         """Seconds spent in the core's MPI calls (waiting included) in the last solve."""
         return lib.mgrit_comm_seconds(self._core)
 
-    def owned(self, level=0):
+    def owned(self, level: int = 0) -> tuple[int, int]:
         lo, hi = ffi.new("int64_t *"), ffi.new("int64_t *")
         lib.mgrit_owned(self._core, level, lo, hi)
         return lo[0], hi[0]
 
-    def num_levels(self):
+    def num_levels(self) -> int:
         return lib.mgrit_num_levels(self._core)
 
-    def states(self):
+    def states(self) -> dict[int, Any]:
         """{fine index: state} for the points this rank owns, after a solve."""
         lo, hi = self.owned(0)
         out = {}
@@ -381,13 +396,13 @@ class _Core:
                 out[i] = self._handed(vid)
         return out
 
-    def release_states(self):
+    def release_states(self) -> None:
         """Frees the states the last solve left in the core: after ``states()`` the caller holds
         what it needs, and the core would otherwise keep the solution until the next solve."""
         if self._core is not None:
             self._check(lib.mgrit_release_states(self._core))
 
-    def trace(self):
+    def trace(self) -> list[Any]:
         """The schedule of the last solve as TraceEntry objects (see trace_entries)."""
         return trace_entries(trace_array(self._core))
 
@@ -401,13 +416,13 @@ class _Core:
 _escaped: list[BaseException] = []
 
 
-def _on_escape(exc_type, exc, tb):
+def _on_escape(exc_type: Any, exc: Any, tb: Any) -> None:
     _escaped.append(exc if exc is not None else exc_type())
 
 
-def _callback(name, where):
-    def wrap(body):
-        def callback(app, *args):
+def _callback(name: str, where: str) -> Callable[[Callable[..., int]], Any]:
+    def wrap(body: Callable[..., int]) -> Any:
+        def callback(app: Any, *args: Any) -> int:
             self = ffi.from_handle(app)
             try:
                 return body(self, *args)
@@ -420,13 +435,13 @@ def _callback(name, where):
 
 
 @_callback("_lb_init", "init")
-def _init_cb(self, t, index, out):
+def _init_cb(self: _Core, t: float, index: int, out: Any) -> int:
     out[0] = self._put(self._init_fn(self._app, t, index))
     return 0
 
 
 @_callback("_lb_clone", "clone")
-def _clone_cb(self, x, out):
+def _clone_cb(self: _Core, x: int, out: Any) -> int:
     # Note [private states]: a clone shares its state until a sum writes into one of the two,
     # which then makes a new state (the copy the clone would have made, and the sum, in one
     # pass); neither is private while they share.
@@ -436,14 +451,14 @@ def _clone_cb(self, x, out):
 
 
 @_callback("_lb_free", "free")
-def _free_cb(self, x):
+def _free_cb(self: _Core, x: int) -> int:
     self._table.pop(x, None)
     self._private.discard(x)
     return 0
 
 
 @_callback("_lb_sum", "sum")
-def _sum_cb(self, alpha, x, beta, y):
+def _sum_cb(self: _Core, alpha: float, x: int, beta: float, y: int) -> int:
     tx, ty = self._table[x], self._table[y]
     # In place only into a private state (Note [private states]).
     if y not in self._private or not _sum_into(alpha, tx, beta, ty):
@@ -453,12 +468,12 @@ def _sum_cb(self, alpha, x, beta, y):
 
 
 @_callback("_lb_norm", "norm")
-def _norm_cb(self, x, out):
+def _norm_cb(self: _Core, x: int, out: Any) -> int:
     out[0] = _norm(self._table[x])
     return 0
 
 
-def _checked(x, y, level, index, tstart, tstop):
+def _checked(x: Any, y: Any, level: int, index: int, tstart: float, tstop: float) -> Any:
     """y as a state, after checking that the step from x to y kept x's shape and dtype."""
     y = _as_state(y)
     if y.shape != x.shape:
@@ -477,7 +492,9 @@ def _checked(x, y, level, index, tstart, tstop):
 
 
 @_callback("_lb_step", "step")
-def _step_cb(self, u, tstart, tstop, level, index, done, out):
+def _step_cb(
+    self: _Core, u: int, tstart: float, tstop: float, level: int, index: int, done: int, out: Any
+) -> int:
     x = self._handed(u)
     t0 = time.perf_counter()
     y = self._step_fn(self._app, x, tstart, tstop, level, index, bool(done))
@@ -487,10 +504,22 @@ def _step_cb(self, u, tstart, tstop, level, index, done, out):
 
 
 @_callback("_lb_step_interval", "step_interval")
-def _step_interval_cb(self, u, t, level, index, stride, n, done, keep, out):
+def _step_interval_cb(
+    self: _Core,
+    u: int,
+    t: Any,
+    level: int,
+    index: int,
+    stride: int,
+    n: int,
+    done: int,
+    keep: int,
+    out: Any,
+) -> int:
     x = self._handed(u)
     times = ffi.unpack(t, n + 1)
     t0 = time.perf_counter()
+    assert self._interval_fn is not None  # registered only where given
     ys = list(self._interval_fn(self._app, x, times, level, index, stride, bool(done), bool(keep)))
     self.step_seconds += time.perf_counter() - t0
     if len(ys) != n:
@@ -515,22 +544,23 @@ def _step_interval_cb(self, u, t, level, index, stride, n, done, keep, out):
 
 
 @_callback("_lb_idle", "idle")
-def _idle_cb(self):
+def _idle_cb(self: _Core) -> int:
     t0 = time.perf_counter()
+    assert self._idle_fn is not None  # registered only where given
     self._idle_fn(self._app)
     self.step_seconds += time.perf_counter() - t0
     return 0
 
 
 @_callback("_lb_bufsize", "bufsize")
-def _bufsize_cb(self, x, out):
+def _bufsize_cb(self: _Core, x: int, out: Any) -> int:
     s = self._table[x]
     out[0] = len(_header(s)) + (s.numel() * s.element_size() if _is_torch(s) else s.nbytes)
     return 0
 
 
 @_callback("_lb_pack", "pack")
-def _pack_cb(self, x, buf, nbytes):
+def _pack_cb(self: _Core, x: int, buf: Any, nbytes: int) -> int:
     s = self._table[x]
     head = _header(s)
     dst = np.frombuffer(ffi.buffer(buf, nbytes), dtype=np.uint8)
@@ -540,29 +570,31 @@ def _pack_cb(self, x, buf, nbytes):
 
 
 @_callback("_lb_unpack", "unpack")
-def _unpack_cb(self, buf, nbytes, out):
+def _unpack_cb(self: _Core, buf: Any, nbytes: int, out: Any) -> int:
     out[0] = self._put(_from_bytes(ffi.buffer(buf, nbytes), self._device), private=True)
     return 0
 
 
 @_callback("_lb_coarsen", "coarsen")
-def _coarsen_cb(self, x, level, out):
+def _coarsen_cb(self: _Core, x: int, level: int, out: Any) -> int:
+    assert self._coarsen_fn is not None  # registered only where given
     out[0] = self._put(self._coarsen_fn(self._handed(x), level))
     return 0
 
 
 @_callback("_lb_refine", "refine")
-def _refine_cb(self, x, level, out):
+def _refine_cb(self: _Core, x: int, level: int, out: Any) -> int:
+    assert self._refine_fn is not None  # registered only where given
     out[0] = self._put(self._refine_fn(self._handed(x), level))
     return 0
 
 
 @_callback("_lb_poll", "wait")
-def _poll_cb(self):
+def _poll_cb(self: _Core) -> int:
     """Called while the core waits: a pending Ctrl-C is raised here (Python runs signal handlers
     between bytecodes), stored, and stops the wait; so is the notice of a rank of this
     communicator that exited (Note [exit notices] in _comm)."""
-    self.comm.check_exits("a message of an MGRIT solve", self._real)
+    self.transport.check_exits("a message of an MGRIT solve", self._real)
     return 0
 
 
@@ -574,18 +606,18 @@ _REDUCE_OPS = ("sum", "min", "max")
 
 
 @_callback("_lb_isend", "isend")
-def _isend_cb(self, dest, tag, flag, x, handle):
+def _isend_cb(self: _Core, dest: int, tag: int, flag: int, x: int, handle: Any) -> int:
     if flag:
-        handle[0] = self._messages.isend_state(dest, tag, 1, b"", None)
+        handle[0] = self.messages.isend_state(dest, tag, 1, b"", None)
     else:
         s = self._table[x]
-        handle[0] = self._messages.isend_state(dest, tag, 0, _header(s), _payload(s))
+        handle[0] = self.messages.isend_state(dest, tag, 0, _header(s), _payload(s))
     return 0
 
 
 @_callback("_lb_try_recv", "try_recv")
-def _try_recv_cb(self, src, tag, found, flag, out):
-    got = self._messages.try_recv_state(src, tag)
+def _try_recv_cb(self: _Core, src: int, tag: int, found: Any, flag: Any, out: Any) -> int:
+    got = self.messages.try_recv_state(src, tag)
     found[0] = 0 if got is None else 1
     if got is not None:
         flag[0] = got[0]
@@ -594,17 +626,17 @@ def _try_recv_cb(self, src, tag, found, flag, out):
 
 
 @_callback("_lb_iallreduce", "iallreduce")
-def _iallreduce_cb(self, values, out, n, op, handle):
+def _iallreduce_cb(self: _Core, values: Any, out: Any, n: int, op: int, handle: Any) -> int:
     v = np.frombuffer(ffi.buffer(values, 8 * n), dtype=np.float64).copy()
-    h = self._messages.iallreduce_doubles(v, _REDUCE_OPS[op])
+    h = self.messages.iallreduce_doubles(v, _REDUCE_OPS[op])
     self._reductions[h] = (out, n)
     handle[0] = h
     return 0
 
 
 @_callback("_lb_test", "test")
-def _test_cb(self, handle, done):
-    result = self._messages.test(handle)
+def _test_cb(self: _Core, handle: Any, done: Any) -> int:
+    result = self.messages.test(handle)
     done[0] = 0 if result is None else 1
     if result is not None and handle in self._reductions:
         out, n = self._reductions.pop(handle)

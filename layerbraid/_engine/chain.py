@@ -27,7 +27,9 @@ autograd reaches ``_ChainFn.backward`` everywhere.
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any, Optional
 
 import torch
 
@@ -82,26 +84,28 @@ class _Chain:
 
     def __init__(
         self,
-        comm,
-        num_steps,
-        t_final,
-        forward_options,
-        backward_options,
+        comm: Any,
+        num_steps: int,
+        t_final: float,
+        forward_options: MGRITOptions,
+        backward_options: MGRITOptions,
         *,
-        spatial=None,
-        warm_start=False,
-        target_error=None,
-        store_all=True,
-    ):
+        spatial: Any = None,
+        warm_start: bool = False,
+        target_error: Optional[float] = None,
+        store_all: bool = True,
+    ) -> None:
         self.comm = comm
         self.num_steps = num_steps
         self.t_final, self.store_all = t_final, store_all
         self.calibration = 1.0
-        self._exact = None
-        self._probes = {}  # (forward iterations, adjoint iterations) -> _Chain
-        self._tuned = None  # the variant tuned() returns, with its counts in _tuned_key
-        self._tuned_key = None
-        self._parent = None  # a tuned variant's chain: it takes the variant's stats and states
+        self._exact: Optional[_Chain] = None
+        self._probes: dict[tuple[int, int], _Chain] = {}  # (forward, adjoint iterations) ->
+        # the variant tuned() returns, with its counts in _tuned_key
+        self._tuned: Optional[_Chain] = None
+        self._tuned_key: Optional[tuple[int, int]] = None
+        # a tuned variant's chain: it takes the variant's stats and states
+        self._parent: Optional[_Chain] = None
         self.spatial, self.target_error = spatial, target_error
         self._cores: list[_Core] = []  # what free() closes, set before anything can fail
         self.fwd: _Core = self._forward_core(forward_options)
@@ -125,14 +129,15 @@ class _Chain:
         starts = sorted(num_steps - j for j in range(max(alo, 1), ahi + 1))
         assert starts == self.owned, "adjoint distribution does not mirror the forward one"
         self.warm_start = bool(warm_start)
-        self._warm_fwd, self._warm_bwd = {}, {}
-        self._zeros = None  # the cold guess of the solve running (_guess)
+        self._warm_fwd: dict[int, Any] = {}
+        self._warm_bwd: dict[int, Any] = {}
+        self._zeros: Optional[torch.Tensor] = None  # the cold guess of the solve running
         self._options = {id(self.fwd): forward_options, id(self.bwd): backward_options}
-        self._contraction = {}  # core -> the last measured contraction factor
-        self._alignment = {}  # core -> the last residual sum over the residual norm
+        self._contraction: dict[Any, float] = {}  # core -> the last contraction factor
+        self._alignment: dict[Any, float] = {}  # core -> last residual sum / residual norm
         self.forward_stats, self.backward_stats = SolveStats(), SolveStats()
 
-    def _forward_core(self, options):
+    def _forward_core(self, options: MGRITOptions) -> _Core:
         spatial = self.spatial
         return _Core(
             self.comm,
@@ -148,7 +153,7 @@ class _Chain:
             refine=spatial.interpolate if spatial else None,
         )
 
-    def _adjoint_core(self, options):
+    def _adjoint_core(self, options: MGRITOptions) -> _Core:
         """The adjoint runs backward in time on the reversed communicator, with the extra steps
         mirrored, so that each rank differentiates exactly its own steps.  It keeps only the
         states its cycles read again: the gradients need the last point alone."""
@@ -173,7 +178,7 @@ class _Chain:
             refine=spatial.interpolate_adjoint if spatial else None,
         )
 
-    def free(self):
+    def free(self) -> None:
         """Frees both cores and the reversed communicator (owned by the adjoint core), and the
         exact chain's."""
         for core in self._cores:
@@ -187,7 +192,7 @@ class _Chain:
             self._tuned.free()
             self._tuned = None
 
-    def exact(self):
+    def exact(self) -> "_Chain":
         """This chain solved exactly: one level, i.e. sequential stepping across the ranks, over
         the same steps on the same ranks (the distribution does not depend on the levels).
         Built on first use (collective), freed with this chain; no warm start, no target."""
@@ -198,7 +203,7 @@ class _Chain:
             )
         return self._exact
 
-    def probe(self, fwd_iters, bwd_iters, cold=False):
+    def probe(self, fwd_iters: int, bwd_iters: int, cold: bool = False) -> "_Chain":
         """This chain with its forward and adjoint solves running exactly ``fwd_iters`` and
         ``bwd_iters`` MGRIT iterations (no stopping rule, no target), on the same levels, from
         the guesses this chain's next solves would start from: with warm starts the last
@@ -217,7 +222,7 @@ class _Chain:
         )
         return probe
 
-    def tuned(self, fwd_iters, bwd_iters):
+    def tuned(self, fwd_iters: int, bwd_iters: int) -> "_Chain":
         """This chain with its solves running exactly ``fwd_iters`` and ``bwd_iters``
         iterations, for training (Note [tuned iterations], accuracy/tuner.py): unlike a
         probe's, what it solves is this chain's own: its solve statistics and warm-start
@@ -236,7 +241,7 @@ class _Chain:
         tuned.calibration = self.calibration
         return tuned
 
-    def _counted(self, fwd_iters, bwd_iters):
+    def _counted(self, fwd_iters: int, bwd_iters: int) -> "_Chain":
         f, b = (
             replace(o, max_iters=k, tol=0.0, rtol=0.0)
             for o, k in (
@@ -256,20 +261,20 @@ class _Chain:
         )
 
     @property
-    def freed(self):
+    def freed(self) -> bool:
         return self.fwd._core is None
 
-    def num_levels(self):
+    def num_levels(self) -> int:
         return max(self.fwd.num_levels(), self.bwd.num_levels())
 
-    def adjoint_step_index(self, index, level):
+    def adjoint_step_index(self, index: int, level: int) -> int:
         """Note [adjoint index map]: adjoint point j is forward point N - j, so the adjoint step
         from point j on a level of stride m runs backward over forward step s = N - j - m (the
         step from forward point s to s + m)."""
         return self.num_steps - index - self.strides[level]
 
     # ------------------------------------------------------------------ the two solves
-    def forward(self, run, inputs):
+    def forward(self, run: Run, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         """The forward solve of ``run`` from the autograd Function's ``inputs``: its output."""
         run.owned = self.owned
         run.adjoint_levels = self.bwd.num_levels()
@@ -286,7 +291,7 @@ class _Chain:
             self._parent.forward_stats, self._parent._warm_fwd = self.forward_stats, self._warm_fwd
         return run.steps.output(run, states)
 
-    def backward(self, run, grad):
+    def backward(self, run: Run, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         """The adjoint solve of ``run`` for the output's gradient: the inputs' gradients."""
         if not run.record:
             raise RuntimeError("backward through a layer-parallel forward that ran without grad")
@@ -313,7 +318,9 @@ class _Chain:
             )
         return run.steps.input_grads(run, states)
 
-    def _solve(self, core, run, warm):
+    def _solve(
+        self, core: _Core, run: Run, warm: dict[int, Any]
+    ) -> tuple[SolveStats, dict[int, Any]]:
         opts = self._options[id(core)]
         if opts.max_levels > 1:
             # Note [warm start]: a skipped first down-cycle gives the coarse levels no
@@ -339,6 +346,7 @@ class _Chain:
         )
         final, final_sum, unorm = core.final_residual()
         if final is not None:
+            assert final_sum is not None and unorm is not None  # measured together
             stats.final_residual, stats.state_norm = final, unorm
             stats.contraction = contraction(norms + [final])
             stats.raw_error_estimate = error_estimate(final_sum, unorm, core.num_c_points())
@@ -355,7 +363,7 @@ class _Chain:
             stats.target = share * self.target_error
         return stats, states
 
-    def _adaptive_rtol(self, core, target):
+    def _adaptive_rtol(self, core: _Core, target: float) -> float:
         """Note [adaptive iterations]: a solve stops at the first residual r with
         ``k * a * sqrt(C) * q * r / |u| <= target``: the error estimate (Note [error estimate])
         of the solution after the final relaxation, which reduces the residual by about the last
@@ -374,11 +382,11 @@ class _Chain:
         return target / (self.calibration * a * math.sqrt(c) * q)
 
     @staticmethod
-    def _usable(warm, run):
+    def _usable(warm: dict[int, Any], run: Run) -> bool:
         s = next(iter(warm.values()), None)
         return s is not None and tuple(s.shape) == run.shape and s.dtype == run.dtype
 
-    def _guess(self, warm, index, run):
+    def _guess(self, warm: dict[int, Any], index: int, run: Run) -> torch.Tensor:
         """The previous solve's state at ``index`` (warm start), else zeros: one tensor for
         every point of a solve (the core never writes into a state the application made, Note
         [private states] in _engine/bridge.py), so that a cold start's guesses cost one state."""
@@ -390,12 +398,14 @@ class _Chain:
         return self._zeros
 
     # ------------------------------------------------------------------ callbacks
-    def _fwd_init(self, run, t, index):
+    def _fwd_init(self, run: Run, t: float, index: int) -> torch.Tensor:
         if index == 0:
             return run.steps.initial(run)
         return self._guess(self._warm_fwd, index, run)
 
-    def _fwd_step(self, run, u, t0, t1, level, index, done):
+    def _fwd_step(
+        self, run: Run, u: Any, t0: float, t1: float, level: int, index: int, done: bool
+    ) -> Any:
         self._zeros = None  # the guesses are made: what the core keeps of them stays
         final = bool(done and level == 0)
         _solve_state.final = final
@@ -406,7 +416,17 @@ class _Chain:
             return y
         return run.steps.step(run, u, t1 - t0, level, index)
 
-    def _fwd_interval(self, run, u, times, level, index, stride, done, keep):
+    def _fwd_interval(
+        self,
+        run: Run,
+        u: Any,
+        times: Any,
+        level: int,
+        index: int,
+        stride: int,
+        done: bool,
+        keep: bool,
+    ) -> list[Any]:
         """A run of forward steps: the provider's fused version, else one step at a time
         (which still saves the core's crossing into Python per step)."""
         self._zeros = None  # the guesses are made: what the core keeps of them stays
@@ -418,12 +438,14 @@ class _Chain:
             return out
         return _one_by_one(self._fwd_step, run, u, times, level, index, stride, done, keep)
 
-    def _bwd_init(self, run, t, index):
+    def _bwd_init(self, run: Run, t: float, index: int) -> torch.Tensor:
         if index == 0:
             return run.steps.adjoint_initial(run)
         return self._guess(self._warm_bwd, index, run)
 
-    def _bwd_step(self, run, w, t0, t1, level, index, done):
+    def _bwd_step(
+        self, run: Run, w: Any, t0: float, t1: float, level: int, index: int, done: bool
+    ) -> Any:
         self._zeros = None  # the guesses are made: what the core keeps of them stays
         s = self.adjoint_step_index(index, level)
         steps = run.steps
@@ -434,7 +456,17 @@ class _Chain:
         src = steps.source(run, s)
         return out if src is None else out + src
 
-    def _bwd_interval(self, run, w, times, level, index, stride, done, keep):
+    def _bwd_interval(
+        self,
+        run: Run,
+        w: Any,
+        times: Any,
+        level: int,
+        index: int,
+        stride: int,
+        done: bool,
+        keep: bool,
+    ) -> list[Any]:
         self._zeros = None  # the guesses are made: what the core keeps of them stays
         dts = [b - a for a, b in zip(times[:-1], times[1:])]
         ss = [self.adjoint_step_index(index + k * stride, level) for k in range(len(dts))]
@@ -444,7 +476,7 @@ class _Chain:
         return _one_by_one(self._bwd_step, run, w, times, level, index, stride, done, keep)
 
     @staticmethod
-    def _vjp(run, graph, w, scale, final):
+    def _vjp(run: Run, graph: Any, w: torch.Tensor, scale: float, final: bool) -> torch.Tensor:
         """The VJP of a kept graph for the state; in the final relaxation (each step once) also
         for its leaves, whose gradients are summed into ``run.grads``."""
         leaves = [(k, t) for k, t in graph.leaves if t.requires_grad] if final else []
@@ -471,7 +503,7 @@ class _Chain:
         return gx if gx is not None else torch.zeros_like(w)
 
 
-def _warn_if_reduced(num_steps, options, levels, solve):
+def _warn_if_reduced(num_steps: int, options: MGRITOptions, levels: int, solve: str) -> None:
     """Warns (once per place, on the calling rank) when the hierarchy that formed is smaller
     than the options ask for: a level is coarsened only while the coarser one keeps
     ``min_coarse`` steps, so few steps or large cfactors give fewer levels, down to exact
@@ -487,7 +519,17 @@ def _warn_if_reduced(num_steps, options, levels, solve):
     )
 
 
-def _one_by_one(step, run, u, times, level, index, stride, done, keep):
+def _one_by_one(
+    step: Any,
+    run: Run,
+    u: Any,
+    times: Any,
+    level: int,
+    index: int,
+    stride: int,
+    done: bool,
+    keep: bool,
+) -> list[Any]:
     """A run of steps as ``len(times) - 1`` calls of a one-step callback; without keep only the
     last state is returned (the core keeps no other)."""
     out = []
@@ -511,14 +553,16 @@ class _ChainFn(torch.autograd.Function):
     backward]) may be None."""
 
     @staticmethod
-    def forward(ctx, chain, run, anchor, *inputs):
+    def forward(
+        ctx: Any, chain: _Chain, run: Run, anchor: Any, *inputs: torch.Tensor
+    ) -> torch.Tensor:
         out = chain.forward(run, inputs)
         ctx.chain, ctx.run = chain, run
         ctx.num_inputs = len(inputs)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         run = ctx.run
         if run is None:
             raise RuntimeError(BACKWARD_TWICE)
@@ -529,16 +573,20 @@ class _ChainFn(torch.autograd.Function):
         return (None, None, None, *grads)
 
 
-def _gradient_estimate(fwd, bwd, field):
+def _gradient_estimate(
+    fwd: Optional[SolveStats], bwd: Optional[SolveStats], field: str
+) -> Optional[float]:
     """Note [adaptive iterations]: the adjoint's estimate plus the forward's weighted by the
     ratio of the two solves' shares of a target."""
+    if fwd is None or bwd is None:
+        return None
     f, b = getattr(fwd, field), getattr(bwd, field)
     if f is None or b is None:
         return None
     return b + (_ADJOINT_SHARE / _FORWARD_SHARE) * f
 
 
-def _check_target(target):
+def _check_target(target: Any) -> Optional[float]:
     """``target_error``: None or a number in (0, 1)."""
     if target is None:
         return None

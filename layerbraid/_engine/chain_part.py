@@ -51,17 +51,17 @@ class OneChainPart(LayerParallelPart):
     def _save_stats(self):
         return None  # the stats live on the chain, which an audit's exact solves leave alone
 
-    def _restore_stats(self, saved):
+    def _restore_stats(self, saved) -> None:
         pass
 
-    def _set_calibration(self, k):
+    def _set_calibration(self, k) -> None:
         self._chain.calibration = k
 
     def _solved(self, counts):
         probe = self._chain._probes[tuple(counts[:2])]
         return probe.forward_stats, probe.backward_stats, probe._warm_fwd, probe._warm_bwd
 
-    def _adopt(self, solved, calibrate):
+    def _adopt(self, solved, calibrate) -> None:
         chain = self._chain
         k = chain.calibration
         chain.forward_stats, chain.backward_stats = (calibrate(s, k) for s in solved[:2])
@@ -71,7 +71,7 @@ class OneChainPart(LayerParallelPart):
     def _process_grid(self):
         return self._grid
 
-    def set_trace(self, on: bool = True):
+    def set_trace(self, on: bool = True) -> None:
         """Record the schedule of the following forward and adjoint solves (see ``trace``)."""
         self._chain.fwd.set_trace(on)
         self._chain.bwd.set_trace(on)

@@ -5,14 +5,16 @@ layer's input); each rank differentiates the layers it owns.
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from .step_rule import check_shape, combine, euler_step, increment
-from .steps import Steps, _Graph
+from .steps import Run, State, Steps, _Graph
 from .torch_private import flatten_dense
 
 __all__ = []
@@ -52,20 +54,22 @@ class _LayerSteps(Steps):
     check_finite: check the gradients for NaN/Inf after the adjoint (collective).
     """
 
-    def __init__(self, comm, num_steps, layers, rule, spatial, check_finite):
+    def __init__(
+        self, comm: Any, num_steps: int, layers: Any, rule: Any, spatial: Any, check_finite: bool
+    ) -> None:
         self.comm, self.num_steps = comm, num_steps
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.layers, self.rule, self.spatial = layers, rule, spatial
         self.check_finite = check_finite
 
-    def apply_rule(self, layer, x, dt, index):
+    def apply_rule(self, layer: nn.Module, x: torch.Tensor, dt: float, index: int) -> torch.Tensor:
         if self.rule is None:
             return euler_step(layer, x, dt, index)
         y = self.rule(layer, x, dt, index)
         check_shape(y, x, index)
         return y
 
-    def step_params(self, owned):
+    def step_params(self, owned: Sequence[int]) -> dict[int, list[tuple[int, torch.Tensor]]]:
         """{step: [(id, parameter)]} for the owned steps: the parameters that require a
         gradient, walked once per forward (a run's graphs collect their gradients by id)."""
         layers = self.layers.layers
@@ -74,10 +78,10 @@ class _LayerSteps(Steps):
         }
 
     # ------------------------------------------------------------------ boundary
-    def new_run_state(self):
+    def new_run_state(self) -> Any:
         return _LayerRun()
 
-    def begin(self, run, inputs):
+    def begin(self, run: Run, inputs: Sequence[torch.Tensor]) -> None:
         h0 = inputs[0]
         own = run.own
         own.h0 = h0 if self.rank == 0 else None
@@ -87,10 +91,10 @@ class _LayerSteps(Steps):
         own.params = [p for leaves in own.step_params.values() for _, p in leaves]
         own.coarse_x = {}
 
-    def initial(self, run):
+    def initial(self, run: Run) -> State:
         return run.own.h0.detach()
 
-    def output(self, run, states):
+    def output(self, run: Run, states: Any) -> torch.Tensor:
         run.own.live = {}  # the forward's final relaxation is over
         if run.record:
             _unchain_outputs(run.graphs)
@@ -99,13 +103,13 @@ class _LayerSteps(Steps):
         out = states[self.num_steps]
         return out.clone() if out is run.own.h0 else out
 
-    def begin_adjoint(self, run, grad):
+    def begin_adjoint(self, run: Run, grad: torch.Tensor) -> None:
         run.own.grad_out = grad.detach() if self.rank == self.size - 1 else None
 
-    def adjoint_initial(self, run):
+    def adjoint_initial(self, run: Run) -> State:
         return run.own.grad_out
 
-    def input_grads(self, run, states):
+    def input_grads(self, run: Run, states: Any) -> tuple[torch.Tensor | None, ...]:
         self._deferred_parameter_grads(run)
         if self.rank == 0:
             grad_h0 = states[self.num_steps]
@@ -121,9 +125,11 @@ class _LayerSteps(Steps):
             self._check_finite(grad_h0 if self.rank == 0 else None, grads)
         return (grad_h0, *grads)
 
-    def _check_finite(self, grad_h0, grads):
+    def _check_finite(
+        self, grad_h0: Optional[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]
+    ) -> None:
         """Raises on every rank if any rank's input or parameter gradients are not finite."""
-        bad = not all_finite([g for g in [grad_h0] + grads if g is not None])
+        bad = not all_finite([g for g in [grad_h0, *grads] if g is not None])
         first = self.comm.first_rank_where(bad, "the finiteness check of the gradients")
         if first is not None:
             raise FloatingPointError(
@@ -133,12 +139,12 @@ class _LayerSteps(Steps):
             )
 
     # ------------------------------------------------------------------ forward steps
-    def _branch(self, level):
+    def _branch(self, level: int) -> bool:
         """Whether ``level``'s steps compute their increment on a grid coarse in space."""
         sp = self.spatial
         return sp is not None and sp.mode == "branch" and sp.factor(level) > 0
 
-    def step(self, run, u, dt, level, index):
+    def step(self, run: Run, u: State, dt: float, level: int, index: int) -> State:
         layer = self.layers.layer(index)
         if level > 0 and self._branch(level):
             return self.spatial.branch_step(
@@ -146,11 +152,13 @@ class _LayerSteps(Steps):
             )
         return self.apply_rule(layer, u, dt, index)
 
-    def record(self, run, u, dt, index):
+    def record(self, run: Run, u: State, dt: float, index: int) -> tuple[State, _Graph | None]:
         if not run.record:
             return self.step(run, u, dt, 0, index), None
         if run.own.fused:  # a run of one step, chained to the step that made u if it can
-            return self.step_interval(run, u, [dt], 0, index, 1, True, True)[0], None
+            made = self.step_interval(run, u, [dt], 0, index, 1, True, True)
+            assert made is not None and made[0] is not None  # recorded, fused, level 0
+            return made[0], None
         layer = self.layers.layers[str(index)]
         xg = u.detach().requires_grad_(True)
         leaves = run.own.step_params[index]
@@ -179,10 +187,21 @@ class _LayerSteps(Steps):
     # those of the step-by-step path (fused=False), so the two agree to round-off (tested in
     # float64 at 1e-12); what is saved is an autograd call and its Python per step.  The
     # state handed to the core is a detached view of the graph's tensor: no copy.
-    def step_interval(self, run, u, dts, level, index, stride, final, keep):
+    def step_interval(
+        self,
+        run: Run,
+        u: State,
+        dts: Sequence[float],
+        level: int,
+        index: int,
+        stride: int,
+        final: bool,
+        keep: bool,
+    ) -> list[State | None] | None:
         if not (final and level == 0 and run.record and run.own.fused):
             return None
-        out, live = [], run.own.live
+        out: list[State | None] = []
+        live = run.own.live
         made = live.get(id(u))
         x = made[1] if made is not None and made[0] is u else u.detach().requires_grad_(True)
         with torch.enable_grad():
@@ -214,7 +233,16 @@ class _LayerSteps(Steps):
     # off the pipeline's critical path); in exchange it keeps no adjoint state per step, so a
     # deferring rank's memory is the one-pass path's.  The gradients agree with the one-pass
     # path's to round-off (tested in float64 at 1e-12).
-    def adjoint_interval(self, run, w, dts, level, ss, final, keep):
+    def adjoint_interval(
+        self,
+        run: Run,
+        w: State,
+        dts: Sequence[float],
+        level: int,
+        ss: Sequence[int],
+        final: bool,
+        keep: bool,
+    ) -> list[State | None] | None:
         """The final relaxation's adjoint over forward steps ``ss`` (latest first): one
         autograd call per chained run of their graphs (Note [fused runs]), the parameter
         gradients deferred where that shortens the pipeline (Note [deferred parameter
@@ -234,15 +262,24 @@ class _LayerSteps(Steps):
         return out
 
     @staticmethod
-    def _adjoint_run(run, graphs, w, keep, out, defer=False):
+    def _adjoint_run(
+        run: Run,
+        graphs: Sequence[_Graph],
+        w: torch.Tensor,
+        keep: bool,
+        out: list[Any],
+        defer: bool = False,
+    ) -> torch.Tensor:
         """Appends to ``out`` the adjoint states after each step of a chained run (latest step
         first; only the last without ``keep``), sums the leaves' gradients into ``run.grads``
         (or, with ``defer``, leaves them to ``_deferred_parameter_grads``), and returns the
         last adjoint state."""
         xs = [g.x for g in graphs] if keep else [graphs[-1].x]
         leaves = {} if defer else _run_leaves(graphs)
+        root = graphs[0].y
+        assert root is not None  # a fused run's graphs keep their outputs
         grads = torch.autograd.grad(
-            graphs[0].y,
+            root,
             xs + list(leaves.values()),
             w,
             allow_unused=True,
@@ -258,13 +295,15 @@ class _LayerSteps(Steps):
             missing: list[Optional[torch.Tensor]] = [None] * (len(graphs) - 1)
             states = missing + states
         out.extend(states)
-        return states[-1]
+        last = states[-1]
+        assert last is not None
+        return last
 
-    def adjoint_idle(self, run):
+    def adjoint_idle(self, run: Run) -> None:
         self._deferred_parameter_grads(run)
 
     @staticmethod
-    def _deferred_parameter_grads(run):
+    def _deferred_parameter_grads(run: Run) -> None:
         """The parameter gradients that the adjoint's first pass left (Note [deferred parameter
         gradients]): one autograd call per run of steps, from the run's output."""
         deferred, run.own.deferred = run.own.deferred, []
@@ -281,7 +320,9 @@ class _LayerSteps(Steps):
                 _accumulate(run.grads, leaves, grads)
 
     # ------------------------------------------------------------------ adjoint steps
-    def adjoint_step(self, run, w, dt, level, s, final):
+    def adjoint_step(
+        self, run: Run, w: State, dt: float, level: int, s: int, final: bool
+    ) -> State | None:
         """Coarse adjoint steps that cannot reuse the kept graph; None elsewhere."""
         if level == 0:
             return None
@@ -313,7 +354,7 @@ class _LayerSteps(Steps):
         return gx if gx is not None else torch.zeros_like(w)
 
 
-def _unchain_outputs(graphs):
+def _unchain_outputs(graphs: dict[int, _Graph]) -> None:
     """Note [unchained outputs]: a fused step's graph keeps its output ``y``, the next step's
     ``x`` where the two are chained (Note [fused runs]) and the root of its run's adjoint call.
     A ``y`` that no step takes as its ``x`` (a C-point's new value: the final F-relaxation ran
@@ -329,7 +370,7 @@ def _unchain_outputs(graphs):
                 g.out = g.y
 
 
-def _run_leaves(graphs):
+def _run_leaves(graphs: Sequence[_Graph]) -> dict[Any, torch.Tensor]:
     """{key: leaf} of a run's graphs that require a gradient; a parameter shared by several
     steps appears once, and one autograd call sums its gradient over them."""
     leaves: dict[Any, torch.Tensor] = {}
@@ -338,14 +379,18 @@ def _run_leaves(graphs):
     return leaves
 
 
-def _accumulate(sums, leaves, grads):
+def _accumulate(
+    sums: dict[Any, torch.Tensor],
+    leaves: dict[Any, torch.Tensor],
+    grads: Sequence[Optional[torch.Tensor]],
+) -> None:
     """Adds each leaf's gradient (None where the graph does not use it) into ``sums`` by key."""
     for key, g in zip(leaves, grads):
         if g is not None:
             sums[key] = g if key not in sums else sums[key] + g
 
 
-def all_finite(tensors):
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite.  NaN and Inf survive a sum, so one sum per
     tensor (the small ones concatenated first: per-tensor calls cost more than their elements
     here), in the tensors' own precision, and the sum of those sums, read as one number per
@@ -373,7 +418,7 @@ def all_finite(tensors):
 _SMALL = 4096  # elements: a tensor up to this size is summed in one concatenation with the others
 
 
-def _parameters(module):
+def _parameters(module: nn.Module) -> list[nn.Parameter]:
     """``list(module.parameters())``, in its order (modules depth first, each one's own
     parameters in registration order, every module and parameter once), without the generators
     of ``named_parameters``: this runs for every owned step at every forward."""

@@ -52,7 +52,7 @@ class _StepLayers:
     Raises on every rank when building a layer failed on any rank.
     """
 
-    def __init__(self, comm, levels, owned, factory, base, device, layers):
+    def __init__(self, comm, levels, owned, factory, base, device, layers) -> None:
         self.comm, self.layers = comm, layers
         rank = comm.Get_rank()
         error = None
@@ -210,7 +210,7 @@ def _layout(layer):
     return [(k, tuple(v.shape), str(v.dtype)) for k, v in layer.state_dict().items()]
 
 
-def _describe(here, there):
+def _describe(here, there) -> str:
     if [k for k, _, _ in here] != [k for k, _, _ in there]:
         return f"state names {[k for k, _, _ in here]} against {[k for k, _, _ in there]}"
     for (k, s1, d1), (_, s2, d2) in zip(here, there):

@@ -185,6 +185,5 @@ class FreedOnExit:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.free()
-        return False

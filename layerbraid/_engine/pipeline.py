@@ -89,7 +89,7 @@ class Pipeline:
         record: bool,
         retain: bool,
         check_finite: bool,
-    ):
+    ) -> None:
         self.comm, self.steps, self.chain = comm, steps, chain
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.first, self.last = self.rank == 0, self.rank == self.size - 1

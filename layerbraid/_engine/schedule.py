@@ -72,7 +72,7 @@ def trace_entries(array):
     ]
 
 
-def virtual_schedule(num_steps, size, options, mirror=False):
+def virtual_schedule(num_steps, size, options, mirror: bool = False):
     """The schedule each of ``size`` ranks would run (without running it): a list, per rank, of
     structured arrays (TRACE_DTYPE; `op` indexes OPS).  Every solve runs options.max_iters
     iterations (a virtual rank has no residual to stop on)."""
@@ -95,7 +95,7 @@ def virtual_schedule(num_steps, size, options, mirror=False):
     return out
 
 
-def configure(c, o, trace):
+def configure(c, o, trace) -> None:
     """Sets the core ``c``'s options from the MGRITOptions ``o`` (ValueError with the core's
     message for a value it refuses); ``trace``: record the schedule."""
 

@@ -160,7 +160,7 @@ class _SerialChain(nn.Module):
         close: nn.Module | None,
         dt: float,
         rule: Callable[..., torch.Tensor] | None = None,
-    ):
+    ) -> None:
         super().__init__()
         self.open, self.layers, self.close = open, layers, close
         self.dt = dt

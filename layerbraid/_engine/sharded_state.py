@@ -121,7 +121,7 @@ class ShardedState(ShardedPart, nn.Module):
             return self._rank == self._size - 1
         return self._rank == 0
 
-    def save_checkpoint(self, path, optimizer=None, extra=None):
+    def save_checkpoint(self, path, optimizer=None, extra=None) -> None:
         """Writes one file that any number of ranks can resume from (collective); see
         :func:`layerbraid.save_checkpoint`."""
         checkpoint.save_checkpoint(self, path, optimizer, extra)

@@ -113,7 +113,7 @@ def _sum(alpha, x, beta, y):
     return alpha * x + beta * y
 
 
-def _sum_into(alpha, x, beta, y):
+def _sum_into(alpha, x, beta, y) -> bool:
     """``y <- alpha * x + beta * y`` in place, where y can hold the result exactly as `_sum`
     would give it (same dtype, floating or complex, no gradient tracking); returns whether it
     did.  Only for a state that nothing else refers to (Note [private states] in _bridge)."""

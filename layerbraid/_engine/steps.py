@@ -43,9 +43,12 @@ class _Graph:
         leaves: Iterable[tuple[Any, torch.Tensor]] = (),
         increment: bool = False,
         y: torch.Tensor | None = None,
-    ):
-        self.x, self.out, self.leaves, self.increment = x, out, list(leaves), increment
-        self.y = y
+    ) -> None:
+        self.x, self.leaves, self.increment = x, list(leaves), increment
+        # out and y become gradient edges once their tensors are freed (Note [unchained
+        # outputs] in _engine/layer_steps.py)
+        self.out: Any = out
+        self.y: Any = y
 
 
 class Run:
@@ -86,15 +89,16 @@ class Run:
         record: bool,
         retain: bool = False,
         on_backward: Callable[[Any], None] | None = None,
-    ):
+    ) -> None:
         self.steps = steps
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
         self.record = bool(record)
         self.retain = bool(retain)
         self.graphs: dict[int, _Graph] = {}
         self.grads: dict[Any, torch.Tensor] = {}
-        self.forward_stats = self.backward_stats = None
-        self.owned = ()
+        self.forward_stats: Any = None  # SolveStats, once the solve ran
+        self.backward_stats: Any = None
+        self.owned: Sequence[int] = ()
         self.adjoint_levels = 0
         self.on_backward = on_backward
         self.own = steps.new_run_state()

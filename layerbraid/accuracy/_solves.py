@@ -18,7 +18,7 @@ from .._engine.parts import (
 __all__ = []
 
 
-def _solve_at(model, parts, closure, counts, cold=False):
+def _solve_at(model, parts, closure, counts, cold: bool = False):
     """The parameter gradients ({id(p): gradient}) of ``closure``'s loss with every part's
     solves running ``counts`` iterations (None: the part solves as it does), from the cold
     guess or, without ``cold``, from the guesses its next solves would start from (a
@@ -27,17 +27,17 @@ def _solve_at(model, parts, closure, counts, cold=False):
     left: list[Any] = []
     kept: list[Any] = []
 
-    def at(on):
+    def at(on) -> None:
         modes = [None if its is None else ProbeSolve(its[0], its[1], cold) for its in counts]
         _switch_modes(parts, modes if on else None, kept)
 
-    def keep():
+    def keep() -> None:
         left.extend(None if its is None else _solved(part, its) for part, its in zip(parts, counts))
 
     return _gradients_with(model, parts, closure, at, after=keep), left
 
 
-def _switch_modes(parts, modes, kept):
+def _switch_modes(parts, modes, kept) -> None:
     """Puts ``modes`` (one per part; None: leave the part's as it is) in force for one batch,
     keeping the parts' own (the tuner's counts) in ``kept``; ``modes=None`` restores them."""
     if modes is None:
@@ -62,7 +62,7 @@ def _solved(part, counts):
     return part._solved(counts)
 
 
-def _adopt(part, solved):
+def _adopt(part, solved) -> None:
     """Makes the solves that ``_solved`` described the part's own, as if the batch had run
     them: a tuner that trains a batch on a probe's gradients keeps the statistics (with the
     part's calibration) and the warm-start states that go with them, so that what an audit,

@@ -129,7 +129,7 @@ def audit_gradients(
 
     kept: list = []
 
-    def exactly(on):
+    def exactly(on) -> None:
         _switch_modes(parts, [ExactSolve()] * len(parts) if on else None, kept)
 
     exact = _gradients_with(model, parts, closure, exactly)

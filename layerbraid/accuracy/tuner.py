@@ -121,11 +121,12 @@ class IterationTuner:
         every: int = 20,
         max_iterations: int = 10,
         margin: float = 2.0,
-    ):
+    ) -> None:
         self.parts = _parts(model, "IterationTuner")
         if target is None:
             raise ValueError("IterationTuner's target must be a number in (0, 1), got None")
-        self.target = _check_target(target)
+        self.target = float(target)
+        _check_target(target)
         for name, v in (("every", every), ("max_iterations", max_iterations)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"IterationTuner's {name} must be an int >= 1, got {v!r}")

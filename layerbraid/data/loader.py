@@ -80,7 +80,7 @@ class GroupSampler(DistributedSampler):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
-    ):
+    ) -> None:
         super().__init__(
             dataset,
             num_replicas=data_size,
@@ -131,7 +131,7 @@ class LayerParallelLoader(DataLoader):
         seed: Optional[int] = None,
         drop_last: bool = False,
         **kwargs: Any,
-    ):
+    ) -> None:
         for bad in ("sampler", "batch_sampler"):
             if kwargs.get(bad) is not None:
                 raise ValueError(f"LayerParallelLoader chooses its own sampler; got {bad}=")

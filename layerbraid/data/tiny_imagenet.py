@@ -40,7 +40,7 @@ class TinyImageNet(torch.utils.data.Dataset):
         root: Union[str, os.PathLike],
         split: str = "train",
         max_per_class: Optional[int] = None,
-    ):
+    ) -> None:
         if max_per_class is not None and (
             isinstance(max_per_class, bool)
             or not isinstance(max_per_class, int)
@@ -84,7 +84,7 @@ class TinyImageNet(torch.utils.data.Dataset):
         self.files = [f for f, _ in files]
         self.labels = torch.tensor([c for _, c in files], dtype=torch.int64)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, i):

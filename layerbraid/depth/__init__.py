@@ -336,7 +336,9 @@ def _step_state(layer: torch.nn.Module, opt: Any, like: Any = None) -> list[torc
     return out
 
 
-def _set_step_state(layer: torch.nn.Module, opt: Any, values: Sequence[torch.Tensor], like: Any):
+def _set_step_state(
+    layer: torch.nn.Module, opt: Any, values: Sequence[torch.Tensor], like: Any
+) -> None:
     states = list(layer.state_dict().values())
     with torch.no_grad():
         for t, v in zip(states, values):

@@ -106,7 +106,7 @@ class MGOpt:
         c1: float = 1e-4,
         state: str = "restrict",
         check_coherence: bool = False,
-    ):
+    ) -> None:
         if len(models) < 2 or len(models) != len(optimizers):
             raise ValueError(
                 f"MGOpt needs at least two models and one optimizer per model, got "
@@ -282,7 +282,7 @@ def _dot(model: LayerParallelModule, a: Vec, b: Vec) -> float:
 class _Mover:
     """Moves the weights along ``e`` from where they are: ``to(alpha)`` sets ``x0 + alpha e``."""
 
-    def __init__(self, e: Vec):
+    def __init__(self, e: Vec) -> None:
         self.e, self.at = e, 0.0
 
     def to(self, alpha: float) -> None:
@@ -306,7 +306,7 @@ class _Maps:
         restrict: str,
         grad_restrict: str,
         interpolate: str,
-    ):
+    ) -> None:
         if fine.comm.Get_size() != coarse.comm.Get_size():
             raise ValueError("MGOpt: the models span different numbers of ranks")
         self.fine, self.coarse = fine, coarse

@@ -57,7 +57,7 @@ class SplineWeights(LinearStepWeights):
     """Step ``i``'s weights ``sum_k B_k(t_i) c_k`` for B-splines ``B_k`` of ``degree`` over
     ``[0, T]`` (:func:`bspline_basis`) and ``nsplines`` coefficient sets ``factory(k)``."""
 
-    def __init__(self, nsplines: int, degree: int, factory: Callable[[int], nn.Module]):
+    def __init__(self, nsplines: int, degree: int, factory: Callable[[int], nn.Module]) -> None:
         if not isinstance(degree, int) or not 1 <= degree <= 3:
             raise ValueError(f"degree must be 1, 2 or 3, got {degree!r}")
         if not isinstance(nsplines, int) or nsplines < degree + 1:
@@ -107,7 +107,7 @@ class SplineModule(LayerParallelModule):
         nsplines: int,
         degree: int = 1,
         **kwargs: Any,
-    ):
+    ) -> None:
         weights = SplineWeights(nsplines, degree, self._coefficient_layer)
         super().__init__(num_steps, t_final, comm, parameterization=weights, **kwargs)
         self.nsplines, self.degree = nsplines, degree

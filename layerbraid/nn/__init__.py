@@ -35,7 +35,7 @@ class ConvBlock(nn.Module):
         dims: 2 for images (N, C, H, W), 3 for volumes (N, C, D, H, W).
     """
 
-    def __init__(self, channels: int, kernel_size: int = 3, dims: int = 2):
+    def __init__(self, channels: int, kernel_size: int = 3, dims: int = 2) -> None:
         super().__init__()
         if kernel_size % 2 != 1:
             raise ValueError(f"ConvBlock kernel_size must be odd, got {kernel_size}")

@@ -2,12 +2,13 @@
 steps, their runs through the fused kernels, the adjoint with its output-gradient sources
 (Note [rnn adjoint] in rnn.py), and the weights' gradients summed over the ranks."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 import torch
 
-from .._engine.steps import Steps, _Graph
+from .._engine.steps import Run, State, Steps, _Graph
 from ._cells import GRUMath, LSTMMath, _flat
 
 __all__ = []
@@ -48,41 +49,47 @@ class _CellSteps(Steps):
     # nn.GRU or nn.LSTM: the parameters' names and initialization
     reference: ClassVar[type[torch.nn.RNNBase]]
 
-    def __init__(self, comm, bias, coarse_rule, fused=True):
+    def __init__(self, comm: Any, bias: bool, coarse_rule: Any, fused: bool = True) -> None:
         self.comm, self.bias, self.coarse_rule = comm, bias, coarse_rule
         self.fused = bool(fused)
 
     # ------------------------------------------------------------------ what a cell defines
-    def cell(self, x, s, params):
+    def cell(
+        self, x: torch.Tensor, s: torch.Tensor, params: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
         """The cell's next state from the state s and the input x."""
         raise NotImplementedError
 
-    def cell_minus_h(self, x, s, params):
+    def cell_minus_h(
+        self, x: torch.Tensor, s: torch.Tensor, params: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
         return self.cell(x, s, params) - s
 
-    def initial_states(self, hx, state_shape, like):
+    def initial_states(
+        self, hx: Any, state_shape: Sequence[int], like: torch.Tensor
+    ) -> torch.Tensor:
         """The user's hx (None: zeros) as one tensor ``(num_layers, *state)``."""
         raise NotImplementedError
 
-    def h_of(self, s):
+    def h_of(self, s: torch.Tensor) -> torch.Tensor:
         """The hidden part of a state (the state itself unless stacked)."""
         return s
 
-    def last_rows(self, s):
+    def last_rows(self, s: torch.Tensor) -> list[torch.Tensor]:
         """Rows the chain's output carries after the h's, from the last point's state (the
         LSTM's c_n)."""
         return []
 
-    def as_state(self, g, p, seq):
+    def as_state(self, g: torch.Tensor, p: int, seq: int) -> torch.Tensor:
         """The gradient of the state at point p from the output's gradient g (batch, rows,
         hidden), whose row p - 1 is h_p's."""
         return g[:, p - 1]
 
-    def split(self, out):
+    def split(self, out: Any) -> tuple[torch.Tensor, Any]:
         """(the h sequence, the final state) of one layer from the chain's output."""
         return out, out[:, -1]
 
-    def result(self, out, finals):
+    def result(self, out: Any, finals: list[torch.Tensor]) -> Any:
         """forward's return value from the last layer's output and each layer's final state."""
         return out, torch.stack(finals)
 
@@ -95,59 +102,73 @@ class _CellSteps(Steps):
     # 15.0-16.2, 6.2-6.7 and 4.5-5.4 ms)
     block_graphs = False
 
-    def _block_graph(self, xs):
+    def _block_graph(self, xs: torch.Tensor) -> bool:
         return self.block_graphs or xs.is_cuda
 
-    def kernel(self, xs, s, params, keep):
+    def kernel(
+        self, xs: torch.Tensor, s: torch.Tensor, params: Sequence[torch.Tensor], keep: bool
+    ) -> tuple[list[Any], tuple[torch.Tensor, ...]]:
         """Note [fused cells]: the states after the cell steps over xs (batch, n, input) from s,
         by torch's multi-step kernel, as a list of n states (without keep, only the last is
         needed and the others may be None), and the kernel's own outputs, the h sequence
         (batch, n, hidden) first."""
         raise NotImplementedError
 
-    def cotangents(self, raw, src, w):
+    def cotangents(
+        self, raw: Sequence[torch.Tensor], src: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """The gradients of the kernel's outputs ``raw`` from the sources of the points inside
         its block (``src``, the output sequence's gradient there) and the adjoint w at its end."""
         raise NotImplementedError
 
-    def linearize(self, xs, sp, params):
+    def linearize(
+        self, xs: torch.Tensor, sp: torch.Tensor, params: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
         """The cell's Jacobian factors at the steps from states sp (n, *state) with inputs xs
         (n, batch, input), batched: what ``vjp`` reads."""
         raise NotImplementedError
 
-    def vjp(self, jac, k, w, params, out=None, src=None):
+    def vjp(
+        self,
+        jac: Any,
+        k: int,
+        w: torch.Tensor,
+        params: Sequence[torch.Tensor],
+        out: Any = None,
+        src: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """``J_k^T w`` at step k of ``jac``, plus ``src`` (the source's hidden part, added in the
         last product) when given; with ``out = (dgi, dgh)`` also the gradients of the gates'
         input and hidden pre-activations, written there."""
         raise NotImplementedError
 
-    def gate_buffers(self, n, like):
+    def gate_buffers(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where n steps' ``(dgi, dgh)`` go (batch, gates each)."""
         raise NotImplementedError
 
-    def run_inputs(self, u, out, raw):
+    def run_inputs(self, u: torch.Tensor, out: Any, raw: Sequence[torch.Tensor]) -> torch.Tensor:
         """The states the steps of a kernel run started from, (n, *state)."""
         return torch.stack([u] + out[:-1])
 
-    def previous_h(self, sp):
+    def previous_h(self, sp: torch.Tensor) -> torch.Tensor:
         """The hidden states that multiply W_hh, from states sp (n, *state)."""
         return sp
 
     # ------------------------------------------------------------------ boundary
-    def new_run_state(self):
+    def new_run_state(self) -> Any:
         return _CellRun()
 
-    def begin(self, run, inputs):
+    def begin(self, run: Run, inputs: Sequence[torch.Tensor]) -> None:
         x, h0, params = inputs[0], inputs[1], inputs[2:]
         own = run.own
         own.x, own.h0, own.params = x.detach(), h0.detach(), params
         own.inputs, own.blocks, own.final_h = {}, {}, {}
         own.x_requires_grad = x.requires_grad
 
-    def initial(self, run):
+    def initial(self, run: Run) -> State:
         return run.own.h0
 
-    def output(self, run, states):
+    def output(self, run: Run, states: Any) -> torch.Tensor:
         # The h's at points 1..seq, taken in the final relaxation (the core keeps only what its
         # cycles read again), then what last_rows adds: (batch, rows, hidden) on every rank.
         # The owned points are one block per rank, in rank order (buffers, not pickles).
@@ -159,11 +180,11 @@ class _CellSteps(Steps):
         rows = self.comm.allgather_rows(mine) if self.comm.Get_size() > 1 else mine
         return rows.to(run.own.x.device).transpose(0, 1)
 
-    def begin_adjoint(self, run, grad):
+    def begin_adjoint(self, run: Run, grad: torch.Tensor) -> None:
         own = run.own
         own.g, own.jac, own.final_steps, own.block_gx = grad.detach(), None, set(), {}
 
-    def _linearize(self, run):
+    def _linearize(self, run: Run) -> Any:
         """Note [fused cells]: the cell's gates at every owned step (once per backward),
         linearized where the forward's final relaxation took the step (a C-point's value before
         the C-sweep updated it), as a kept graph would be."""
@@ -179,12 +200,12 @@ class _CellSteps(Steps):
             run.own.dgi, run.own.dgh = self.gate_buffers(len(run.owned), run.own.sp[0])
         return run.own.jac
 
-    def adjoint_initial(self, run):
+    def adjoint_initial(self, run: Run) -> State:
         # adjoint point 0 is forward point seq: dL/dh_seq
         seq = run.own.x.shape[1]
         return self.as_state(run.own.g, seq, seq).clone()
 
-    def input_grads(self, run, states):
+    def input_grads(self, run: Run, states: Any) -> tuple[torch.Tensor | None, ...]:
         comm = self.comm
         # gradient for h0: the adjoint at forward point 0, on rank 0
         gh0 = states.get(run.own.x.shape[1]) if comm.Get_rank() == 0 else None
@@ -212,7 +233,7 @@ class _CellSteps(Steps):
         gx = next(it) if gx is not None else None
         return (gx, gh0, *gp)
 
-    def _fused_grads(self, run):
+    def _fused_grads(self, run: Run) -> Any:
         """The input's and the weights' gradients from the gates' gradients of every owned step
         (Note [fused cells]): batched products over the block."""
         steps = sorted(run.own.final_steps)
@@ -246,16 +267,26 @@ class _CellSteps(Steps):
         return gx, gp
 
     # ------------------------------------------------------------------ steps
-    def scale(self, dt):
+    def scale(self, dt: float) -> float:
         return dt if self.coarse_rule == "euler" else 1.0
 
-    def step(self, run, s, dt, level, index):
+    def step(self, run: Run, s: torch.Tensor, dt: float, level: int, index: int) -> State:
         theta = self.scale(dt)
         if theta == 1.0 and self.fused:  # the cell itself, as the kernel steps
             return self.cell(run.own.x[:, index], s, run.own.params)
         return s + theta * self.cell_minus_h(run.own.x[:, index], s, run.own.params)
 
-    def step_interval(self, run, u, dts, level, index, stride, final, keep):
+    def step_interval(
+        self,
+        run: Run,
+        u: State,
+        dts: Sequence[float],
+        level: int,
+        index: int,
+        stride: int,
+        final: bool,
+        keep: bool,
+    ) -> list[State | None] | None:
         # Note [fused cells]: a run of cell steps (theta = 1) is the kernel over every
         # stride-th input
         if not self.fused or any(self.scale(dt) != 1.0 for dt in dts):
@@ -271,7 +302,7 @@ class _CellSteps(Steps):
             run.own.inputs[index] = self.run_inputs(u, out, raw)
         return out
 
-    def _record_block(self, run, u, xs, index):
+    def _record_block(self, run: Run, u: torch.Tensor, xs: torch.Tensor, index: int) -> Any:
         """Exact mode (Note [fused cells]): the kernel's graph of a rank's block, which the
         one-level adjoint takes back in one piece (_block_vjp)."""
         ug = u.detach().requires_grad_(True)
@@ -282,7 +313,7 @@ class _CellSteps(Steps):
         run.own.final_h[index + 1] = raw[0].detach()
         return [None] * (len(out) - 1) + [out[-1].detach()]
 
-    def _block_vjp(self, run, first, n, w):
+    def _block_vjp(self, run: Run, first: int, n: int, w: torch.Tensor) -> torch.Tensor:
         """The adjoint at the start of the block of ``n`` steps from ``first`` from the adjoint w
         at its end, by torch's backward of the kernel; the sources of the points inside enter as
         the cotangents of the kernel's outputs there."""
@@ -303,7 +334,9 @@ class _CellSteps(Steps):
         src = self._source(run, first)
         return w0 if src is None else w0 + src
 
-    def adjoint_step(self, run, w, dt, level, s, final):
+    def adjoint_step(
+        self, run: Run, w: State, dt: float, level: int, s: int, final: bool
+    ) -> State | None:
         # fused: the source is added here (``source`` is None for the engine), inside the VJP's
         # last product when the step is the cell itself
         if not self.fused:
@@ -323,19 +356,32 @@ class _CellSteps(Steps):
         src = self._source(run, s)
         return dh if src is None else dh + src
 
-    def adjoint_interval(self, run, w, dts, level, ss, final, keep):
+    def adjoint_interval(
+        self,
+        run: Run,
+        w: State,
+        dts: Sequence[float],
+        level: int,
+        ss: Sequence[int],
+        final: bool,
+        keep: bool,
+    ) -> list[State | None] | None:
         if not self.fused:
             return None
         first, n = ss[-1], len(ss)
         if final and not keep and run.own.blocks.get(first, (0,))[0] == n:
             return [None] * (n - 1) + [self._block_vjp(run, first, n, w)]
-        out = []
+        out: list[State | None] = []
         for k, (dt, s) in enumerate(zip(dts, ss)):
-            w = self.adjoint_step(run, w, dt, level, s, final)  # its source included
+            got = self.adjoint_step(run, w, dt, level, s, final)  # its source included
+            assert got is not None  # fused (checked above)
+            w = got
             out.append(w if keep or k == len(ss) - 1 else None)
         return out
 
-    def record(self, run, s, dt, index):
+    def record(
+        self, run: Run, s: torch.Tensor, dt: float, index: int
+    ) -> tuple[State, _Graph | None]:
         graph = None
         if self.fused or not run.record:  # fused: the adjoint linearizes at the input kept here
             run.own.inputs[index] = s.unsqueeze(0)
@@ -350,16 +396,16 @@ class _CellSteps(Steps):
         run.own.final_h[index + 1] = self.h_of(y).unsqueeze(1)
         return y, graph
 
-    def source(self, run, s):
+    def source(self, run: Run, s: int) -> State | None:
         # the fused adjoint steps add it themselves
         return None if self.fused else self._source(run, s)
 
-    def _source(self, run, s):
+    def _source(self, run: Run, s: int) -> Optional[torch.Tensor]:
         # dL/dh at forward point s, i.e. output s - 1 (Note [rnn adjoint])
         return self.as_state(run.own.g, s, run.own.x.shape[1]) if s >= 1 else None
 
 
-def _allreduce_sum(comm, tensors):
+def _allreduce_sum(comm: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Sums a list of tensors over comm in one message."""
     return comm.allreduce_sum(tensors, "the gradients of the weights shared over sequence time")
 

@@ -52,7 +52,7 @@ class _LayerParallelBatchNorm(_BatchNormBase):
     With ``sync_comm`` (e.g. ``ProcessGrid.data_comm``) the batch statistics are those of the
     whole batch, summed over the data groups' shards (and so are their gradients)."""
 
-    def __init__(self, *args, sync_comm=None, **kwargs):
+    def __init__(self, *args, sync_comm=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         sync_comm = resolve(sync_comm) if sync_comm is not None else None
         self.sync_comm = sync_comm if sync_comm is not None and sync_comm.Get_size() > 1 else None

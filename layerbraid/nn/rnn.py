@@ -50,6 +50,7 @@ file is the nn.Module surface.
 """
 
 from dataclasses import replace
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -62,6 +63,7 @@ from .._engine.torch_private import cudnn_flatten_rnn_weights
 from ..grid import ProcessGrid
 from ..launch import _enter
 from ..options import MGRITOptions, check_int
+from ..stats import SolveStats
 from ._cell_steps import _CellSteps, _GRUSteps, _LSTMSteps
 
 __all__ = ["LayerParallelGRU", "LayerParallelLSTM"]
@@ -74,17 +76,17 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
         self,
         input_size,
         hidden_size,
-        num_layers=1,
+        num_layers: int = 1,
         *,
-        batch_first=True,
-        bias=True,
+        batch_first: bool = True,
+        bias: bool = True,
         comm=None,
         forward_options=None,
         backward_options=None,
-        coarse_rule="cell",
+        coarse_rule: str = "cell",
         target_error=None,
-        fused=True,
-    ):
+        fused: bool = True,
+    ) -> None:
         super().__init__()
         _enter()
 
@@ -114,9 +116,9 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
         self.bias = bias
         self.comm.bcast_into(self.parameters())  # every rank holds rank 0's weights
         self._steps = self._cell(self.comm, bias, coarse_rule, fused)
-        self._chains = {}
-        self.forward_stats = []
-        self.backward_stats = []
+        self._chains: dict[int, Any] = {}  # sequence length -> its chain
+        self.forward_stats: list[Optional[SolveStats]] = []
+        self.backward_stats: list[Optional[SolveStats]] = []
         self._init_part()
         self._calibration = 1.0
 
@@ -125,7 +127,7 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
         self._flatten_for_cudnn()
         return out
 
-    def _flatten_for_cudnn(self):
+    def _flatten_for_cudnn(self) -> None:
         """Each layer's parameters as views into one buffer in cuDNN's layout, where cuDNN
         runs the kernels (Note [cuDNN weights]); otherwise nothing."""
         params = list(self.parameters())
@@ -142,7 +144,7 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
             # in place: the Parameters become views into one new buffer per layer
             cudnn_flatten_rnn_weights(layers, kind, self.input_size, self.hidden_size)
 
-    def free(self):
+    def free(self) -> None:
         """Frees the communicators and MGRIT cores made for each sequence length (also done
         when the module is garbage collected, and at the end of a ``with`` block)."""
         for chain in self._chains.values():
@@ -201,10 +203,10 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
     def _save_stats(self):
         return self.forward_stats, self.backward_stats
 
-    def _restore_stats(self, saved):
+    def _restore_stats(self, saved) -> None:
         self.forward_stats, self.backward_stats = saved
 
-    def _set_calibration(self, k):
+    def _set_calibration(self, k) -> None:
         self._calibration = k
         for chain in self._chains.values():
             chain.calibration = k
@@ -212,7 +214,7 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
     def _solved(self, counts):
         return self._save_stats()  # no warm starts: the statistics are all
 
-    def _adopt(self, solved, calibrate):
+    def _adopt(self, solved, calibrate) -> None:
         k = self._calibration
         self._restore_stats(tuple([calibrate(s, k) for s in stats] for stats in solved))
 

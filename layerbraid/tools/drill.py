@@ -42,7 +42,7 @@ from layerbraid.nn import ConvBlock, LayerParallelGRU
 class _Net(layerbraid.LayerParallelModule):
     """open conv -> conv steps -> flatten + linear, on 8x8 single-channel images, 3 classes."""
 
-    def __init__(self, comm, num_steps=4, channels=4):
+    def __init__(self, comm, num_steps: int = 4, channels: int = 4) -> None:
         super().__init__(num_steps=num_steps, t_final=1.0, comm=comm)
         self.channels = channels
         self.open = nn.Conv2d(1, channels, 3, padding=1)
@@ -64,7 +64,7 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def fault_here():
+def fault_here() -> None:
     # one write with its newline: two faulty ranks' lines must not run into each other
     sys.stdout.write(f"FAULT {time.time():.3f}\n")
     sys.stdout.flush()
@@ -220,7 +220,9 @@ SCENARIOS = {
 TIMEOUT = 3  # LAYERBRAID_TIMEOUT (seconds) for every scenario
 
 
-def run(scenario, ranks=2, limit=60, mpiexec="mpiexec", launcher="mpiexec"):
+def run(
+    scenario, ranks: int = 2, limit: int = 60, mpiexec: str = "mpiexec", launcher: str = "mpiexec"
+):
     """Runs the job under a wall-time limit (enforced whether or not output arrives: the whole
     job is killed at ``limit`` s).  Returns {"rc", "hung", "seconds" (fault to the end of the
     job), "faulty" (the rank that printed FAULT), "outputs" ({rank: its lines}), "job" (lines
@@ -252,7 +254,7 @@ def run(scenario, ranks=2, limit=60, mpiexec="mpiexec", launcher="mpiexec"):
     }
 
 
-def _launch(scenario, ranks, mpiexec, launcher="mpiexec"):
+def _launch(scenario, ranks, mpiexec, launcher: str = "mpiexec"):
     """The scenario's job, each line of output tagged with its rank (``mpiexec -l``, or
     torchrun's ``--tee 3``, whose tags _watch rewrites as mpiexec's)."""
     # Not the calling process's MPI job: a fresh one (no PMI variables of a singleton).
@@ -282,7 +284,7 @@ def _watch(proc, scenario, limit):
     lines: list[str] = []
     state: dict[str, Any] = {"fault": None, "faulty": None}
 
-    def read():
+    def read() -> None:
         for line in proc.stdout:  # the job's output, as it comes; each line tagged "[rank] "
             line = re.sub(r"\[default(\d+)\]:", r"[\1] ", line)  # torchrun's tags
             lines.append(line)
@@ -323,22 +325,22 @@ def _by_rank(lines, ranks):
     return outputs, job
 
 
-def sleep_forever():
+def sleep_forever() -> None:
     fault_here()
     time.sleep(3600)
 
 
-def exit_now(status):
+def exit_now(status) -> None:
     fault_here()
     sys.exit(status)
 
 
 class StallingClose(nn.Module):
-    def forward(self, x):
+    def forward(self, x) -> None:
         sleep_forever()
 
 
-def job(scenario):
+def job(scenario) -> None:
     """The training job of ``scenario``, on this rank (run under mpiexec)."""
     WORLD = world()
     torch.set_default_dtype(torch.float64)
@@ -384,7 +386,7 @@ def job(scenario):
     _finish(scenario, WORLD, model, opt)
 
 
-def _train(scenario, WORLD, model, loader, opt):
+def _train(scenario, WORLD, model, loader, opt) -> None:
     """The drill's training loop, with the scenario's fault injected where it says."""
     one = WORLD.rank == 1
     steps = 100000 if scenario in ("sigint", "kill") else 6
@@ -431,7 +433,7 @@ def _train(scenario, WORLD, model, loader, opt):
         opt.step()
 
 
-def _finish(scenario, WORLD, model, opt):
+def _finish(scenario, WORLD, model, opt) -> None:
     """After training: the serial copy, the checkpoint and the final barrier."""
     one = WORLD.rank == 1
     path = WORLD.bcast(

@@ -101,7 +101,7 @@ def _parse(argv=None):
     return p, args
 
 
-def main(argv=None):
+def main(argv=None) -> None:
     parser, args = _parse(argv)
     costs, message_bytes = _costs(parser, args)
     if args.table:
@@ -144,7 +144,7 @@ def _microbatch_costs(args, costs):
     return out
 
 
-def _print_pipelines(args, costs, fwd, bwd, per_m):
+def _print_pipelines(args, costs, fwd, bwd, per_m) -> None:
     """Seconds per batch of each schedule on each rank count; the fewest ranks where MGRIT
     (the flags' settings) beats every pipeline."""
     from ..plan import predict, predict_pipeline
@@ -184,7 +184,7 @@ def _print_pipelines(args, costs, fwd, bwd, per_m):
         )
 
 
-def _print_settings(args, costs):
+def _print_settings(args, costs) -> None:
     """The guide's table of recommended settings (Markdown), from the planner's predictions."""
     rows = settings_table(
         args.depths, args.ranks, costs, min_fwd_iters=args.fwd_iters, min_bwd_iters=args.bwd_iters
@@ -255,7 +255,7 @@ def _options(parser, args):
     return fwd, bwd
 
 
-def _print_table(args, costs, fwd, bwd, message_bytes):
+def _print_table(args, costs, fwd, bwd, message_bytes) -> None:
     print(
         f"N = {args.steps} steps, {args.levels} levels, cfactor {args.cfactor}, "
         f"{args.fwd_iters} forward / {args.bwd_iters} backward iterations, "
