@@ -16,6 +16,7 @@ import io
 import os
 import stat
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -36,7 +37,7 @@ class CheckpointError(ValueError):
 
 
 # ---------------------------------------------------------------- which rank holds what
-def _parts(model):
+def _parts(model: Any) -> Any:
     """[(prefix, layer-parallel module)], outermost first, and the layer communicator."""
     parts = sharded_parts(model)
     comm = parts[0][1].comm if parts else None
@@ -46,15 +47,15 @@ def _parts(model):
     return parts, comm
 
 
-def _under(key, prefix):
+def _under(key: str, prefix: str) -> bool:
     return prefix == "" or key.startswith(prefix + ".")
 
 
-def _strip(key, prefix):
+def _strip(key: str, prefix: str) -> str:
     return key if prefix == "" else key[len(prefix) + 1 :]
 
 
-def _local_keys(model, keys, parts, rank):
+def _local_keys(model: Any, keys: Sequence[str], parts: Sequence[Any], rank: int) -> list[str]:
     """The keys of ``keys`` whose value this rank holds: a layer-parallel part's on the rank
     that owns them, everything else (replicated on every rank) on the first rank."""
     out = []
@@ -64,12 +65,12 @@ def _local_keys(model, keys, parts, rank):
         if owner is None:
             if rank == 0:
                 out.append(k)
-        elif owner._holds_key(_strip(k, prefix)):
+        elif prefix is not None and owner._holds_key(_strip(k, prefix)):
             out.append(k)
     return out
 
 
-def _world(model, comm):
+def _world(model: Any, comm: Any) -> tuple[bool, Any]:
     """(writer?, the communicator to wait on): one rank of the whole job writes."""
     parts, _ = _parts(model)
     grid = parts[0][1]._grid if parts else None
@@ -145,14 +146,14 @@ def save_checkpoint(
         raise error
 
 
-def _encode(ckpt):
+def _encode(ckpt: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
     torch.save(ckpt, buf)
     payload = buf.getvalue()
     return _MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
 
 
-def _temp_files(path):
+def _temp_files(path: Any) -> list[Any]:
     """Temporary files a save of ``path`` leaves only when its process dies mid-write."""
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
@@ -162,7 +163,7 @@ def _temp_files(path):
         return []
 
 
-def _write_atomic(path, data):
+def _write_atomic(path: Any, data: bytes) -> None:
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
     for stale in _temp_files(path):  # left by a save that was killed: never a checkpoint
@@ -300,7 +301,7 @@ def load_checkpoint(
     return ckpt.get("extra")
 
 
-def _optimizer_state(model, optimizer, ckpt, path):
+def _optimizer_state(model: Any, optimizer: Any, ckpt: dict[str, Any], path: Any) -> Any:
     """The state dict to load into ``optimizer``, checked against it (CheckpointError
     otherwise); nothing is modified here."""
     saved_opt = ckpt.get("optimizer")

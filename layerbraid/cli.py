@@ -33,10 +33,12 @@ __all__ = [
 ]
 
 
-def _number(convert, ok, what):
+def _number(
+    convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str
+) -> Callable[[str], Any]:
     """An argparse type: convert the text, then check it, naming the bad value."""
 
-    def parse(text):
+    def parse(text: str) -> Any:
         try:
             v = convert(text)
         except ValueError:
@@ -66,14 +68,14 @@ positive_int, nonneg_int = _positive_int, _nonneg_int
 positive_float, nonneg_float = _positive_float, _nonneg_float
 
 
-def _cfactor(text):
+def _cfactor(text: str) -> int:
     v = _positive_int(text)
     if v < 2:
         raise argparse.ArgumentTypeError(f"a coarsening factor must be at least 2, got {text!r}")
     return v
 
 
-def _levels(text):
+def _levels(text: str) -> Any:
     if text == "auto":
         return text
     return _positive_int(text)
@@ -516,7 +518,7 @@ def auto_levels(args: argparse.Namespace, steps: int, ranks: int) -> int:
     return best[0]
 
 
-def _with_levels(args, levels):
+def _with_levels(args: argparse.Namespace, levels: Any) -> argparse.Namespace:
     """A copy of the parsed flags with ``--lp-levels levels``."""
     import argparse
 
@@ -526,7 +528,7 @@ def _with_levels(args, levels):
 def mgrit_options(args: argparse.Namespace) -> tuple[MGRITOptions, MGRITOptions]:
     """(forward, backward) MGRITOptions from parsed ``--lp-*`` flags."""
 
-    def per_level(values):
+    def per_level(values: Sequence[Any]) -> Any:
         return values[0] if len(values) == 1 else tuple(values)
 
     common = dict(

@@ -3,7 +3,8 @@
 import abc
 import dataclasses
 import logging
-from typing import Optional, Union
+from collections.abc import Iterator
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -216,7 +217,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         """The layer-parallel communicator."""
         return self._comm
 
-    def _build_steps(self):
+    def _build_steps(self) -> None:
         comm = self._comm
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         sp = self.spatial
@@ -278,12 +279,12 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         if chain is not None:
             chain.free()
 
-    def _ref_tensors(self):
+    def _ref_tensors(self) -> Iterator[torch.Tensor]:
         for mod in (self.open, self.close):
             if isinstance(mod, nn.Module):
                 yield from mod.parameters()
 
-    def _custom_rule(self):
+    def _custom_rule(self) -> Any:
         rule = type(self).step_rule
         return None if rule is LayerParallelModule.step_rule else rule
 
@@ -335,7 +336,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
             return _ToFirstFn.apply(self._comm, out, report.shape, report.dtype)
         return _BroadcastFn.apply(self._comm, self._size - 1, out, report.shape, report.dtype)
 
-    def _check_usable(self):
+    def _check_usable(self) -> None:
         if not self.__dict__.get("_built", False):
             raise RuntimeError(
                 f"model(x) was called before {type(self).__name__} finished building (from "
@@ -386,7 +387,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         inputs = self.parameterization.inputs(self, params)
         return _ChainFn.apply(chain, run, anchor, h0, *inputs)
 
-    def _serial_path(self):
+    def _serial_path(self) -> bool:
         """Whether this forward takes the serial path (Note [serial path] in _engine/serial.py)."""
         chain = self._chain
         exact = isinstance(self.solve_mode, ExactSolve) or (
@@ -394,7 +395,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         )
         return exact and not self.__dict__.get("_tracing", False)
 
-    def _settings(self):
+    def _settings(self) -> dict[str, Any]:
         """What every rank of the layer group must agree on for a forward and its backward: the
         settings that change a solve's schedule or stopping, and what the step layers do."""
         modes = [m.training for m in self.modules()]
@@ -412,7 +413,9 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         }
 
 
-def _check_arguments(num_steps, t_final, comm, flags, options):
+def _check_arguments(
+    num_steps: int, t_final: Any, comm: Any, flags: dict[str, Any], options: Any
+) -> tuple[Any, Any]:
     """The constructor's checks, in its order; ``(layer communicator, ProcessGrid or None)``."""
     check_int("num_steps", num_steps, 1, _MAX_STEPS, "2**62")
     for name, flag in flags.items():
@@ -442,7 +445,7 @@ def _check_arguments(num_steps, t_final, comm, flags, options):
     return comm, grid
 
 
-def _check_output_and_spatial(output, spatial):
+def _check_output_and_spatial(output: Any, spatial: Any) -> None:
     if output not in ("all", "next"):
         raise ValueError(f"output must be 'all' or 'next', got {output!r}")
     if spatial is not None and not isinstance(spatial, SpatialCoarsening):

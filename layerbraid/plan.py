@@ -85,7 +85,7 @@ class Costs:
     message_scale: Optional[tuple] = None
     overhead_seconds: float = 0.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("level_scale", "message_scale"):
             value = getattr(self, name)
             if value is not None:
@@ -150,7 +150,7 @@ class Prediction:
         return self.speedup / (self.ranks * self.data_parallel)
 
 
-def _check(num_steps, ranks):
+def _check(num_steps: int, ranks: int) -> None:
     check_int("num_steps", num_steps)
     check_int("ranks", ranks)
     if ranks > num_steps:
@@ -159,7 +159,7 @@ def _check(num_steps, ranks):
         )
 
 
-def _training(options):
+def _training(options: Any) -> MGRITOptions:
     # Training always ends with the FC relaxation; a planned solve runs all its iterations, with
     # no stopping test and so no allreduce between them (Note [deferred status] in cycle.c).
     return replace(options, final_fc_relax=True, tol=0.0)
@@ -265,7 +265,7 @@ def simulate(
         sim.allreduce(allreduce)
 
 
-def _scaled(scale, level):
+def _scaled(scale: Optional[Sequence[float]], level: int) -> float:
     """A level's cost multiplier (the last one repeats); 1 without scales."""
     return 1.0 if scale is None else scale[min(int(level), len(scale) - 1)]
 
@@ -297,11 +297,11 @@ class _Simulation:
             [{} for _ in range(p)] if critical_path else None
         )
 
-    def add(self, r, what, seconds) -> None:
+    def add(self, r: int, what: str, seconds: float) -> None:
         if self.path is not None:
             self.path[r][what] = self.path[r].get(what, 0.0) + seconds
 
-    def advance(self, r):
+    def advance(self, r: int) -> bool:
         """Walks rank ``r`` to its next allreduce (True) or to its trace's end (False)."""
         ops = self.traces[r]
         op, level, index, peer, done = (ops[k] for k in ("op", "level", "index", "peer", "done"))
@@ -338,7 +338,7 @@ class _Simulation:
         self.clock[r], self.pos[r] = t, a
         return a < n
 
-    def allreduce(self, seconds) -> None:
+    def allreduce(self, seconds: float) -> None:
         """Every rank waits for the last, then the allreduce's own time."""
         t = max(self.clock) + seconds
         if self.path is not None:
@@ -349,7 +349,7 @@ class _Simulation:
         self.clock = [t] * len(self.clock)
         self.pos = [a + 1 for a in self.pos]
 
-    def finish(self):
+    def finish(self) -> Any:
         if self.path is not None:
             last = max(range(len(self.clock)), key=lambda r: self.clock[r])
             return self.clock[last], self.path[last]

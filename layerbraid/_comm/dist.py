@@ -164,7 +164,7 @@ class _Threaded:
 
     __slots__ = ("work", "done", "error")
 
-    def __init__(self, work) -> None:
+    def __init__(self, work: Any) -> None:
         self.work, self.done = work, False
         self.error: Optional[BaseException] = None
         threading.Thread(target=self._run, daemon=True, name="layerbraid-p2p").start()
@@ -176,15 +176,15 @@ class _Threaded:
             self.error = exc
         self.done = True
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         return self.done
 
-    def wait(self):
+    def wait(self) -> None:
         if self.error is not None:
             raise self.error
 
 
-def _settle(work, comm: "DistComm", what: str) -> None:
+def _settle(work: Any, comm: "DistComm", what: str) -> None:
     """Raises the failure of a completed ``work`` (a peer that crashed) as RemoteRankError."""
     try:
         work.wait()
@@ -203,7 +203,7 @@ _STORE_COUNT = "layerbraid/notices"
 _notice_seen: dict[str, Any] = {"count": 0, "texts": {}}
 
 
-def _store():
+def _store() -> Any:
     """The job's key-value store (torchrun's rendezvous store), or None."""
     try:
         return dist.distributed_c10d._get_default_store()  # no public accessor
@@ -337,7 +337,7 @@ class DistComm(Transport):
         return (self.context << _TAG_BITS) | tag
 
     # ---- the primitives (Note [dist waits])
-    def _start_p2p(self, send: bool, t: torch.Tensor, peer: int, tag: int):
+    def _start_p2p(self, send: bool, t: torch.Tensor, peer: int, tag: int) -> Any:
         op = dist.isend if send else dist.irecv
         work = op(t, self._global(peer), group=self.group, tag=self._tag(tag))
         return work if t.device.type == "cuda" else _Threaded(work)

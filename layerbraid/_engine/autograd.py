@@ -2,6 +2,8 @@
 group (``_BroadcastFn``), or to its first rank for the next stage (``_ToFirstFn``).  The chain
 itself is ``_chain._ChainFn`` (see Note [every rank runs backward] there)."""
 
+from typing import Any
+
 import torch
 
 __all__ = []
@@ -13,7 +15,7 @@ class _BroadcastFn(torch.autograd.Function):
     once is right)."""
 
     @staticmethod
-    def forward(ctx, comm, root, y, shape, dtype):
+    def forward(ctx: Any, comm: Any, root: int, y: Any, shape: Any, dtype: Any) -> Any:
         ctx.root, ctx.is_root = root, comm.Get_rank() == root
         ctx.dummy_shape, ctx.dtype, ctx.device = y.shape, y.dtype, y.device
         if comm.Get_size() == 1:
@@ -22,7 +24,7 @@ class _BroadcastFn(torch.autograd.Function):
         return y.clone() if ctx.is_root else out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Any) -> Any:
         if ctx.is_root:
             return None, None, grad, None, None
         return (
@@ -42,7 +44,7 @@ class _ToFirstFn(torch.autograd.Function):
     TAG = 7302
 
     @staticmethod
-    def forward(ctx, comm, y, shape, dtype):
+    def forward(ctx: Any, comm: Any, y: Any, shape: Any, dtype: Any) -> Any:
         size, rank = comm.Get_size(), comm.Get_rank()
         ctx.comm, ctx.first, ctx.last = comm, rank == 0, rank == size - 1
         ctx.shape, ctx.dtype, ctx.device = y.shape, y.dtype, y.device
@@ -57,7 +59,7 @@ class _ToFirstFn(torch.autograd.Function):
         return torch.zeros((), dtype=y.dtype, device=y.device)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Any) -> Any:
         comm = ctx.comm
         if comm.Get_size() == 1:
             return None, grad, None, None

@@ -4,6 +4,7 @@ schedule traces.  Mixed into ``LayerParallelModule``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..stats import SolveStats
@@ -19,7 +20,7 @@ class OneChainPart(LayerParallelPart):
     _chain: _Chain
     _grid: Any
 
-    def mgrit_levels(self):
+    def mgrit_levels(self) -> tuple[int, int]:
         """``(forward, adjoint)``: the MGRIT levels that formed, which can be fewer than the
         options ask for (few steps, large cfactors: a warning says so); 1 is exact."""
         return self._chain.fwd.num_levels(), self._chain.bwd.num_levels()
@@ -45,30 +46,30 @@ class OneChainPart(LayerParallelPart):
         which on trained networks can be off by orders of magnitude."""
         return _gradient_estimate(self.forward_stats, self.backward_stats, "error_estimate")
 
-    def _raw_gradient_error_estimate(self):
+    def _raw_gradient_error_estimate(self) -> float | None:
         return _gradient_estimate(self.forward_stats, self.backward_stats, "raw_error_estimate")
 
-    def _save_stats(self):
+    def _save_stats(self) -> Any:
         return None  # the stats live on the chain, which an audit's exact solves leave alone
 
-    def _restore_stats(self, saved) -> None:
+    def _restore_stats(self, saved: Any) -> None:
         pass
 
-    def _set_calibration(self, k) -> None:
+    def _set_calibration(self, k: float) -> None:
         self._chain.calibration = k
 
-    def _solved(self, counts):
+    def _solved(self, counts: Sequence[Any]) -> Any:
         probe = self._chain._probes[tuple(counts[:2])]
         return probe.forward_stats, probe.backward_stats, probe._warm_fwd, probe._warm_bwd
 
-    def _adopt(self, solved, calibrate) -> None:
+    def _adopt(self, solved: Any, calibrate: Any) -> None:
         chain = self._chain
         k = chain.calibration
         chain.forward_stats, chain.backward_stats = (calibrate(s, k) for s in solved[:2])
         if chain.warm_start:
             chain._warm_fwd, chain._warm_bwd = solved[2], solved[3]
 
-    def _process_grid(self):
+    def _process_grid(self) -> Any:
         return self._grid
 
     def set_trace(self, on: bool = True) -> None:
@@ -77,7 +78,7 @@ class OneChainPart(LayerParallelPart):
         self._chain.bwd.set_trace(on)
         self._tracing = bool(on)  # a trace needs the core (Note [serial path])
 
-    def trace(self):
+    def trace(self) -> Any:
         """``(forward, adjoint)``: the schedule this rank ran in the last solves, as lists of
         TraceEntry (level, op, index, peer, done), after ``set_trace(True)``."""
         return self._chain.fwd.trace(), self._chain.bwd.trace()

@@ -9,6 +9,7 @@ per forward (a static plan made at construction, from the ranges every rank repo
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -23,7 +24,9 @@ Tensors = list[torch.Tensor]
 _WEIGHT_TAG = 7301
 
 
-def seeded_layer(factory, index, base, device=None):
+def seeded_layer(
+    factory: Callable[[int], nn.Module], index: int, base: int, device: Any = None
+) -> nn.Module:
     """``factory(index)`` under the seed of step ``index`` (an nn.Module, else TypeError)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed((base + 1000003 * index) % (2**63 - 1))
@@ -33,7 +36,7 @@ def seeded_layer(factory, index, base, device=None):
     return layer.to(device) if device is not None else layer
 
 
-def draw_seed():
+def draw_seed() -> int:
     """One draw from torch's generator: the base of every step's seed (the same draw on every
     rank when the ranks seed torch alike, as for any model)."""
     return int(torch.randint(0, 2**62, ()).item())
@@ -52,7 +55,16 @@ class _StepLayers:
     Raises on every rank when building a layer failed on any rank.
     """
 
-    def __init__(self, comm, levels, owned, factory, base, device, layers) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        levels: Any,
+        owned: Sequence[int],
+        factory: Callable[[int], nn.Module],
+        base: int,
+        device: Any,
+        layers: Any,
+    ) -> None:
         self.comm, self.layers = comm, layers
         rank = comm.Get_rank()
         error = None
@@ -88,7 +100,15 @@ class _StepLayers:
         mismatch = self._build_copies(needed, ranges, layouts, factory, base, device)
         self._check_layouts(comm, mismatch)
 
-    def _build_copies(self, needed, ranges, layouts, factory, base, device):
+    def _build_copies(
+        self,
+        needed: Sequence[int],
+        ranges: Any,
+        layouts: Any,
+        factory: Callable[[int], nn.Module],
+        base: int,
+        device: Any,
+    ) -> Any:
         """The copies of the layers this rank's coarse steps inject, and from which rank each
         is received; the first copy whose layout differs from its owner's layer (or None)."""
         self.copies = {}
@@ -106,7 +126,7 @@ class _StepLayers:
         return mismatch
 
     @staticmethod
-    def _check_layouts(comm, mismatch):
+    def _check_layouts(comm: Any, mismatch: Optional[str]) -> None:
         # The copies are filled with the owners' bytes: every copy must have its owner's
         # parameter and buffer layout, decided here, the same on every rank.
         bad = comm.allgather_obj(mismatch, "the step layers' layouts")
@@ -119,7 +139,7 @@ class _StepLayers:
                 "the same parameters and buffers for a given index on every rank"
             )
 
-    def layer(self, index):
+    def layer(self, index: int) -> nn.Module:
         """The layer of step ``index``: the owned one, else the copy."""
         key = str(index)
         return self.layers[key] if key in self.layers else self.copies[index]
@@ -156,7 +176,7 @@ class FetchPlan:
     recvs: Mapping[int, list[int]]
 
 
-def _owned_of(rng):
+def _owned_of(rng: tuple[int, int]) -> list[int]:
     return [] if rng is None else list(range(rng[0], rng[1] + 1))
 
 
@@ -205,12 +225,12 @@ def fetch(
     return out
 
 
-def _layout(layer):
+def _layout(layer: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     """[(name, shape, dtype)] of a layer's state: what its bytes mean."""
     return [(k, tuple(v.shape), str(v.dtype)) for k, v in layer.state_dict().items()]
 
 
-def _describe(here, there) -> str:
+def _describe(here: Any, there: Any) -> str:
     if [k for k, _, _ in here] != [k for k, _, _ in there]:
         return f"state names {[k for k, _, _ in here]} against {[k for k, _, _ in there]}"
     for (k, s1, d1), (_, s2, d2) in zip(here, there):

@@ -5,6 +5,7 @@ a step or sending a message.  The planner (plan.py) reads schedules from here; t
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,7 @@ TRACE_DTYPE = np.dtype(
 )
 
 
-def trace_array(core):
+def trace_array(core: Any) -> Any:
     """A core's trace as a structured array (TRACE_DTYPE), copied out of the core: the one
     representation of a schedule; trace_entries() presents it as objects."""
     if TRACE_DTYPE.itemsize != ffi.sizeof("mgrit_trace_entry"):
@@ -64,7 +65,7 @@ def trace_array(core):
     return np.frombuffer(buf, dtype=TRACE_DTYPE).copy()
 
 
-def trace_entries(array):
+def trace_entries(array: Any) -> list[Any]:
     """TraceEntry objects (op by name) from a TRACE_DTYPE array."""
     return [
         TraceEntry(int(e["level"]), OPS[e["op"]], int(e["index"]), int(e["peer"]), bool(e["done"]))
@@ -95,11 +96,11 @@ def virtual_schedule(num_steps, size, options, mirror: bool = False):
     return out
 
 
-def configure(c, o, trace) -> None:
+def configure(c: Any, o: Any, trace: bool) -> None:
     """Sets the core ``c``'s options from the MGRITOptions ``o`` (ValueError with the core's
     message for a value it refuses); ``trace``: record the schedule."""
 
-    def check(rc):
+    def check(rc: int) -> None:
         if rc != lib.MGRIT_OK:
             raise ValueError(ffi.string(lib.mgrit_error_message(c)).decode())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, cast
 
+import torch
 from torch import nn
 
 from .. import checkpoint
@@ -46,13 +47,13 @@ class ShardedState(ShardedPart, nn.Module):
         """The subclass's own step_rule function, or None for forward Euler."""
         raise NotImplementedError
 
-    def _counted_parameters(self):
+    def _counted_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradient this rank alone holds (see _holds_key), for
         clip_grad_norm_."""
         return [p for k, p in self.named_parameters() if self._holds_key(k)]
 
     # ------------------------------------------------------------------ serial view, state
-    def _gather_state(self, root=None):
+    def _gather_state(self, root: int | None = None) -> dict[str, torch.Tensor] | None:
         """{serial state_dict key: CPU tensor} of the whole network, on every rank (or root)."""
         mine = {k: v.detach().cpu() for k, v in super().state_dict().items() if self._holds_key(k)}
         if self._size == 1:
@@ -80,6 +81,7 @@ class ShardedState(ShardedPart, nn.Module):
         should depend only on its arguments."""
         self.parameterization.refresh(self)
         full = self._gather_state()
+        assert full is not None  # gathered on every rank
         layers = nn.ModuleList(
             seeded_layer(self._step_factory, i, self._layer_seed) for i in range(self.num_steps)
         )
@@ -100,7 +102,7 @@ class ShardedState(ShardedPart, nn.Module):
         ref = next(iter(super().state_dict().values()), None)
         return serial if ref is None else serial.to(ref.device)
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Loads a serial (or any rank count's) state_dict: each rank keeps its own layers."""
         owned = set(self._chain.owned) if self._built else None
         keep = {}
@@ -111,7 +113,7 @@ class ShardedState(ShardedPart, nn.Module):
             keep[k] = v
         return super().load_state_dict(keep, strict=strict, assign=assign)
 
-    def _holds_key(self, key):
+    def _holds_key(self, key: str) -> bool:
         """Whether this rank holds the state_dict entry ``key``: a step layer's on its owner,
         the open layer's on the first rank, the close layer's on the last, the rest on the
         first."""
@@ -121,12 +123,12 @@ class ShardedState(ShardedPart, nn.Module):
             return self._rank == self._size - 1
         return self._rank == 0
 
-    def save_checkpoint(self, path, optimizer=None, extra=None) -> None:
+    def save_checkpoint(self, path: Any, optimizer: Any = None, extra: Any = None) -> None:
         """Writes one file that any number of ranks can resume from (collective); see
         :func:`layerbraid.save_checkpoint`."""
         checkpoint.save_checkpoint(self, path, optimizer, extra)
 
-    def load_checkpoint(self, path, optimizer=None):
+    def load_checkpoint(self, path: Any, optimizer: Any = None) -> Any:
         """Resumes from :meth:`save_checkpoint`'s file on any number of ranks; returns ``extra``
         (see :func:`layerbraid.load_checkpoint`)."""
         return checkpoint.load_checkpoint(self, path, optimizer)

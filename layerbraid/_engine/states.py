@@ -10,6 +10,7 @@ imported it), so the format is tested on its own.
 
 import struct
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -47,18 +48,18 @@ _TORCH_DTYPE_NAMES = [
 ]
 
 
-def _torch():
+def _torch() -> Any:
     """torch if the program imported it (a state can only be a tensor then), else None.  Keeps
     numpy-only users from paying for torch's import."""
     return sys.modules.get("torch")
 
 
-def _is_torch(x):
+def _is_torch(x: Any) -> bool:
     torch = _torch()
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _as_state(x):
+def _as_state(x: Any) -> Any:
     """numpy scalars and Python numbers become 0-d arrays; arrays and tensors pass."""
     if _is_torch(x) or isinstance(x, np.ndarray):
         return x
@@ -79,7 +80,7 @@ def _as_state(x):
 _FAST_NORM_RANGE = (1e-10, 3e38)
 
 
-def _norm(x):
+def _norm(x: Any) -> float:
     if _is_torch(x):
         torch = _torch()
         flat = x.detach().reshape(-1)
@@ -99,7 +100,7 @@ def _norm(x):
     )
 
 
-def _sum(alpha, x, beta, y):
+def _sum(alpha: float, x: Any, beta: float, y: Any) -> Any:
     """A new state ``alpha * x + beta * y``, in one pass where the dtypes allow."""
     if _is_torch(y):
         if beta == 1.0 and x.dtype == y.dtype and (y.is_floating_point() or y.is_complex()):
@@ -113,7 +114,7 @@ def _sum(alpha, x, beta, y):
     return alpha * x + beta * y
 
 
-def _sum_into(alpha, x, beta, y) -> bool:
+def _sum_into(alpha: float, x: Any, beta: float, y: Any) -> bool:
     """``y <- alpha * x + beta * y`` in place, where y can hold the result exactly as `_sum`
     would give it (same dtype, floating or complex, no gradient tracking); returns whether it
     did.  Only for a state that nothing else refers to (Note [private states] in _bridge)."""
@@ -153,7 +154,7 @@ def _sum_into(alpha, x, beta, y) -> bool:
     return True
 
 
-def _header(x):
+def _header(x: Any) -> bytes:
     """kind, dtype code and shape, padded to a multiple of 8 bytes."""
     if _is_torch(x):
         kind, code = 1, _TORCH_DTYPE_NAMES.index(str(x.dtype).replace("torch.", ""))
@@ -163,7 +164,7 @@ def _header(x):
     return head + b"\0" * (-len(head) % 8)
 
 
-def _raw_bytes(x):
+def _raw_bytes(x: Any) -> Any:
     """The state's bytes as a uint8 numpy array (CUDA tensors are staged through host memory)."""
     if _is_torch(x):
         torch = _torch()
@@ -176,7 +177,7 @@ def _raw_bytes(x):
     return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
 
-def _from_bytes(buf, device):
+def _from_bytes(buf: Any, device: Any) -> Any:
     kind, code, ndim = struct.unpack_from("<BBH", buf, 0)
     shape = struct.unpack_from(f"<{ndim}q", buf, 4)
     off = 4 + 8 * ndim
@@ -196,7 +197,7 @@ def _from_bytes(buf, device):
     return t.to(device) if device is not None and device.type != "cpu" else t
 
 
-def _payload(x):
+def _payload(x: Any) -> Any:
     """The state's bytes as a flat uint8 torch tensor, on the state's device (a numpy state's
     on the CPU): what a torch.distributed transport sends (Note [device-resident messages] in
     _comm/dist.py)."""
@@ -210,7 +211,7 @@ def _payload(x):
     return flat.contiguous().view(torch.uint8)
 
 
-def _from_parts(head, payload, device):
+def _from_parts(head: Any, payload: Any, device: Any) -> Any:
     """A state from its header bytes and its payload (a flat uint8 torch tensor, on any
     device), on ``device`` (None: where the payload is)."""
     kind, code, ndim = struct.unpack_from("<BBH", head, 0)

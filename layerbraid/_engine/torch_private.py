@@ -139,7 +139,7 @@ def flatten_dense(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def cudnn_flatten_rnn_weights(
-    layers: Sequence[list[torch.Tensor]], kind: str, input_size: int, hidden_size: int
+    layers: Sequence[Sequence[torch.Tensor]], kind: str, input_size: int, hidden_size: int
 ) -> bool:
     """Makes each layer's parameters views into one buffer in cuDNN's layout (in place, as
     ``nn.GRU.flatten_parameters`` does); ``kind`` is "GRU" or "LSTM".  Returns False, doing

@@ -3,8 +3,9 @@ varied (a SolveMode of _engine/parts.py in force for one batch), the gradients t
 the solves it leaves."""
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -18,7 +19,13 @@ from .._engine.parts import (
 __all__ = []
 
 
-def _solve_at(model, parts, closure, counts, cold: bool = False):
+def _solve_at(
+    model: Any,
+    parts: Sequence[Any],
+    closure: Callable[[], Any],
+    counts: Sequence[Any],
+    cold: bool = False,
+) -> tuple[Any, list[Any]]:
     """The parameter gradients ({id(p): gradient}) of ``closure``'s loss with every part's
     solves running ``counts`` iterations (None: the part solves as it does), from the cold
     guess or, without ``cold``, from the guesses its next solves would start from (a
@@ -27,7 +34,7 @@ def _solve_at(model, parts, closure, counts, cold: bool = False):
     left: list[Any] = []
     kept: list[Any] = []
 
-    def at(on) -> None:
+    def at(on: bool) -> None:
         modes = [None if its is None else ProbeSolve(its[0], its[1], cold) for its in counts]
         _switch_modes(parts, modes if on else None, kept)
 
@@ -37,7 +44,7 @@ def _solve_at(model, parts, closure, counts, cold: bool = False):
     return _gradients_with(model, parts, closure, at, after=keep), left
 
 
-def _switch_modes(parts, modes, kept) -> None:
+def _switch_modes(parts: Sequence[Any], modes: Optional[Sequence[Any]], kept: list[Any]) -> None:
     """Puts ``modes`` (one per part; None: leave the part's as it is) in force for one batch,
     keeping the parts' own (the tuner's counts) in ``kept``; ``modes=None`` restores them."""
     if modes is None:
@@ -51,18 +58,18 @@ def _switch_modes(parts, modes, kept) -> None:
             part.solve_mode = mode
 
 
-def _tuned_counts(part):
+def _tuned_counts(part: Any) -> Optional[tuple[int, int]]:
     """The (forward, adjoint) iterations a tuner set on ``part``, or None."""
     mode = part.solve_mode
     return (mode.forward, mode.adjoint) if isinstance(mode, TunedSolve) else None
 
 
-def _solved(part, counts):
+def _solved(part: Any, counts: Sequence[Any]) -> Any:
     """What the part's solves at ``counts`` iterations (a probe's, just run) left."""
     return part._solved(counts)
 
 
-def _adopt(part, solved) -> None:
+def _adopt(part: Any, solved: Any) -> None:
     """Makes the solves that ``_solved`` described the part's own, as if the batch had run
     them: a tuner that trains a batch on a probe's gradients keeps the statistics (with the
     part's calibration) and the warm-start states that go with them, so that what an audit,
@@ -70,14 +77,19 @@ def _adopt(part, solved) -> None:
     part._adopt(solved, _calibrated)
 
 
-def _calibrated(stats, k):
+def _calibrated(stats: Any, k: float) -> Any:
     """``stats`` with its error estimate calibrated by ``k`` (a probe's solver has none)."""
     if stats.raw_error_estimate is None or not stats.iterations:
         return stats
     return replace(stats, error_estimate=k * stats.raw_error_estimate)
 
 
-def _relative_change(model, old, new, what):
+def _relative_change(
+    model: Any,
+    old: dict[int, Optional[torch.Tensor]],
+    new: dict[int, Optional[torch.Tensor]],
+    what: str,
+) -> float:
     """``|new - old| / |new|`` over all parameter gradients ({id(p): gradient} each; None is
     0), the same on every rank (collective for ``what``)."""
     comm, counted = counted_parameters(model)
@@ -87,7 +99,9 @@ def _relative_change(model, old, new, what):
             o, n = old[id(p)], new[id(p)]
             if o is None and n is None:
                 continue
-            o = torch.zeros_like(n) if o is None else o
+            if o is None:
+                assert n is not None
+                o = torch.zeros_like(n)
             n = torch.zeros_like(o) if n is None else n
             num += float((n - o).double().pow(2).sum())
             den += float(n.double().pow(2).sum())
@@ -96,14 +110,14 @@ def _relative_change(model, old, new, what):
     return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
 
 
-def _parts(model, who):
+def _parts(model: Any, who: str) -> list[Any]:
     parts = layer_parallel_parts(model)
     if not parts:
         raise ValueError(f"{who} needs a model that holds layer-parallel modules")
     return parts
 
 
-def _iterations(part):
+def _iterations(part: Any) -> Optional[tuple[int, int]]:
     """(forward, adjoint) iterations of the part's last solves (the most over an RNN's
     layers); None for a part whose solves are exact (one level)."""
     fwd, bwd = part.forward_stats, part.backward_stats
@@ -117,7 +131,13 @@ def _iterations(part):
     return None if its == (0, 0) else its  # one level: no iterations
 
 
-def _gradients_with(model, parts, closure, mode, after=None):
+def _gradients_with(
+    model: Any,
+    parts: Sequence[Any],
+    closure: Callable[[], Any],
+    mode: Callable[[bool], None],
+    after: Optional[Callable[[], None]] = None,
+) -> Any:
     """The parameter gradients of ``closure``'s loss with ``mode(True)`` in force ({id(p):
     gradient}); ``after()``, if given, runs right after its backward; afterwards the gradients,
     the buffers and the parts' solve statistics are put back as they were, and
@@ -153,6 +173,11 @@ def _gradients_with(model, parts, closure, mode, after=None):
             part._restore_stats(saved)
 
 
-def _sum_or_none(values):
-    values = list(values)
-    return None if any(v is None for v in values) else sum(values)
+def _sum_or_none(values: Iterable[Optional[float]]) -> Optional[float]:
+    """The sum, or None where any value is None."""
+    total = 0.0
+    for v in values:
+        if v is None:
+            return None
+        total += v
+    return total

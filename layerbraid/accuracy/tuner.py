@@ -184,7 +184,9 @@ class IterationTuner:
                 if its is not None:
                     _adopt(part, solved)
         else:
-            lower = [None if its is None else tuple(max(k - 1, 1) for k in its) for its in ran]
+            lower = [
+                None if its is None else (max(its[0] - 1, 1), max(its[1] - 1, 1)) for its in ran
+            ]
             if lower != ran:
                 now = {id(p): p.grad for p in model.parameters()}
                 fewer, _ = _solve_at(model, parts, closure, lower, cold=True)

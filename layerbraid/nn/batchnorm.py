@@ -1,7 +1,7 @@
 """Batch norms for layer-parallel networks (Note [batch-norm stats]), and the plain copies a
 serial network gets instead of them."""
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +28,16 @@ class _AllreduceSum(torch.autograd.Function):
     """Sum over the ranks of comm; the gradient of a sum is the sum of the gradients."""
 
     @staticmethod
-    def forward(ctx, comm, t):
+    def forward(ctx: Any, comm: Any, t: torch.Tensor) -> Any:
         ctx.comm = comm
         return _allreduce(comm, t)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return None, _allreduce(ctx.comm, grad)
 
 
-def _allreduce(comm, t):
+def _allreduce(comm: Any, t: torch.Tensor) -> torch.Tensor:
     return comm.allreduce_sum([t], "the batch-norm statistics")[0]
 
 
@@ -57,7 +57,7 @@ class _LayerParallelBatchNorm(_BatchNormBase):
         sync_comm = resolve(sync_comm) if sync_comm is not None else None
         self.sync_comm = sync_comm if sync_comm is not None and sync_comm.Get_size() > 1 else None
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> Any:
         update = not _solve_state.in_solve or _solve_state.final
         if self.training and self.sync_comm is not None:
             self._check_input_dim(x)
@@ -67,7 +67,7 @@ class _LayerParallelBatchNorm(_BatchNormBase):
             return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
         return super().forward(x)
 
-    def _synced(self, x, update):
+    def _synced(self, x: torch.Tensor, update: bool) -> torch.Tensor:
         c = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
         count = torch.full((1,), x.numel() / c, dtype=x.dtype, device=x.device)
@@ -136,7 +136,7 @@ def layer_parallel_modules(module: nn.Module) -> nn.Module:
     return module
 
 
-def _plain_copy(module):
+def _plain_copy(module: Optional[nn.Module]) -> Optional[nn.Module]:
     """A deep copy of ``module`` (or None) with plain batch norms and no communicator."""
     if module is None:
         return None
@@ -150,7 +150,7 @@ def _plain_copy(module):
     return plain_modules(copy.deepcopy(module, memo))
 
 
-def _plain_batch_norm(bn):
+def _plain_batch_norm(bn: Any) -> nn.Module:
     kind = next(
         c for c in type(bn).__mro__ if c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
     )
@@ -164,7 +164,7 @@ _LP_OF: dict[type, type] = {
 }
 
 
-def _converted(bn, kind):
+def _converted(bn: Any, kind: type) -> nn.Module:
     """A batch norm of class ``kind`` with ``bn``'s arguments, state, mode and device."""
     ref = bn.weight if bn.weight is not None else bn.running_mean
     made = kind(

@@ -49,6 +49,7 @@ LayerParallelModule; a GRU or an LSTM is only a step provider: a cell subclass o
 file is the nn.Module surface.
 """
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -151,18 +152,18 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
             chain.free()
         self._chains.clear()
 
-    def _counted_parameters(self):
+    def _counted_parameters(self) -> list[nn.Parameter]:
         """Shared weights: their gradients are summed over the layer group, so every rank holds
         the same; the first rank counts them (for clip_grad_norm_)."""
         return list(self.parameters()) if self.comm.Get_rank() == 0 else []
 
-    def _layer_params(self, k):
+    def _layer_params(self, k: float) -> list[nn.Parameter]:
         names = [f"weight_ih_l{k}", f"weight_hh_l{k}"]
         if self.bias:
             names += [f"bias_ih_l{k}", f"bias_hh_l{k}"]
         return [getattr(self, n) for n in names]
 
-    def _chain_for(self, seq):
+    def _chain_for(self, seq: int) -> Any:
         if seq not in self._chains:
             size = self.comm.Get_size()
             if seq < size:
@@ -182,43 +183,48 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
             self._chains[seq].calibration = self._calibration
         return self._solving(self._chains[seq])
 
-    def gradient_error_estimate(self):
+    def gradient_error_estimate(self) -> Optional[float]:
         """An estimate of the last backward's relative parameter-gradient error: the sum over
         the layers of what ``LayerParallelModule.gradient_error_estimate`` gives for one
         chain; None before a backward.  Calibrated by the audits run so far
         (``layerbraid.accuracy.audit_gradients``)."""
         return self._estimate("error_estimate")
 
-    def _raw_gradient_error_estimate(self):
+    def _raw_gradient_error_estimate(self) -> Optional[float]:
         return self._estimate("raw_error_estimate")
 
-    def _estimate(self, field):
+    def _estimate(self, field: str) -> Optional[float]:
         if not self.forward_stats or len(self.backward_stats) != len(self.forward_stats):
             return None
         values = [
             _gradient_estimate(f, b, field) for f, b in zip(self.forward_stats, self.backward_stats)
         ]
-        return None if any(v is None for v in values) else sum(values)
+        total = 0.0
+        for v in values:
+            if v is None:
+                return None
+            total += v
+        return total
 
-    def _save_stats(self):
+    def _save_stats(self) -> Any:
         return self.forward_stats, self.backward_stats
 
-    def _restore_stats(self, saved) -> None:
+    def _restore_stats(self, saved: Any) -> None:
         self.forward_stats, self.backward_stats = saved
 
-    def _set_calibration(self, k) -> None:
+    def _set_calibration(self, k: float) -> None:
         self._calibration = k
         for chain in self._chains.values():
             chain.calibration = k
 
-    def _solved(self, counts):
+    def _solved(self, counts: Sequence[Any]) -> Any:
         return self._save_stats()  # no warm starts: the statistics are all
 
-    def _adopt(self, solved, calibrate) -> None:
+    def _adopt(self, solved: Any, calibrate: Any) -> None:
         k = self._calibration
         self._restore_stats(tuple([calibrate(s, k) for s in stats] for stats in solved))
 
-    def _settings(self, x):
+    def _settings(self, x: Any) -> dict[str, Any]:
         """What every rank must agree on for a forward and its backward."""
         return {
             "the input's shape and dtype": (tuple(x.shape), str(x.dtype)),
@@ -227,7 +233,7 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
             "the solve mode (audit_gradients, probe_gradients, IterationTuner)": self.solve_mode,
         }
 
-    def forward(self, x, hx=None):
+    def forward(self, x: Any, hx: Optional[Any] = None) -> Any:
         """x: (batch, seq, input_size), the whole sequence, on every rank of the communicator.
         hx: initial state (num_layers, batch, hidden) (LSTM: a tuple (h0, c0)), or None.
 
@@ -270,7 +276,7 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
         return self._steps.result(inp, finals)
 
 
-def _fc(o):
+def _fc(o: Any) -> Any:
     if o is not None and not isinstance(o, MGRITOptions):
         raise TypeError(f"options must be an MGRITOptions, got {type(o).__name__}")
     return replace(o or MGRITOptions(max_levels=1), final_fc_relax=True)

@@ -26,7 +26,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,17 +43,17 @@ from layerbraid.nn import ConvBlock, LayerParallelGRU
 class _Net(layerbraid.LayerParallelModule):
     """open conv -> conv steps -> flatten + linear, on 8x8 single-channel images, 3 classes."""
 
-    def __init__(self, comm, num_steps: int = 4, channels: int = 4) -> None:
+    def __init__(self, comm: Any, num_steps: int = 4, channels: int = 4) -> None:
         super().__init__(num_steps=num_steps, t_final=1.0, comm=comm)
         self.channels = channels
         self.open = nn.Conv2d(1, channels, 3, padding=1)
         self.close = nn.Sequential(nn.Flatten(), nn.Linear(channels * 64, 3))
 
-    def step_layer(self, index):
+    def step_layer(self, index: int) -> nn.Module:
         return ConvBlock(self.channels)
 
 
-def _batch(n):
+def _batch(n: int) -> Any:
     g = torch.Generator().manual_seed(0)
     return (
         torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float64),
@@ -70,20 +71,20 @@ def fault_here() -> None:
     sys.stdout.flush()
 
 
-def fail_on(rank, where):
+def fail_on(rank: int, where: str) -> None:
     if world().Get_rank() == rank:
         fault_here()
         raise InjectedFault(f"injected fault on rank {rank} before {where}")
 
 
 class FailingClose(nn.Module):
-    def forward(self, x):
+    def forward(self, x: Any) -> Any:
         fault_here()
         raise InjectedFault("injected fault in the close layer on the last rank")
 
 
 class BadStep(_Net):
-    def step_layer(self, index):
+    def step_layer(self, index: int) -> nn.Module:
         if index == self.num_steps - 1:
             fault_here()
             raise InjectedFault("injected fault in step_layer on the last rank")
@@ -254,7 +255,7 @@ def run(
     }
 
 
-def _launch(scenario, ranks, mpiexec, launcher: str = "mpiexec"):
+def _launch(scenario: str, ranks: int, mpiexec: str, launcher: str = "mpiexec") -> Any:
     """The scenario's job, each line of output tagged with its rank (``mpiexec -l``, or
     torchrun's ``--tee 3``, whose tags _watch rewrites as mpiexec's)."""
     # Not the calling process's MPI job: a fresh one (no PMI variables of a singleton).
@@ -278,7 +279,7 @@ def _launch(scenario, ranks, mpiexec, launcher: str = "mpiexec"):
     )
 
 
-def _watch(proc, scenario, limit):
+def _watch(proc: Any, scenario: str, limit: float) -> tuple[Any, ...]:
     """Reads the job's output as it comes until it ends or ``limit`` s pass (then it is
     killed): (rc, hung, lines, time of the fault, faulty rank, time of the end)."""
     lines: list[str] = []
@@ -308,7 +309,7 @@ def _watch(proc, scenario, limit):
     return rc, hung, lines, state["fault"], state["faulty"], end
 
 
-def _by_rank(lines, ranks):
+def _by_rank(lines: list[str], ranks: int) -> tuple[dict[int, str], str]:
     """({rank: its text}, the launcher's own text) from ``mpiexec -l`` output."""
     # mpiexec -l tags each piece of a rank's output it forwards, and a piece can end mid-line:
     # "[1] InjectedFa" "[1] ult ..." arrive as "[1] InjectedFa[1] ult ...".  Each tag starts a
@@ -330,17 +331,17 @@ def sleep_forever() -> None:
     time.sleep(3600)
 
 
-def exit_now(status) -> None:
+def exit_now(status: int) -> None:
     fault_here()
     sys.exit(status)
 
 
 class StallingClose(nn.Module):
-    def forward(self, x) -> None:
+    def forward(self, x: Any) -> None:
         sleep_forever()
 
 
-def job(scenario) -> None:
+def job(scenario: str) -> None:
     """The training job of ``scenario``, on this rank (run under mpiexec)."""
     WORLD = world()
     torch.set_default_dtype(torch.float64)
@@ -386,7 +387,7 @@ def job(scenario) -> None:
     _finish(scenario, WORLD, model, opt)
 
 
-def _train(scenario, WORLD, model, loader, opt) -> None:
+def _train(scenario: str, WORLD: Any, model: Any, loader: Any, opt: Any) -> None:
     """The drill's training loop, with the scenario's fault injected where it says."""
     one = WORLD.rank == 1
     steps = 100000 if scenario in ("sigint", "kill") else 6
@@ -433,7 +434,7 @@ def _train(scenario, WORLD, model, loader, opt) -> None:
         opt.step()
 
 
-def _finish(scenario, WORLD, model, opt) -> None:
+def _finish(scenario: str, WORLD: Any, model: Any, opt: Any) -> None:
     """After training: the serial copy, the checkpoint and the final barrier."""
     one = WORLD.rank == 1
     path = WORLD.bcast(
@@ -458,7 +459,7 @@ def _finish(scenario, WORLD, model, opt) -> None:
     print(f"rank {WORLD.rank}: no fault happened", flush=True)
 
 
-def problems(scenario, result, limit):
+def problems(scenario: str, result: dict[str, Any], limit: float) -> list[str]:
     """What went wrong in ``result`` (from :func:`run`), as sentences; empty when the job ended
     as the scenario says it must."""
     out = []
@@ -481,7 +482,7 @@ def problems(scenario, result, limit):
     return out
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> Optional[int]:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -3,14 +3,18 @@ predicted time per batch, speedup and efficiency on each rank count (see
 :mod:`layerbraid.plan`, the work model it runs)."""
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any, Optional
 
 from .. import plan as _plan
 from ..options import MGRITOptions
 from ..plan import Costs, measure_step, recommend, settings_table, sweep
 
 
-def _parse(argv=None):
+def _parse(
+    argv: Optional[Sequence[str]] = None,
+) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(
         prog="python -m layerbraid.tools.plan",
         description=_plan.__doc__,
@@ -101,7 +105,7 @@ def _parse(argv=None):
     return p, args
 
 
-def main(argv=None) -> None:
+def main(argv: Optional[Sequence[str]] = None) -> None:
     parser, args = _parse(argv)
     costs, message_bytes = _costs(parser, args)
     if args.table:
@@ -113,7 +117,7 @@ def main(argv=None) -> None:
         _print_pipelines(args, costs, fwd, bwd, _microbatch_costs(args, costs))
 
 
-def _microbatch_costs(args, costs):
+def _microbatch_costs(args: argparse.Namespace, costs: Any) -> dict[int, Any]:
     """{M: the Costs of a step on one microbatch of M}: measured with --measure-conv, else the
     whole batch's over M."""
     out = {}
@@ -144,7 +148,9 @@ def _microbatch_costs(args, costs):
     return out
 
 
-def _print_pipelines(args, costs, fwd, bwd, per_m) -> None:
+def _print_pipelines(
+    args: argparse.Namespace, costs: Any, fwd: Any, bwd: Any, per_m: dict[int, Any]
+) -> None:
     """Seconds per batch of each schedule on each rank count; the fewest ranks where MGRIT
     (the flags' settings) beats every pipeline."""
     from ..plan import predict, predict_pipeline
@@ -184,7 +190,7 @@ def _print_pipelines(args, costs, fwd, bwd, per_m) -> None:
         )
 
 
-def _print_settings(args, costs) -> None:
+def _print_settings(args: argparse.Namespace, costs: Any) -> None:
     """The guide's table of recommended settings (Markdown), from the planner's predictions."""
     rows = settings_table(
         args.depths, args.ranks, costs, min_fwd_iters=args.fwd_iters, min_bwd_iters=args.bwd_iters
@@ -198,7 +204,7 @@ def _print_settings(args, costs) -> None:
         )
 
 
-def _costs(parser, args):
+def _costs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Any, float]:
     """The Costs the command plans with (measured with --measure-conv, else given), and the
     bytes of a message."""
     message_bytes = args.message_bytes or 0.0
@@ -233,7 +239,9 @@ def _costs(parser, args):
     return costs, message_bytes
 
 
-def _options(parser, args):
+def _options(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[MGRITOptions, MGRITOptions]:
     """The forward and adjoint MGRITOptions of the flags."""
     try:
         cf = args.cfactor[0] if len(args.cfactor) == 1 else tuple(args.cfactor)
@@ -255,7 +263,9 @@ def _options(parser, args):
     return fwd, bwd
 
 
-def _print_table(args, costs, fwd, bwd, message_bytes) -> None:
+def _print_table(
+    args: argparse.Namespace, costs: Any, fwd: Any, bwd: Any, message_bytes: float
+) -> None:
     print(
         f"N = {args.steps} steps, {args.levels} levels, cfactor {args.cfactor}, "
         f"{args.fwd_iters} forward / {args.bwd_iters} backward iterations, "
