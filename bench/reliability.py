@@ -53,7 +53,8 @@ def main(argv=None):
                   f"{max(secs) if secs else float('nan'):.2f} s", flush=True)
     info = provenance()
     save_data(a.out, {**info, "runs": raw})
-    shown_by = {"faulty": "the faulty rank", "waiting": "a waiting rank", "job": "the launcher"}
+    shown_by = {"faulty": "the faulty rank", "waiting": "a waiting rank", "any": "any rank",
+                "job": "the launcher"}
     lines = [
         "# Reliability: a fault on one rank ends every rank, with its cause",
         "",

@@ -38,12 +38,13 @@ def measure(a):
     t0 = time.time()
     jobs = []
     for batch in a.batches:
-        for launcher in ("torchrun", "mpiexec"):
+        for torchrun in (True, False):  # torch.distributed (gloo), then MPI
             args = ["--batch", batch, "--rounds", a.rounds, "--steps", pick(64, 16),
                     "--microbatches", *a.microbatches]
-            if launcher == "mpiexec":
+            kind = {"launcher": "torchrun"} if torchrun else {}
+            if not torchrun:  # pipelining needs torch.distributed
                 args += ["--systems", "plain", "lp", "lp-mgrit"]
-            jobs.append(launch(WORKER, 2, *args, launcher=launcher, cores_per_rank=1)[-1])
+            jobs.append(launch(WORKER, 2, *args, cores_per_rank=1, **kind)[-1])
     return {**provenance(), "rounds": a.rounds, "seconds": time.time() - t0, "jobs": jobs}
 
 
