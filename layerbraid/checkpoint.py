@@ -298,6 +298,10 @@ def load_checkpoint(
             )
     if opt_state is not None and optimizer is not None:  # (there is a state only for one)
         optimizer.load_state_dict(opt_state)
+    for _, m in parts:  # every data group loaded the same weights (Note [replica check])
+        averager = m.__dict__.get("_averager")
+        if averager is not None and averager.replicas is not None:
+            averager.replicas.check("the load of a checkpoint")
     return ckpt.get("extra")
 
 

@@ -1,6 +1,12 @@
 """Exceptions raised by layerbraid."""
 
-__all__ = ["MGRITError", "RemoteRankError", "DivergenceError", "StallError"]
+__all__ = [
+    "MGRITError",
+    "RemoteRankError",
+    "DivergenceError",
+    "StallError",
+    "ReplicaMismatchError",
+]
 
 
 class MGRITError(RuntimeError):
@@ -31,3 +37,19 @@ class StallError(MGRITError, TimeoutError):
     environment variable ``LAYERBRAID_TIMEOUT``); the message says what it waited for and, for a
     message, from which rank.  Uncaught, it ends the job
     (``layerbraid.launch.abort_on_exception``)."""
+
+
+class ReplicaMismatchError(RuntimeError):
+    """The data groups' copies of a layer-parallel rank's parameters differ (a replica check of
+    :class:`layerbraid.ProcessGrid`): the replicas were updated differently, e.g. by optimizers
+    with different settings.  Raised on every rank.
+
+    Attributes:
+        groups: the data groups whose copies differ from data group 0's.
+        parameter: the name of the first parameter that differs.
+        backward: how many backward passes the model had run when the check found it.
+    """
+
+    def __init__(self, message: str, groups: list[int], parameter: str, backward: int) -> None:
+        super().__init__(message)
+        self.groups, self.parameter, self.backward = groups, parameter, backward

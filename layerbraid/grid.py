@@ -1,11 +1,13 @@
 """ProcessGrid: data parallel x layer parallel, and gradient averaging across data groups."""
 
+import warnings
 from typing import Any, Optional
 
 import torch
 
 from ._comm.world import Comm, is_comm, resolve
 from ._engine.parts import FreedOnExit
+from .errors import ReplicaMismatchError
 from .launch import _enter
 from .options import check_int
 
@@ -21,13 +23,28 @@ class ProcessGrid(FreedOnExit):
     averaged.  Pass the grid wherever a communicator is accepted (``LayerParallelModule(...,
     comm=grid)``): the model runs on the layer group and averages over the data group.
 
+    Every ``check_replicas_every``-th backward of a model on the grid (Note [replica check]),
+    the data groups compare fingerprints of their copies of each layer rank's parameters; where
+    they differ (replicas updated differently: an optimizer's settings or state that differ
+    between data groups), every rank raises :class:`layerbraid.errors.ReplicaMismatchError`
+    naming the groups, the first differing parameter and the backward, or, with
+    ``on_replica_mismatch="broadcast"``, data group 0's copies replace the others (a warning
+    says so).  0 turns the check off.
+
     Attributes:
         world, layer_comm, data_comm: the communicators.
         layer_rank, layer_size: this rank's place in its layer group, and the group's size.
         data_rank, data_size: this rank's data group index (which shard it reads), and D.
     """
 
-    def __init__(self, comm: Optional[Comm] = None, data_parallel: int = 1) -> None:
+    def __init__(
+        self,
+        comm: Optional[Comm] = None,
+        data_parallel: int = 1,
+        *,
+        check_replicas_every: int = 50,
+        on_replica_mismatch: str = "raise",
+    ) -> None:
         _enter()
 
         comm = resolve(comm)
@@ -44,6 +61,12 @@ class ProcessGrid(FreedOnExit):
                 f"the communicator: each data group needs {size}/{data_parallel} "
                 "ranks"
             )
+        self.check_replicas_every = check_int("check_replicas_every", check_replicas_every, 0, None)
+        if on_replica_mismatch not in ("raise", "broadcast"):
+            raise ValueError(
+                f"on_replica_mismatch must be 'raise' or 'broadcast', got {on_replica_mismatch!r}"
+            )
+        self.on_replica_mismatch = on_replica_mismatch
         rank = comm.Get_rank()
         layers = size // data_parallel
         self.world = comm
@@ -72,7 +95,81 @@ def replicate(module: "torch.nn.Module", grid: Optional[ProcessGrid]) -> Optiona
     if grid is None or grid.data_size == 1:
         return None
     grid.data_comm.bcast_into(list(module.parameters()) + list(module.buffers()))
-    return _GradAverager(module.parameters(), grid.data_comm)
+    replicas = Replicas(module, grid)
+    return _GradAverager(module.parameters(), grid.data_comm, replicas)
+
+
+# Note [replica check]: data parallelism keeps one copy of each layer rank's parameters per data
+# group, equal only while every group applies the same update.  Nothing else notices when they
+# do not (a learning rate computed from the rank, an optimizer state loaded on one group): the
+# groups train on, apart.  So every K-th backward each rank fingerprints its parameters (two
+# int64 checksums per tensor of its elements' bit patterns, a plain and a position-weighted
+# sum: integer sums wrap the same in any order, so equal copies give equal checksums on any
+# device, and a copy that differs in any element, or has two swapped, almost surely does not),
+# the data group gathers them, and the whole grid learns in one reduction whether any group
+# differs, so that every rank raises at the same backward or none does.
+class Replicas:
+    """The replica check of ``module``'s parameters over ``grid``'s data groups."""
+
+    def __init__(self, module: "torch.nn.Module", grid: ProcessGrid) -> None:
+        self.grid, self.every = grid, grid.check_replicas_every
+        self.named = [(n, p) for n, p in module.named_parameters()]
+        self.buffers = list(module.buffers())
+        self.backwards = 0
+
+    def after_backward(self) -> None:
+        """Counts a backward; checks on every ``every``-th."""
+        self.backwards += 1
+        if self.every and self.backwards % self.every == 0:
+            self.check(f"backward {self.backwards}")
+
+    def check(self, when: str) -> None:
+        """Compares the data groups' copies now (collective over the grid's world)."""
+        grid = self.grid
+        mine = fingerprints([p for _, p in self.named]).reshape(1, -1)
+        rows = grid.data_comm.allgather_rows(mine, "every data group's parameter fingerprints")
+        differ = [d for d in range(1, grid.data_size) if not torch.equal(rows[d], rows[0])]
+        error: Optional[Exception] = None
+        if differ:
+            columns = (rows[differ[0]] != rows[0]).nonzero()
+            name = self.named[int(columns[0, 0]) // 2][0] if len(columns) else "?"
+            if grid.on_replica_mismatch == "broadcast":
+                grid.data_comm.bcast_into([p for _, p in self.named] + self.buffers)
+                warnings.warn(
+                    f"data group(s) {differ} held copies of {name} (layer rank "
+                    f"{grid.layer_rank}) other than data group 0's at {when}: replaced by "
+                    "data group 0's (on_replica_mismatch='broadcast')",
+                    stacklevel=2,
+                )
+            else:
+                error = ReplicaMismatchError(
+                    f"the data-parallel replicas differ: data group(s) {differ} hold a copy "
+                    f"of {name} (layer rank {grid.layer_rank}) other than data group 0's at "
+                    f"{when}; the replicas were updated differently (an optimizer whose "
+                    "settings or state differ between data groups?).  ProcessGrid(..., "
+                    "on_replica_mismatch='broadcast') copies data group 0's instead, "
+                    "check_replicas_every=0 turns the check off",
+                    differ,
+                    name,
+                    self.backwards,
+                )
+        grid.world.raise_on_every_rank(error, "the replica check")
+
+
+def fingerprints(params: "list[torch.Tensor]") -> torch.Tensor:
+    """Two int64 checksums per tensor of its elements' bit patterns (Note [replica check])."""
+    sums = []
+    for p in params:
+        flat = p.detach().reshape(-1)
+        bits = flat.view(_INT_OF_SIZE[flat.element_size()]).to(torch.int64)
+        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+        sums.append(torch.stack([bits.sum(), (bits * weights).sum()]))
+    if not sums:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat(sums)
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class _GradAverager:
@@ -84,8 +181,15 @@ class _GradAverager:
     hooks fire in, so the collectives match across the data group.
     """
 
-    def __init__(self, params, comm, bucket_bytes=8 << 20) -> None:
+    def __init__(
+        self,
+        params: Any,
+        comm: Any,
+        replicas: Optional[Replicas] = None,
+        bucket_bytes: int = 8 << 20,
+    ) -> None:
         self.comm, self.size = comm, comm.Get_size()
+        self.replicas = replicas
         params = [p for p in params if p.requires_grad]
         # Gradients appear roughly in reverse order of the parameters (close layer first).
         self.buckets, current, nbytes = [], [], 0
@@ -154,3 +258,5 @@ class _GradAverager:
                 p.grad.copy_(avg.to(p.grad.device, p.grad.dtype))
                 off += n
         self._reset()
+        if self.replicas is not None:
+            self.replicas.after_backward()
