@@ -9,6 +9,7 @@ instead with --lp-target-error or --lp-probe-every 0); at the end a metrics JSON
 statistic, audit and probe) and a training-curve PNG; checkpoint after every epoch and resume.
 """
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -312,11 +313,15 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     device = torch.device(args.device)
     optimizer = make_optimizer(args, depths.model.parameters())
     history, start_epoch = [], 0
-    if args.resume:
-        extra = layerbraid.load_checkpoint(model, args.resume, optimizer)
+    resume_from = args.resume
+    if not resume_from and args.checkpoint and os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                              "0") != "0":
+        resume_from = args.checkpoint  # torchrun restarted the job: on from its last epoch
+    extra = layerbraid.checkpoint.resume(model, resume_from, optimizer) if resume_from else None
+    if extra is not None:
         start_epoch, history = extra["epoch"], extra["history"]
         if rank == 0:
-            print(f"resumed from {args.resume} after epoch {start_epoch}")
+            print(f"resumed from {resume_from} after epoch {start_epoch}")
     out_dir = Path(args.out_dir or f"runs/{name}")
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from torch import nn
 from ._engine.parts import sharded_parts
 from ._engine.warn import warn
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "CheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "resume", "CheckpointError"]
 
 _MAGIC = b"LAYERBRAID-CHECKPOINT 1\n"
 _FORMAT = "layerbraid-checkpoint-2"
@@ -87,6 +87,7 @@ def save_checkpoint(
     path: Union[str, os.PathLike],
     optimizer: Optional[torch.optim.Optimizer] = None,
     extra: Any = None,
+    loader: Any = None,
 ) -> None:
     """Writes ``model``'s checkpoint to ``path`` (collective over the job).
 
@@ -96,6 +97,8 @@ def save_checkpoint(
         path: the file; written atomically (see Note [checkpoint file]).
         optimizer: optional ``torch.optim`` optimizer over ``model.parameters()``.
         extra: tensors and plain containers (dict, list, str, numbers, None), e.g. the epoch.
+        loader: a ``layerbraid.data.LayerParallelLoader`` whose position (epoch, batches) is
+            saved too, so that a resumed run continues with the next batch.
     """
     parts, comm = _parts(model)
     rank = comm.Get_rank() if comm is not None else 0
@@ -126,6 +129,8 @@ def save_checkpoint(
                 full.update(m)
                 merged.update(o)
             ckpt = {"format": _FORMAT, "model": full, "extra": extra}
+            if loader is not None:
+                ckpt["loader"] = loader.state_dict()
             for _, m in parts[:1]:
                 ckpt["num_steps"], ckpt["t_final"] = m.num_steps, m.t_final
             if optimizer is not None:
@@ -267,9 +272,11 @@ def load_checkpoint(
     model: nn.Module,
     path: Union[str, os.PathLike],
     optimizer: Optional[torch.optim.Optimizer] = None,
+    loader: Any = None,
 ) -> Any:
-    """Resumes ``model`` (and ``optimizer``) from :func:`save_checkpoint`'s file on any number of
-    ranks; returns its ``extra``.  Each rank reads the file and keeps what it holds."""
+    """Resumes ``model`` (and ``optimizer``, and ``loader``'s position where the file holds one)
+    from :func:`save_checkpoint`'s file on any number of ranks; returns its ``extra``.  Each
+    rank reads the file and keeps what it holds."""
     ckpt = read_checkpoint(path)
     # checked before anything is loaded: a mismatch leaves the model and the optimizer as
     # they were
@@ -298,6 +305,8 @@ def load_checkpoint(
             )
     if opt_state is not None and optimizer is not None:  # (there is a state only for one)
         optimizer.load_state_dict(opt_state)
+    if loader is not None and ckpt.get("loader") is not None:
+        loader.load_state_dict(ckpt["loader"])
     for _, m in parts:  # every data group loaded the same weights (Note [replica check])
         averager = m.__dict__.get("_averager")
         if averager is not None and averager.replicas is not None:
@@ -351,3 +360,25 @@ def _optimizer_state(model: Any, optimizer: Any, ckpt: dict[str, Any], path: Any
         for g, s in zip(optimizer.state_dict()["param_groups"], saved_opt["param_groups"])
     ]
     return {"state": state, "param_groups": groups}
+
+
+def resume(
+    model: nn.Module,
+    path: Union[str, os.PathLike],
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    loader: Any = None,
+) -> Any:
+    """The first call of a script that checkpoints to ``path`` as it trains: where ``path``
+    holds a checkpoint (the job was restarted, e.g. by ``torchrun --max-restarts``, or by hand
+    on any number of ranks), loads it into ``model``, ``optimizer`` and ``loader``'s position
+    as :func:`load_checkpoint` does and returns its ``extra``; where there is none, a fresh
+    start, returns None and changes nothing.  Collective: the first rank looks, every rank
+    follows its answer."""
+    parts, comm = _parts(model)
+    _, world = _world(model, comm)
+    here = os.path.exists(path)
+    if world is not None and world.Get_size() > 1:
+        here = world.bcast_obj(here, 0, f"whether {os.fspath(path)} exists")
+    if not here:
+        return None
+    return load_checkpoint(model, path, optimizer, loader)

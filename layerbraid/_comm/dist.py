@@ -105,9 +105,41 @@ def _init_default_group(backend: Optional[str]) -> None:
         why = "the store never accepted a connection"
         raise StallError(_rendezvous_stalled(why, limit))
     try:
-        dist.init_process_group(backend=backend, timeout=deadline)
+        store = _attempt_store(deadline)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=deadline)
+        else:
+            rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(
+                backend=backend, store=store, rank=rank, world_size=size, timeout=deadline
+            )
     except dist.DistError as exc:
         raise StallError(_rendezvous_stalled(str(exc), limit + _BACKEND_MARGIN)) from exc
+
+
+# Note [restart attempts]: torchrun --max-restarts starts the processes again after one fails,
+# with the same store (the agent's) and TORCHELASTIC_RESTART_COUNT one higher.  The backend's
+# rendezvous keys of the failed attempt are still there: gloo then connects to the dead
+# process's old address and the restart fails (torch 2.13, tried).  Under torchrun the default
+# group is made on the store seen through a prefix of the attempt, so every attempt, and its
+# exit notices (Note [store notices]), starts clean.
+def _attempt_store(deadline: Optional[timedelta]) -> Any:
+    """The rendezvous store of this torchrun attempt, or None outside torchrun's restarts."""
+    env = os.environ
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT")
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if attempt is None or not all(env.get(k) for k in needed):
+        return None
+    rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    hosted_by_agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        size,
+        is_master=not hosted_by_agent and rank == 0,
+        timeout=deadline or timedelta(minutes=30),
+    )
+    return dist.PrefixStore(f"layerbraid/attempt_{attempt}", store)
 
 
 def _store_reachable(limit: float) -> bool:

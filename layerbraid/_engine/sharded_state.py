@@ -123,12 +123,14 @@ class ShardedState(ShardedPart, nn.Module):
             return self._rank == self._size - 1
         return self._rank == 0
 
-    def save_checkpoint(self, path: Any, optimizer: Any = None, extra: Any = None) -> None:
+    def save_checkpoint(
+        self, path: Any, optimizer: Any = None, extra: Any = None, loader: Any = None
+    ) -> None:
         """Writes one file that any number of ranks can resume from (collective); see
         :func:`layerbraid.save_checkpoint`."""
-        checkpoint.save_checkpoint(self, path, optimizer, extra)
+        checkpoint.save_checkpoint(self, path, optimizer, extra, loader)
 
-    def load_checkpoint(self, path: Any, optimizer: Any = None) -> Any:
+    def load_checkpoint(self, path: Any, optimizer: Any = None, loader: Any = None) -> Any:
         """Resumes from :meth:`save_checkpoint`'s file on any number of ranks; returns ``extra``
         (see :func:`layerbraid.load_checkpoint`)."""
-        return checkpoint.load_checkpoint(self, path, optimizer)
+        return checkpoint.load_checkpoint(self, path, optimizer, loader)

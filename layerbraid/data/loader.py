@@ -7,6 +7,8 @@ own shard of the epoch.  A plain shuffled ``DataLoader`` draws a different order
 and trains silently on mismatched inputs and labels.
 """
 
+import itertools
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -90,15 +92,17 @@ class GroupSampler(DistributedSampler):
             drop_last=drop_last,
         )
         self._next_epoch = 0
+        self.skip = 0  # samples of the next epoch already trained on (a resumed position)
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
         self._next_epoch = epoch
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         self.epoch = self._next_epoch
         self._next_epoch += 1
-        return super().__iter__()
+        skip, self.skip = self.skip, 0
+        return itertools.islice(super().__iter__(), skip, None)
 
 
 class LayerParallelLoader(DataLoader):
@@ -119,6 +123,9 @@ class LayerParallelLoader(DataLoader):
             ...); ``sampler``, ``batch_sampler`` and ``shuffle`` are this class's.
 
     Each ``iter(loader)`` starts the next epoch's order; ``loader.set_epoch(e)`` sets it.
+    ``state_dict()`` is the position (the epoch and the batches of it handed out so far), which
+    ``load_state_dict`` restores, so that a resumed run continues with the next batch
+    (``layerbraid.checkpoint.resume`` does both around a checkpoint).
     """
 
     def __init__(
@@ -146,9 +153,39 @@ class LayerParallelLoader(DataLoader):
             dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs
         )
         self.seed = seed
+        self._epoch, self._handed = 0, 0  # the epoch iterated, and its batches handed out
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch whose order the next iteration yields."""
         sampler = self.sampler
         assert isinstance(sampler, GroupSampler)
         sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        sampler = self.sampler
+        assert isinstance(sampler, GroupSampler)
+        self._epoch, self._handed = sampler._next_epoch, sampler.skip // (self.batch_size or 1)
+        for batch in super().__iter__():
+            self._handed += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: ``{"epoch", "batches"}`` (of that epoch, handed out) and the seed."""
+        return {"epoch": self._epoch, "batches": self._handed, "seed": int(self.seed)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continues after :meth:`state_dict`'s position: the next iteration yields the rest of
+        that epoch (or the next epoch where it was over).  The seed must be the one saved, else
+        the order would differ (ValueError)."""
+        if int(state["seed"]) != int(self.seed):
+            raise ValueError(
+                f"the position was saved with shuffling seed {state['seed']}; this loader has "
+                f"seed {self.seed}: pass seed={state['seed']} to resume in the same order"
+            )
+        sampler = self.sampler
+        assert isinstance(sampler, GroupSampler)
+        epoch, batches = int(state["epoch"]), int(state["batches"])
+        if batches >= len(self):
+            epoch, batches = epoch + 1, 0
+        sampler.set_epoch(epoch)
+        sampler.skip = batches * (self.batch_size or 1)
