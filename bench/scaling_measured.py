@@ -13,7 +13,7 @@ cbridge/src/comm.c), and MPICH's own waits yield (MPIR_CVAR_ENABLE_HEAVY_YIELD=1
 is the schedule, the messages, the waiting, the sequential coarse solve, and layerbraid's own CPU
 work (callbacks, vector sums, norms, packing, Python around each solve), which 64 ranks on 2 cores
 must share: that is the part of the measurement a cluster would not see. The model of this machine
-is therefore layerbraid.plan's schedule run on 2 shared cores (bench/shared_cores.py): a step
+is therefore layerbraid.plan's schedule run on 2 shared cores (plan.SharedCores): a step
 action needs a core for its CPU part only (the parts run in turn, at most one per core), waiting
 ranks poll, and a rank that napped in a wait sees its message as late as a state handed from rank
 to rank showed on this machine. Settings: 2 forward / 1 adjoint iteration, F-relaxation on the fine
@@ -23,7 +23,6 @@ PyTorch autograd over the same sleeping layers) / time.
 import os
 import statistics
 
-from bench import shared_cores
 from bench.harness import DOCS, generate, launch, pick, provenance, write_section
 from layerbraid import MGRITOptions, plan
 
@@ -146,9 +145,9 @@ def on_this_machine(n, ranks, fwd, bwd, data, machine, cores=CORES, seen_late=0.
     """(seconds, CPU seconds) of one forward+backward, the ranks sharing `cores` cores."""
     cpu, _, wait_cpu = machine
     msg, step, vjp = _action_costs(data, machine)
-    out = [shared_cores.simulate(plan.schedule(n, ranks, opts, adjoint=adj), cost, cost, msg,
-                                 LATENCY, cores=cores, cpu=cpu, wait_cpu=wait_cpu,
-                                 seen_late=seen_late)
+    shared = plan.SharedCores(cores, cpu, wait_cpu, seen_late)
+    out = [plan.simulate(plan.schedule(n, ranks, opts, adjoint=adj), cost, cost, msg, LATENCY,
+                         shared=shared)
            for opts, adj, cost in ((fwd, False, step), (bwd, True, vjp))]
     return out[0][0] + out[1][0], out[0][1] + out[1][1]
 
@@ -157,9 +156,9 @@ def hand_off_model(data, machine, ranks, seen_late):
     """Seconds of the hand-off worker's solve on `ranks` ranks in the model of this machine."""
     one = next(r["seconds"] for r in data["hand_off"] if r["ranks"] == 1)
     msg = _action_costs(data, machine)[0]
-    return shared_cores.simulate(plan.schedule(ranks, ranks, MGRITOptions(max_levels=1)), one,
-                                 one, msg, LATENCY, cores=CORES, cpu=min(machine[0], one),
-                                 wait_cpu=machine[2], seen_late=seen_late)[0]
+    shared = plan.SharedCores(CORES, min(machine[0], one), machine[2], seen_late)
+    return plan.simulate(plan.schedule(ranks, ranks, MGRITOptions(max_levels=1)), one, one, msg,
+                         LATENCY, shared=shared)[0]
 
 
 def seen_late(data, machine):

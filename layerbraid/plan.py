@@ -42,6 +42,7 @@ __all__ = [
     "measure_step",
     "spatial_scale",
     "PIPELINE_SCHEDULES",
+    "SharedCores",
     "pipeline_orders",
     "predict_pipeline",
 ]
@@ -197,6 +198,36 @@ def spatial_scale(levels: Sequence[int], dims: int, num_levels: int = 16) -> tup
     return tuple(out)
 
 
+# Note [shared cores]: simulate() gives every rank a core of its own.  With SharedCores, P ranks
+# share ``cores`` cores (the host bench/scaling_measured.py emulates many ranks on):
+# - a step action is ``cpu`` seconds of work that needs a core, then the rest of its cost
+#   without one (an emulated layer sleeps, as a layer on an accelerator leaves its CPU idle);
+# - the CPU parts run in the order the ranks ask, at most ``cores`` at a time, each to its end
+#   (a burst of a fraction of a millisecond is shorter than the scheduler's time slice);
+# - a rank that waits (for a message, or for the other ranks of an allreduce) polls, asking for
+#   ``wait_cpu`` of a core; with no more ranks than cores it spins on a core of its own.  While
+#   the running CPU parts and the polling ask for more than ``cores`` cores, the running parts
+#   slow down in proportion;
+# - with more ranks than cores the core's waits nap between tests (Note [polled waits] in
+#   cbridge/src/comm.c), a tenth of the time waited so far, 0.1 ms to 1 ms: a message that
+#   arrives during a nap is seen half a nap later on average, plus ``seen_late`` (what the
+#   machine adds, measured by handing a state from rank to rank).
+# With ``cores`` >= P this is exactly the plain simulation (tested).
+NAP_MIN, NAP_MAX, SPIN_SECONDS = 1e-4, 1e-3, 2e-4  # comm.c's keep_waiting
+
+
+@dataclass(frozen=True)
+class SharedCores:
+    """Ranks that share ``cores`` cores (Note [shared cores]): ``cpu`` seconds of each step
+    action need a core, a waiting rank asks for ``wait_cpu`` of one, and a napping rank sees
+    its message ``seen_late`` seconds later still."""
+
+    cores: int
+    cpu: float
+    wait_cpu: float
+    seen_late: float = 0.0
+
+
 @overload
 def simulate(
     traces: Sequence[np.ndarray],
@@ -224,6 +255,21 @@ def simulate(
 ) -> tuple[float, dict[str, float]]: ...
 
 
+@overload
+def simulate(
+    traces: Sequence[np.ndarray],
+    step_cost: float,
+    done_cost: float,
+    message_seconds: float,
+    latency: float,
+    level_scale: Optional[Sequence[float]] = ...,
+    message_scale: Optional[Sequence[float]] = ...,
+    critical_path: Literal[False] = ...,
+    *,
+    shared: SharedCores,
+) -> tuple[float, float]: ...
+
+
 def simulate(
     traces: Sequence[np.ndarray],
     step_cost: float,
@@ -233,15 +279,24 @@ def simulate(
     level_scale: Optional[Sequence[float]] = None,
     message_scale: Optional[Sequence[float]] = None,
     critical_path: bool = False,
-) -> Union[float, tuple[float, dict[str, float]]]:
+    *,
+    shared: Optional[SharedCores] = None,
+) -> Union[float, tuple[float, dict[str, float]], tuple[float, float]]:
     """The time at which the last rank finishes, walking every rank's actions (seconds).
     `message_scale` defaults to `level_scale`.
+
+    With ``shared``, the ranks share fewer cores than they are (Note [shared cores]; no level
+    scales): returns ``(seconds, CPU seconds of all ranks)``.
 
     With ``critical_path``, returns ``(seconds, {what: seconds})`` instead: the chain of actions
     that set the finishing time, by kind ("level L steps", "final relaxation", "messages",
     "allreduces"); its parts add up to the time.  Each rank carries the path that led to its
     clock: a receive that waits takes the sender's path plus the message, an allreduce the
     path of the last rank to arrive."""
+    if shared is not None:
+        if critical_path or level_scale is not None or message_scale is not None:
+            raise ValueError("simulate(shared=...) models no critical path and no level scales")
+        return _simulate_shared(traces, step_cost, done_cost, message_seconds, latency, shared)
     sim = _Simulation(
         traces,
         step_cost,
@@ -263,6 +318,127 @@ def simulate(
         if reached != p:
             raise RuntimeError("ranks disagree on the number of allreduces")
         sim.allreduce(allreduce)
+
+
+def _simulate_shared(
+    traces: Sequence[np.ndarray],
+    step_cost: float,
+    done_cost: float,
+    message_seconds: float,
+    latency: float,
+    shared: "SharedCores",
+) -> tuple[float, float]:
+    """(seconds until the last rank finishes, CPU seconds of all ranks), the ranks of
+    ``traces`` sharing ``shared.cores`` cores (Note [shared cores])."""
+    cores, cpu, wait_cpu = shared.cores, shared.cpu, shared.wait_cpu
+    seen_late = shared.seen_late
+    step_codes = {OPS.index(op) for op in STEP_OPS}
+    send, recv, norm = OPS.index("send"), OPS.index("recv"), OPS.index("norm")
+    p = len(traces)
+    over = p > cores
+    columns = [(t["op"], t["level"], t["index"], t["peer"], t["done"], len(t)) for t in traces]
+    pos = [0] * p
+    # per rank: ("cpu", work left, seconds after it) | ("off", until) | ("recv", key, since)
+    # | ("sync",) | ("done",)
+    state: list[Any] = [None] * p
+    arrivals: dict[tuple[int, int, int, int], list[float]] = {}
+    in_cpu: list[int] = []  # ranks in a CPU part, in the order they asked: the first `cores` run
+    now, cpu_used = 0.0, 0.0
+    allreduce = latency * max(1.0, math.ceil(math.log2(p))) if p > 1 else 0.0
+
+    def advance(r: int) -> None:
+        """Runs rank r's actions from pos[r] at `now` until one takes time."""
+        op, level, index, peer, done, n = columns[r]
+        a = pos[r]
+        while a < n:
+            o = op[a]
+            if o in step_codes:
+                cost = done_cost if done[a] else step_cost
+                work = min(cpu, cost)
+                state[r], pos[r] = ("cpu", work, cost - work), a + 1
+                in_cpu.append(r)
+                return
+            if o == send:
+                arrivals.setdefault((r, int(peer[a]), int(level[a]), int(index[a])), []).append(
+                    now + latency + message_seconds
+                )
+                if latency > 0:
+                    state[r], pos[r] = ("off", now + latency), a + 1
+                    return
+            elif o == recv:
+                key = (int(peer[a]), r, int(level[a]), int(index[a]))
+                queue = arrivals.get(key)
+                if not queue or queue[0] > now:
+                    state[r], pos[r] = ("recv", key, now), a
+                    return
+                queue.pop(0)
+            elif o == norm:
+                state[r], pos[r] = ("sync",), a + 1
+                return
+            a += 1
+        state[r], pos[r] = ("done",), a
+
+    def seen(r: int) -> float:
+        """When rank r's awaited message is seen (inf: not sent yet)."""
+        _, key, since = state[r]
+        queue = arrivals.get(key)
+        if not queue:
+            return math.inf
+        t = max(queue[0], since)
+        waited = t - since
+        if over and waited > SPIN_SECONDS:
+            t += min(max(waited / 10, NAP_MIN), NAP_MAX) / 2 + seen_late
+        return t
+
+    for r in range(p):
+        advance(r)
+    while True:
+        kinds = [s[0] for s in state]
+        if all(k == "done" for k in kinds):
+            return now, cpu_used
+        if all(k in ("sync", "done") for k in kinds):
+            if "done" in kinds:
+                raise RuntimeError("ranks disagree on the number of allreduces")
+            now += allreduce
+            for r in range(p):
+                advance(r)
+            continue
+        running = set(in_cpu[:cores])
+        computing = len(running)
+        waiting = kinds.count("recv") + kinds.count("sync")
+        asked = computing + (wait_cpu if over else 1.0) * waiting
+        rate = 1.0 if asked <= cores else cores / asked
+        nxt = math.inf
+        for r, k in enumerate(kinds):
+            if k == "cpu" and r in running:
+                nxt = min(nxt, now + state[r][1] / rate)
+            elif k == "off":
+                nxt = min(nxt, state[r][1])
+            elif k == "recv":
+                nxt = min(nxt, seen(r))
+        if nxt == math.inf:
+            raise RuntimeError("a rank waits for a message that no rank sends")
+        dt = nxt - now
+        cpu_used += dt * min(asked, cores)
+        now = nxt
+        for r, k in enumerate(kinds):
+            s = state[r]
+            if k == "cpu" and r in running:
+                left = s[1] - rate * dt
+                if left <= 1e-12 * (1 + now):
+                    in_cpu.remove(r)
+                    if s[2] > 0:
+                        state[r] = ("off", now + s[2])
+                    else:
+                        advance(r)
+                else:
+                    state[r] = ("cpu", left, s[2])
+            elif k == "off" and s[1] <= now:
+                advance(r)
+            elif k == "recv" and seen(r) <= now:
+                arrivals[s[1]].pop(0)
+                pos[r] += 1
+                advance(r)
 
 
 def _scaled(scale: Optional[Sequence[float]], level: int) -> float:

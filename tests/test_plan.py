@@ -172,59 +172,47 @@ def test_critical_path_adds_up_to_the_simulated_time(ranks):
         assert path["messages"] > 0 and path["level 2 steps"] > 0
 
 
-def _shared_cores():
-    """bench/shared_cores.py, the model of a host with fewer cores than ranks that
-    bench/scaling_measured.py compares its emulated runs with (the source tree's bench/)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "bench" / "shared_cores.py"
-    if not path.exists():
-        pytest.skip("bench/ is not next to the tests")
-    spec = importlib.util.spec_from_file_location("shared_cores", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("ranks", [1, 4, 16])
 def test_shared_cores_model_is_the_planner_with_a_core_per_rank(ranks):
-    shared = _shared_cores()
     opts = MGRITOptions(max_levels=3, cfactor=4, max_iters=2, nrelax=(0, 1), tol=0.0,
                         skip_first_downcycle=True)
     for adjoint in (False, True):
         traces = plan.schedule(128, ranks, opts, adjoint=adjoint)
         ref = plan.simulate(traces, 1e-3, 2e-3, 1e-4, 1e-5)
-        got, cpu = shared.simulate(traces, 1e-3, 2e-3, 1e-4, 1e-5, cores=ranks, cpu=3e-4,
-                                   wait_cpu=0.5)
+        got, cpu = plan.simulate(traces, 1e-3, 2e-3, 1e-4, 1e-5,
+                                 shared=plan.SharedCores(ranks, 3e-4, 0.5))
         assert got == pytest.approx(ref, rel=1e-12)
         assert cpu > 0
 
 
+def _shared(traces, step, done, msg, latency, *, cores, cpu, wait_cpu, seen_late=0.0):
+    return plan.simulate(traces, step, done, msg, latency,
+                         shared=plan.SharedCores(cores, cpu, wait_cpu, seen_late))
+
+
 def test_shared_cores_model_shares_the_cores():
-    shared = _shared_cores()
     one = MGRITOptions(max_levels=1)
     # a pipeline is sequential: fewer cores than ranks cost only the naps of its 3 hand-offs
     traces = plan.schedule(12, 4, one)
-    t, _ = shared.simulate(traces, 1.0, 1.0, 0.0, 0.0, cores=4, cpu=1.0, wait_cpu=0.0)
+    t, _ = _shared(traces, 1.0, 1.0, 0.0, 0.0, cores=4, cpu=1.0, wait_cpu=0.0)
     assert t == pytest.approx(12.0)
     for cores in (1, 2):
-        t, _ = shared.simulate(traces, 1.0, 1.0, 0.0, 0.0, cores=cores, cpu=1.0, wait_cpu=0.0)
-        assert 12.0 < t <= 12.0 + 3 * shared.NAP_MAX / 2 + 1e-9
+        t, _ = _shared(traces, 1.0, 1.0, 0.0, 0.0, cores=cores, cpu=1.0, wait_cpu=0.0)
+        assert 12.0 < t <= 12.0 + 3 * plan.NAP_MAX / 2 + 1e-9
     # multilevel work that is all CPU takes at least the ranks' work over the cores
     opts = MGRITOptions(skip_first_downcycle=False, max_levels=2, cfactor=4, max_iters=2, nrelax=0, tol=0.0)
     traces = plan.schedule(64, 8, opts)
     work = sum(sum(c.values()) for c in plan.step_counts(traces)) * 1e-3
     for cores in (1, 2, 4):
-        t, _ = shared.simulate(traces, 1e-3, 1e-3, 0.0, 0.0, cores=cores, cpu=1e-3, wait_cpu=0.0)
+        t, _ = _shared(traces, 1e-3, 1e-3, 0.0, 0.0, cores=cores, cpu=1e-3, wait_cpu=0.0)
         assert t >= work / cores * (1 - 1e-9)
     # a rank that naps sees its message late: at most half the longest nap, plus seen_late
     traces = plan.schedule(4, 4, one)
-    base, _ = shared.simulate(traces, 5e-3, 5e-3, 0.0, 0.0, cores=4, cpu=1e-5, wait_cpu=0.0)
-    napped, _ = shared.simulate(traces, 5e-3, 5e-3, 0.0, 0.0, cores=2, cpu=1e-5, wait_cpu=0.0)
-    late, _ = shared.simulate(traces, 5e-3, 5e-3, 0.0, 0.0, cores=2, cpu=1e-5, wait_cpu=0.0,
+    base, _ = _shared(traces, 5e-3, 5e-3, 0.0, 0.0, cores=4, cpu=1e-5, wait_cpu=0.0)
+    napped, _ = _shared(traces, 5e-3, 5e-3, 0.0, 0.0, cores=2, cpu=1e-5, wait_cpu=0.0)
+    late, _ = _shared(traces, 5e-3, 5e-3, 0.0, 0.0, cores=2, cpu=1e-5, wait_cpu=0.0,
                               seen_late=1e-3)
-    assert base < napped <= base + 3 * shared.NAP_MAX / 2 + 1e-12
+    assert base < napped <= base + 3 * plan.NAP_MAX / 2 + 1e-12
     assert late == pytest.approx(napped + 3e-3)
 
 
