@@ -17,6 +17,7 @@ import os
 import stat
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -103,7 +104,8 @@ def save_checkpoint(
     parts, comm = _parts(model)
     rank = comm.Get_rank() if comm is not None else 0
     state = model.state_dict()
-    mine = {k: state[k].detach().cpu() for k in _local_keys(model, list(state), parts, rank)}
+    # on their devices: they travel on the transport's (Note [checkpoint gather])
+    mine = {k: state[k].detach() for k in _local_keys(model, list(state), parts, rank)}
     names = {id(p): k for k, p in model.named_parameters()}
     local_params = set(_local_keys(model, list(names.values()), parts, rank))
     opt_state = {}
@@ -113,11 +115,11 @@ def save_checkpoint(
                 name = names.get(id(p))
                 if name in local_params and p in optimizer.state:
                     opt_state[name] = {
-                        k: (v.detach().cpu() if torch.is_tensor(v) else v)
+                        k: (v.detach() if torch.is_tensor(v) else v)
                         for k, v in optimizer.state[p].items()
                     }
     if comm is not None and comm.Get_size() > 1:
-        gathered = comm.gather_obj((mine, opt_state), 0, f"the state to save in {path}")
+        gathered = _gather(comm, mine, opt_state, f"the state to save in {path}")
     else:
         gathered = [(mine, opt_state)]
     writer, world = _world(model, comm)
@@ -126,8 +128,8 @@ def save_checkpoint(
         try:
             full, merged = {}, {}
             for m, o in gathered:
-                full.update(m)
-                merged.update(o)
+                full.update({k: v.cpu() for k, v in m.items()})
+                merged.update({n: {k: _on_cpu(v) for k, v in s.items()} for n, s in o.items()})
             ckpt = {"format": _FORMAT, "model": full, "extra": extra}
             if loader is not None:
                 ckpt["loader"] = loader.state_dict()
@@ -149,6 +151,81 @@ def save_checkpoint(
         world.raise_on_every_rank(error, f"writing the checkpoint {path}")
     if error is not None:
         raise error
+
+
+# Note [checkpoint gather]: the first rank writes the file, so every rank's share of the state
+# comes to it: the structure (keys, the optimizer's plain values, each tensor's shape and dtype)
+# as a small pickle, and the tensors themselves on the wire (Transport.exchange: one message per
+# rank, on the transport's device, so a GPU's tensors move as they move in training, not
+# through pickle).
+_CHECKPOINT_TAG = 7620
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor's place in the message of its rank: its index, shape and dtype."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _gather(
+    comm: Any, mine: dict[str, torch.Tensor], opt_state: dict[str, dict[str, Any]], what: str
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Every rank's (state, optimizer state) on rank 0, in rank order (Note [checkpoint
+    gather]); an empty list elsewhere."""
+    tensors: list[torch.Tensor] = []
+
+    def slot(v: Any) -> Any:
+        if not torch.is_tensor(v):
+            return v
+        tensors.append(v.detach())
+        return _Slot(len(tensors) - 1, tuple(v.shape), v.dtype)
+
+    layout = (
+        {k: slot(v) for k, v in mine.items()},
+        {name: {k: slot(v) for k, v in s.items()} for name, s in opt_state.items()},
+    )
+    layouts = comm.gather_obj(layout, 0, f"the layout of {what}")
+    if comm.Get_rank() != 0:
+        comm.exchange({0: tensors} if tensors else {}, {}, _CHECKPOINT_TAG, what)
+        return []
+    assert layouts is not None
+    slots = {r: _slots(lay) for r, lay in enumerate(layouts) if r != 0}
+    wanted = {
+        r: [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in ss]
+        for r, ss in slots.items()
+        if ss
+    }
+    got = comm.exchange({}, wanted, _CHECKPOINT_TAG, what)
+    out = [(mine, opt_state)]
+    for r in range(1, len(layouts)):
+        values = [t.clone() for t in got.get(r, [])]
+
+        def fill(v: Any, values: list[torch.Tensor] = values) -> Any:
+            return values[v.index] if isinstance(v, _Slot) else v
+
+        state, opt = layouts[r]
+        out.append(
+            (
+                {k: fill(v) for k, v in state.items()},
+                {name: {k: fill(v) for k, v in s.items()} for name, s in opt.items()},
+            )
+        )
+    return out
+
+
+def _on_cpu(v: Any) -> Any:
+    return v.cpu() if torch.is_tensor(v) else v
+
+
+def _slots(layout: tuple[dict[str, Any], dict[str, dict[str, Any]]]) -> list[_Slot]:
+    """The tensors of one rank's layout, in the order of its message."""
+    state, opt = layout
+    found = [v for v in state.values() if isinstance(v, _Slot)]
+    found += [v for s in opt.values() for v in s.values() if isinstance(v, _Slot)]
+    return sorted(found, key=lambda s: s.index)
 
 
 def _encode(ckpt: dict[str, Any]) -> bytes:
