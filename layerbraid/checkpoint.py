@@ -187,7 +187,7 @@ def _gather(
         {k: slot(v) for k, v in mine.items()},
         {name: {k: slot(v) for k, v in s.items()} for name, s in opt_state.items()},
     )
-    layouts = comm.gather_obj(layout, 0, f"the layout of {what}")
+    layouts = comm.gather_obj(layout, 0, f"{what} (its layout)")
     if comm.Get_rank() != 0:
         comm.exchange({0: tensors} if tensors else {}, {}, _CHECKPOINT_TAG, what)
         return []
