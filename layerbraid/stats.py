@@ -1,7 +1,7 @@
 """SolveStats: what one MGRIT solve of a layer-parallel model did, and how accurate it is."""
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -86,3 +86,13 @@ def contraction(norms: Sequence[float]) -> Optional[float]:
     if len(norms) < 2 or not norms[0] or norms[-1] < 0:
         return None
     return (norms[-1] / norms[0]) ** (1.0 / (len(norms) - 1))
+
+
+def sum_or_none(values: Iterable[Optional[float]]) -> Optional[float]:
+    """The sum of ``values``, or None where any is None (an estimate some part lacks)."""
+    total = 0.0
+    for v in values:
+        if v is None:
+            return None
+        total += v
+    return total

@@ -57,3 +57,18 @@ def assert_gradients_match(model, serial, tol, world):
     if world.rank == world.size - 1:
         for p, q in zip(model.close.parameters(), serial.close.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
+
+
+def compare_with_serial(model, x, y, tol, world):
+    """Output, input gradient and every parameter gradient of model vs model.to_serial()."""
+    serial = model.to_serial()
+    xp = x.clone().requires_grad_(True)
+    out = model(xp)
+    F.cross_entropy(out, y).backward()
+    xs = x.clone().requires_grad_(True)
+    ref = serial(xs)
+    F.cross_entropy(ref, y).backward()
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    if world.rank == 0:
+        torch.testing.assert_close(xp.grad, xs.grad, rtol=tol, atol=tol)
+    assert_gradients_match(model, serial, tol, world)

@@ -4,7 +4,6 @@ import warnings
 
 import pytest
 import torch
-from mpi4py import MPI
 
 import layerbraid
 from layerbraid import ProcessGrid, RemoteRankError

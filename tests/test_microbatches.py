@@ -9,7 +9,7 @@ import layerbraid
 from layerbraid import LayerParallelModule, MGRITOptions
 from layerbraid.depth.spline import SplineModule
 from layerbraid.nn import ConvBlock
-from nets import ODEResNet, assert_gradients_match, batch, train
+from nets import ODEResNet, assert_gradients_match, batch, compare_with_serial, train
 from tolerances import ROUNDOFF
 from transports import WORLD
 
@@ -20,18 +20,7 @@ def _all_float64(float64):
 
 
 def _compare(model, x, y):
-    """Output, input gradient and every parameter gradient against model.to_serial()."""
-    serial = model.to_serial()
-    xp = x.clone().requires_grad_(True)
-    out = model(xp)
-    F.cross_entropy(out, y).backward()
-    xs = x.clone().requires_grad_(True)
-    ref = serial(xs)
-    F.cross_entropy(ref, y).backward()
-    torch.testing.assert_close(out, ref, rtol=ROUNDOFF, atol=ROUNDOFF)
-    if WORLD.rank == 0:
-        torch.testing.assert_close(xp.grad, xs.grad, rtol=ROUNDOFF, atol=ROUNDOFF)
-    assert_gradients_match(model, serial, ROUNDOFF, WORLD)
+    compare_with_serial(model, x, y, ROUNDOFF, WORLD)
 
 
 @pytest.mark.shared_job

@@ -10,7 +10,7 @@ from torch import nn
 
 import layerbraid
 from layerbraid import LayerParallelModule, MGRITOptions
-from nets import ConvBlock, ODEResNet, assert_gradients_match, batch
+from nets import ConvBlock, ODEResNet, batch, compare_with_serial
 from tolerances import CONVERGED, ROUNDOFF
 from transports import WORLD, user_comm
 
@@ -22,21 +22,6 @@ def _all_float64(float64):
     pass
 
 
-def compare_with_serial(model, x, y, tol):
-    """Output, input gradient and every parameter gradient of model vs model.to_serial()."""
-    serial = model.to_serial()
-    xp = x.clone().requires_grad_(True)
-    out = model(xp)
-    F.cross_entropy(out, y).backward()
-    xs = x.clone().requires_grad_(True)
-    ref = serial(xs)
-    F.cross_entropy(ref, y).backward()
-    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-    if WORLD.rank == 0:
-        torch.testing.assert_close(xp.grad, xs.grad, rtol=tol, atol=tol)
-    assert_gradients_match(model, serial, tol, WORLD)
-
-
 @pytest.mark.shared_job
 @pytest.mark.both_transports
 @pytest.mark.parallel(RANKS)
@@ -44,7 +29,7 @@ def test_one_level_equals_serial_pytorch_to_roundoff():
     for n in (4, 9):  # 9: steps that do not divide evenly over the ranks
         torch.manual_seed(0)
         model = ODEResNet(WORLD, num_steps=n)
-        compare_with_serial(model, *batch(), tol=ROUNDOFF)
+        compare_with_serial(model, *batch(), tol=ROUNDOFF, world=WORLD)
         assert model.forward_stats.iterations == 0 and model.backward_stats.iterations == 0
 
 
@@ -55,11 +40,11 @@ def test_the_communicator_a_user_passes_equals_serial():
     """comm=dist.group.WORLD under torchrun (mpi4py's COMM_WORLD under mpiexec): one level
     equal to plain PyTorch to round-off, three converged levels to CONVERGED, float64."""
     torch.manual_seed(0)
-    compare_with_serial(ODEResNet(user_comm(), num_steps=9), *batch(), tol=ROUNDOFF)
+    compare_with_serial(ODEResNet(user_comm(), num_steps=9), *batch(), tol=ROUNDOFF, world=WORLD)
     opts = MGRITOptions(skip_first_downcycle=False, max_levels=3, cfactor=2, max_iters=40,
                         tol=1e-13, nrelax=1)
     model = ODEResNet(user_comm(), num_steps=12, forward_options=opts, backward_options=opts)
-    compare_with_serial(model, *batch(), tol=CONVERGED)
+    compare_with_serial(model, *batch(), tol=CONVERGED, world=WORLD)
     assert model.forward_stats.iterations > 1
 
 
@@ -74,7 +59,7 @@ def test_three_levels_run_to_convergence_equal_serial():
                           backward_options=MGRITOptions(skip_first_downcycle=False, max_levels=3,
                                                         cfactor=(2, 3), max_iters=40,
                                                         tol=1e-13, nrelax=(0, 1), cycle=fwd_cycle))
-        compare_with_serial(model, *batch(), tol=CONVERGED)
+        compare_with_serial(model, *batch(), tol=CONVERGED, world=WORLD)
         assert model.forward_stats.residual_norms[-1] < 1e-13
         assert model.backward_stats.residual_norms[-1] < 1e-13
 
@@ -312,11 +297,11 @@ class Midpoint(ODEResNet):
 def test_a_custom_step_rule_equals_serial():
     torch.manual_seed(0)
     model = Midpoint(WORLD, num_steps=6)
-    compare_with_serial(model, *batch(), tol=ROUNDOFF)
+    compare_with_serial(model, *batch(), tol=ROUNDOFF, world=WORLD)
     torch.manual_seed(0)
     opts = MGRITOptions(nrelax=1, skip_first_downcycle=False, max_levels=2, cfactor=3, max_iters=30, tol=1e-13)
     model = Midpoint(WORLD, num_steps=6, forward_options=opts, backward_options=opts)
-    compare_with_serial(model, *batch(), tol=CONVERGED)
+    compare_with_serial(model, *batch(), tol=CONVERGED, world=WORLD)
 
 
 class Stage(LayerParallelModule):

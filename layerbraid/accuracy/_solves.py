@@ -3,7 +3,7 @@ varied (a SolveMode of _engine/parts.py in force for one batch), the gradients t
 the solves it leaves."""
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -171,13 +171,3 @@ def _gradients_with(
                 b.copy_(saved)
         for part, saved in stats:
             part._restore_stats(saved)
-
-
-def _sum_or_none(values: Iterable[Optional[float]]) -> Optional[float]:
-    """The sum, or None where any value is None."""
-    total = 0.0
-    for v in values:
-        if v is None:
-            return None
-        total += v
-    return total

@@ -33,7 +33,8 @@ from .._engine.parts import (
     ExactSolve,
     counted_parameters,
 )
-from ._solves import _gradients_with, _parts, _sum_or_none, _switch_modes
+from ..stats import sum_or_none
+from ._solves import _gradients_with, _parts, _switch_modes
 
 __all__ = ["GradientAudit", "ROUNDOFF_EPSILONS", "audit_due", "audit_gradients"]
 
@@ -124,8 +125,8 @@ def audit_gradients(
     parts = _parts(model, "audit_gradients")
     comm, counted = counted_parameters(model)
     t0 = time.perf_counter()
-    raw = _sum_or_none(p._raw_gradient_error_estimate() for p in parts)
-    estimate = _sum_or_none(p.gradient_error_estimate() for p in parts)
+    raw = sum_or_none(p._raw_gradient_error_estimate() for p in parts)
+    estimate = sum_or_none(p.gradient_error_estimate() for p in parts)
 
     kept: list = []
 

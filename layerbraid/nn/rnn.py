@@ -64,7 +64,7 @@ from .._engine.torch_private import cudnn_flatten_rnn_weights
 from ..grid import ProcessGrid
 from ..launch import _enter
 from ..options import MGRITOptions, check_int
-from ..stats import SolveStats
+from ..stats import SolveStats, sum_or_none
 from ._cell_steps import _CellSteps, _GRUSteps, _LSTMSteps
 
 __all__ = ["LayerParallelGRU", "LayerParallelLSTM"]
@@ -196,15 +196,9 @@ class _LayerParallelRNN(FreedOnExit, LayerParallelPart, nn.Module):
     def _estimate(self, field: str) -> Optional[float]:
         if not self.forward_stats or len(self.backward_stats) != len(self.forward_stats):
             return None
-        values = [
+        return sum_or_none(
             _gradient_estimate(f, b, field) for f, b in zip(self.forward_stats, self.backward_stats)
-        ]
-        total = 0.0
-        for v in values:
-            if v is None:
-                return None
-            total += v
-        return total
+        )
 
     def _save_stats(self) -> Any:
         return self.forward_stats, self.backward_stats
