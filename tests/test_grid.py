@@ -174,3 +174,23 @@ def test_a_rank_that_skips_the_checkpoint_load_stalls_the_replica_check(short_ti
         return
     with pytest.raises(layerbraid.StallError, match="fingerprints|the replica check"):
         layerbraid.load_checkpoint(model, path)
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([4])
+def test_a_transfer_between_depths_ends_with_the_replica_check():
+    """interpolate sets the fine network's weights on each data group from its own coarse copy:
+    copies that agree pass, a coarse copy that differs on data group 1 is named at the end of
+    the transfer on every rank."""
+    from layerbraid import depth
+
+    grid = ProcessGrid(WORLD, data_parallel=2)
+    torch.manual_seed(0)
+    coarse, fine = ODEResNet(grid, num_steps=4), ODEResNet(grid, num_steps=8)
+    depth.interpolate(coarse, fine)  # equal copies: nothing raised
+    if grid.data_rank == 1:
+        with torch.no_grad():
+            next(p for n, p in coarse.named_parameters() if n.startswith("layers.")).add_(1.0)
+    with pytest.raises((ReplicaMismatchError, RemoteRankError),
+                       match="the end of interpolate \\(linear\\)"):
+        depth.interpolate(coarse, fine)

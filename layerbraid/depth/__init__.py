@@ -44,6 +44,7 @@ def interpolate(
     same kind of step layer."""
     sources = interpolation(rule, coarse.num_steps, fine.num_steps)
     move_state(coarse, fine, sources, optimizers, f"interpolate ({rule})")
+    _check_replicas(fine, f"interpolate ({rule})")
 
 
 def restrict(
@@ -58,6 +59,15 @@ def restrict(
     :func:`interpolate`."""
     sources = restriction(rule, fine.num_steps, coarse.num_steps)
     move_state(fine, coarse, sources, optimizers, f"restrict ({rule})")
+    _check_replicas(coarse, f"restrict ({rule})")
+
+
+def _check_replicas(model: LayerParallelModule, what: str) -> None:
+    """Under data parallelism, the data groups' copies of the weights just set agree (Note
+    [replica check] in grid.py): each group transferred its own."""
+    averager = model.__dict__.get("_averager")
+    if averager is not None and averager.replicas is not None:
+        averager.replicas.check(f"the end of {what}")
 
 
 Sources = Callable[[int], list[tuple[int, float]]]
