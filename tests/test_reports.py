@@ -451,3 +451,24 @@ def test_a_summary_keeps_the_shape_and_quartiles_of_the_raw_data(tmp_path, monke
     assert len(summary["log"]) < 500
     with pytest.raises(SystemExit, match="no raw data of a run here"):
         harness.load_raw(tmp_path / "other.md")
+
+
+def test_the_numbers_quoted_from_the_pipelining_report_are_its_own():
+    """The README's ratio to the fastest pipelining row, and the tuning guide's speedups, are
+    what docs/vs_pipelining.md (and its summary) say, at the commit they name."""
+    data = json.loads((ROOT / "docs" / "vs_pipelining.json").read_text())
+    report = (ROOT / "docs" / "vs_pipelining.md").read_text()
+    job = next(j for j in data["jobs"] if j["batch"] == 50 and "gloo" in j["transport"])
+    med = job["medians"]
+    best_pipe = min(v for k, v in med.items() if k.split("-")[0] in ("gpipe", "1f1b"))
+    readme = (ROOT / "README.md").read_text()
+    assert f"ran at {best_pipe / med['lp-2']:.2f}x the speed" in readme
+    assert f"commit {data['commit'][:7]}" in readme
+    guide = (ROOT / "docs" / "guide" / "tuning.md").read_text()
+    assert f"commit {data['commit'][:7]}" in guide
+    batch50 = report.split("## Batch 50, 2 processes, torch")[1].split("##")[0]
+    for m, said in ((2, "2 microbatches ran at {}x"), (5, "5 at {}x"), (1, "1 microbatch:\n{}x")):
+        row = next(line for line in batch50.splitlines()
+                   if line.startswith(f"| layerbraid exact, {m} microbatch"))
+        speedup = row.split("|")[3].split()[0]
+        assert said.format(speedup) in guide, (m, speedup)
