@@ -1,46 +1,29 @@
-"""A job that torchrun restarts after a rank was killed resumes from its last checkpoint and ends
-where an uninterrupted run ends (tests/restart_job.py); the loader's position in between."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+"""A job that torchrun restarts after a process was killed resumes from its last checkpoint, on
+as many processes or fewer, and ends where an uninterrupted run ends; the loader's position in
+between."""
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 from layerbraid.data import LayerParallelLoader
-
-HERE = Path(__file__).resolve().parent
-
-
-def _torchrun(out, kill_at, restarts):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "--max-restarts", str(restarts), str(HERE / "restart_job.py"), str(out),
-           str(kill_at)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "_PYTEST_MPI"))}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=HERE, env=env)
-    return proc.returncode, proc.stdout + proc.stderr
+from layerbraid.tools import restarts
 
 
-def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(tmp_path):
-    """torchrun --max-restarts 1, 2 processes: rank 1 is SIGKILLed before batch 5; both start
-    again at batch 4, the last checkpoint, with the optimizer's momentum and the loader's
-    position, and end with the uninterrupted run's weights (float64, exact: to the bit here,
-    asserted to round-off)."""
-    rc, plain_log = _torchrun(tmp_path / "plain.pt", -1, 0)
-    assert rc == 0, plain_log[-3000:]
-    rc, log = _torchrun(tmp_path / "killed.pt", 5, 1)
-    assert rc == 0, log[-3000:]
-    lines = log.splitlines()
-    assert "rank 1 is killed before batch 5" in lines, log[-3000:]
-    for rank in (0, 1):
-        assert f"rank {rank} attempt 1 starts at batch 4" in lines, log[-3000:]
-        assert f"rank {rank} finished 9 batches" in lines, log[-3000:]
-    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "killed.pt")
-    assert a.keys() == b.keys() and len(a) > 0
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-12, atol=1e-12, msg=k)
+@pytest.mark.parametrize("mode", list(restarts.MODES))
+def test_a_killed_process_restarts_and_resumes_to_the_uninterrupted_weights(mode):
+    """The restart drill (layerbraid.tools.restarts), float64, exact solves, 9 batches with a
+    checkpoint every 2.  fixed: torchrun --max-restarts 1 on 2 processes, rank 1 SIGKILLed
+    before batch 5; both start again at batch 4 with the optimizer's momentum and the loader's
+    position.  elastic: two agents of one process (--nnodes 1:2); the second is SIGKILLed with
+    its process, and the first resumes alone at batch 4, the steps re-split.  Both end with the
+    weights of a run that was never killed (one process, no launcher), to round-off."""
+    result = restarts.run(mode, limit=150)
+    log = "".join(result["lines"])[-4000:]
+    assert not restarts.problems(mode, result), (restarts.problems(mode, result), log)
+    size = 2 if mode == "fixed" else 1
+    assert sorted(s for s in result["starts"] if s[2] == 1) == [
+        (r, size, 1, 4) for r in range(size)], log
+    assert result["max_diff"] <= 1e-12, log
 
 
 def _loader(seed=3):

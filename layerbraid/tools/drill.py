@@ -3,6 +3,7 @@ seconds, on this machine's MPI?
 
     python -m layerbraid.tools.drill                        # every scenario on 2 ranks
     python -m layerbraid.tools.drill --ranks 3 --scenarios stall-clip exit-end
+    python -m layerbraid.tools.drill --launcher torchrun    # torch.distributed (gloo)
 
 Each scenario is a short layer-parallel training job (``mpiexec -l -n RANKS python -m
 layerbraid.tools.drill --job SCENARIO``, with LAYERBRAID_TIMEOUT=3) in which one rank raises,
@@ -14,7 +15,8 @@ kills the whole job if it outlives ``--limit`` seconds whether or not it prints,
 that it ended nonzero with the cause printed where the scenario says: by the faulty rank for a
 fault it raises itself, by a waiting rank where a collective caught it, by the launcher for a
 killed process.  The test suite and the reliability report (docs/reliability.md) run these
-same scenarios.
+same scenarios, under both launchers; layerbraid.tools.restarts drills the restarts that follow a
+killed process under torchrun.
 """
 
 import argparse
@@ -196,6 +198,16 @@ SCENARIOS = {
         "every rank's part of the state to save in",
         "waiting",
     ),
+    "resume": (
+        "rank 1 raises before checkpoint.resume",
+        "InjectedFault: injected fault on rank 1",
+        "faulty",
+    ),
+    "stall-resume": (
+        "rank 1 never calls checkpoint.resume",
+        "the loader's seed",
+        "waiting",
+    ),
     "stall-to-serial": (
         "to_serial() called on rank 0 only",
         "every rank's part of the weights of every step layer",
@@ -218,7 +230,24 @@ SCENARIOS = {
         "waiting",
     ),
 }
+# Where torchrun's job prints another text for the same cause: it says "Signal 9 (SIGKILL)"; its
+# process group is made before any of layerbraid's, so the first collective a rank that never
+# starts can leave waiting is a solver's construction (MPI's first is the notice communicator);
+# gloo's broadcast waits at the root too, so resume's own broadcast catches a rank that never
+# calls it (MPI's root sends and goes on: the next collective, the loader's seed, catches it).
+TORCHRUN_CAUSES = {
+    "kill": "Signal 9 (SIGKILL)",
+    "stall-start": "the construction of an MGRIT solver",
+    "stall-resume": "rank 0's whether",
+}
 TIMEOUT = 3  # LAYERBRAID_TIMEOUT (seconds) for every scenario
+
+
+def cause_of(scenario: str, launcher: str = "mpiexec") -> str:
+    """The text of ``scenario``'s cause as a job under ``launcher`` prints it."""
+    if launcher == "torchrun" and scenario in TORCHRUN_CAUSES:
+        return TORCHRUN_CAUSES[scenario]
+    return SCENARIOS[scenario][1]
 
 
 def run(
@@ -229,10 +258,10 @@ def run(
     job), "faulty" (the rank that printed FAULT), "outputs" ({rank: its lines}), "job" (lines
     no rank printed), "cause_on" (the ranks that printed the cause), "cause" (the cause
     printed where the scenario says), "output" (everything)}."""
-    proc = _launch(scenario, ranks, mpiexec)
+    proc = _launch(scenario, ranks, mpiexec, launcher)
     rc, hung, lines, fault, faulty, end = _watch(proc, scenario, limit)
     outputs, job = _by_rank(lines, ranks)
-    cause, where = SCENARIOS[scenario][1], SCENARIOS[scenario][2]
+    cause, where = cause_of(scenario, launcher), SCENARIOS[scenario][2]
     cause_on = [r for r, text in outputs.items() if cause in text]
     if where == "faulty":
         shown = faulty in cause_on
@@ -251,6 +280,7 @@ def run(
         "seconds": None if fault is None else end - fault,
         "cause_on": cause_on,
         "cause": shown,
+        "launcher": launcher,
         "output": "".join(lines),
     }
 
@@ -331,6 +361,14 @@ def sleep_forever() -> None:
     time.sleep(3600)
 
 
+def skip_ahead() -> None:
+    """The fault of the skip scenarios: this rank skips a collective and goes on to the next,
+    where it stalls too.  It pauses one stall timeout first, so that the waiting rank's deadline
+    (which names the skipped collective) always fires before this rank's own."""
+    fault_here()
+    time.sleep(float(os.environ.get("LAYERBRAID_TIMEOUT", TIMEOUT)))
+
+
 def exit_now(status: int) -> None:
     fault_here()
     sys.exit(status)
@@ -375,6 +413,12 @@ def job(scenario: str) -> None:
         if one:
             sleep_forever()
         layerbraid.ProcessGrid(WORLD, data_parallel=WORLD.size)
+    if scenario == "resume":
+        fail_on(1, "checkpoint.resume")
+    if scenario == "stall-resume" and one:
+        sleep_forever()
+    if scenario in ("resume", "stall-resume"):  # no checkpoint yet: every rank learns it from 0
+        layerbraid.checkpoint.resume(model, os.path.join(tempfile.gettempdir(), "no-such.ckpt"))
     if scenario == "close-layer" and WORLD.rank == WORLD.size - 1:
         model.close = FailingClose()  # type: ignore[assignment]
     if scenario == "loader":
@@ -407,7 +451,7 @@ def _train(scenario: str, WORLD: Any, model: Any, loader: Any, opt: Any) -> None
             fault_here()
             xb = xb * float("inf")
         if scenario == "skip-forward" and last and one:
-            fault_here()
+            skip_ahead()
             continue
         if scenario == "kill" and step == 3 and one:
             fault_here()
@@ -423,7 +467,7 @@ def _train(scenario: str, WORLD: Any, model: Any, loader: Any, opt: Any) -> None
         if scenario == "exit-backward" and step == 2 and one:
             exit_now(0)
         if scenario == "skip-backward" and last and one:
-            fault_here()
+            skip_ahead()
             continue
         loss.backward()
         if scenario == "clip" and step == 2:
