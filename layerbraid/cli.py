@@ -401,11 +401,6 @@ def _check_depth_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
                 "shallower depths: leave at least one for the full depth"
             )
     if mg > 1:
-        if _flag(args, "dp_size", 1) > 1:
-            parser.error(
-                "--lp-mgopt-levels with --dp-size > 1: each data group would take "
-                "its own line-search steps; use one data group"
-            )
         if _flag(args, "lp_tune_error", None) is not None:
             parser.error(
                 "--lp-tune-error does not go with --lp-mgopt-levels: MG/Opt takes "

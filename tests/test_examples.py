@@ -194,7 +194,8 @@ def test_dahlquist_bad_flags_are_one_line_errors(flag, value, words):
 
 
 def test_mnist_trains_over_depths(tmp_path):
-    """Nested iteration (4 then 8 steps) and MG/Opt (8 over 4 steps) from the flags, 2 ranks."""
+    """Nested iteration (4 then 8 steps) and MG/Opt (8 over 4 steps, two data groups) from the
+    flags, 2 ranks."""
     proc = run(2, "mnist.py", "--epochs", 2, "--max-batches", 30, "--test-limit", 500,
                "--compare-batches", 0, "--lp-nested-levels", 2, "--out-dir", tmp_path / "nested")
     hist = metrics(tmp_path / "nested")["history"]
@@ -202,8 +203,10 @@ def test_mnist_trains_over_depths(tmp_path):
     assert proc.stdout.count("nested iteration: 1 epoch(s) at 4 steps, then 1 epoch(s) at 8") == 1
     assert proc.stdout.count("nested iteration: refined to 8 steps (linear)") == 1
     assert hist[1]["train_loss"] < hist[0]["train_loss"]
+    # MG/Opt on two data groups (the layer-parallel cycle: tests/test_mgopt.py)
     proc = run(2, "mnist.py", "--epochs", 1, "--max-batches", 20, "--test-limit", 500,
-               "--compare-batches", 0, "--lp-mgopt-levels", 2, "--out-dir", tmp_path / "mgopt")
+               "--compare-batches", 0, "--lp-mgopt-levels", 2, "--dp-size", 2,
+               "--out-dir", tmp_path / "mgopt")
     h = metrics(tmp_path / "mgopt")["history"][0]
     assert len(h["mgopt_alphas"]) == 20 and h["audits"] == [] and h["probes"] == []
     assert sum(h["last_losses"]) < sum(h["first_losses"])

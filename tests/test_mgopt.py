@@ -93,6 +93,48 @@ def test_cycles_lower_the_fine_loss_on_a_batch():
     assert taken >= 1
 
 
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([2, 4])
+@pytest.mark.parametrize("line_search", ["backtracking", "alphas"])
+def test_data_parallel_cycles_equal_the_full_batch_cycles(line_search):
+    """MG/Opt on a 2 x 1 grid (2 ranks) or a 2 x 2 grid (4 ranks), each data group given half
+    of each batch, equals MG/Opt on the whole batch without data parallelism on one layer
+    group: the objective it reports, every line search's choice and the weights after four
+    cycles of a 3-level hierarchy with Adam.  (Before the groups agreed on the objective, each
+    searched on its own half's loss.)"""
+    grid = layerbraid.ProcessGrid(WORLD, data_parallel=2)
+
+    def run(comm, shard):
+        models = hierarchy(comm, [12, 6, 3])
+        opts = [torch.optim.Adam(m.parameters(), lr=3e-2) for m in models]
+        mg = MGOpt(models, opts, line_search=line_search, alphas=(2.0, 1.0, 0.5, 0.25))
+        losses, alphas = [], []
+        for k in range(4):
+            x, y = batch(n=8, seed=k)
+            losses.append(mg.step(loss_on(shard(x), shard(y))))
+            alphas.append(list(mg.stats.alphas))
+        return models[0].to_serial().state_dict(), losses, alphas
+
+    got, got_losses, got_alphas = run(grid, lambda t: t.chunk(2)[grid.data_rank])
+    want, want_losses, want_alphas = run(grid.layer_comm, lambda t: t)
+    assert got_alphas == want_alphas
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-12, atol=0)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-11, atol=1e-13, msg=k)
+    grid.free()
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+def test_levels_with_different_data_parallelism_are_refused_on_every_rank():
+    grid = layerbraid.ProcessGrid(WORLD, data_parallel=2)
+    models = [hierarchy(grid, [4])[0], hierarchy(MPI.COMM_SELF, [2])[0]]
+    with pytest.raises(ValueError, match=r"the same number of data groups: \[2, 1\]"):
+        MGOpt(models, sgd(models))
+    grid.free()
+
+
 @pytest.mark.parallel([1])
 def test_bad_options_are_clear_errors():
     models = hierarchy(MPI.COMM_SELF, [4, 2])

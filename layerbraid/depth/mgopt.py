@@ -20,9 +20,13 @@ One cycle on one batch, at level ``l`` (``F_l(x) = f_l(x) - <v_l, x>``, ``v_0 = 
 Collective over the layer group: every level is a layer-parallel network on the same ranks;
 each rank moves only the steps it owns and the ones that cross a rank boundary
 (layerbraid.depth), and every scalar the ranks decide on (objective values, the line
-search's choice) is gathered and summed in rank order, so every rank decides alike.
+search's choice) is gathered and summed in rank order, so every rank decides alike.  With
+data parallelism (models built on a :class:`layerbraid.ProcessGrid`) the gradients are averaged
+over the data groups as in any training step, and the objective is the mean of the groups'
+losses, so every group takes the same steps: the full batch's cycle, to round-off.
 """
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
@@ -127,6 +131,12 @@ class MGOpt:
         _choose("state", state, _STATES)
         if not alpha > 0 or not alphas or any(not a > 0 for a in alphas):
             raise ValueError(f"alpha and alphas must be > 0, got {alpha!r} and {list(alphas)!r}")
+        groups = [m._grid.data_size if m._grid is not None else 1 for m in models]
+        if len(set(groups)) > 1:
+            raise ValueError(
+                f"MGOpt: every model must be built with the same number of data groups: "
+                f"{groups} (finest first); build each on the same ProcessGrid"
+            )
         self.models, self.optimizers = list(models), list(optimizers)
         self._maps = [
             _Maps(f, c, restrict, grad_restrict, interpolate)
@@ -206,12 +216,19 @@ class MGOpt:
 
     def _value(self, model: LayerParallelModule, loss: torch.Tensor, v: Optional[Vec]) -> float:
         """``f - <v, x>``, the same on every rank: the first rank's loss and every rank's
-        share of the dot product, gathered and summed in rank order."""
+        share of the dot product, gathered and summed in rank order.  With data parallelism
+        ``f`` is the mean of the data groups' losses (the full batch's loss where the shards
+        are equal and the loss a mean, as the averaged gradient is its gradient), so that
+        every group's line search decides alike."""
         with torch.no_grad():
             local = (
                 sum(float((vp.double() * p.double()).sum()) for p, vp in v.items()) if v else 0.0
             )
         first = float(loss.detach()) if model.comm.Get_rank() == 0 else 0.0
+        grid = model._grid
+        if grid is not None and grid.data_size > 1 and model.comm.Get_rank() == 0:
+            shards = grid.data_comm.allgather_obj(first, "every data group's MG/Opt loss")
+            first = math.fsum(shards) / len(shards)
         parts = model.comm.allgather_obj((first, local), "the objective of an MG/Opt level")
         return parts[0][0] - sum(d for _, d in parts)
 
