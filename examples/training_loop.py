@@ -213,9 +213,13 @@ def _multilevel(model, args):
     return getattr(args, "lp_levels", 1) != 1  # an RNN's levels form with its first sequence
 
 
-def _mgrit_line(s, estimates):
+def _mgrit_line(s, estimates, multilevel=True):
     """' | MGRIT fwd 2.0 it, bwd 1.0 it' for the epoch line; with ``estimates``, each with its
-    calibrated estimate: ' | MGRIT fwd 2.0 it, est. error 3.1e-03 (max 5.2e-03), bwd ...'."""
+    calibrated estimate: ' | MGRIT fwd 2.0 it, est. error 3.1e-03 (max 5.2e-03), bwd ...';
+    ' | exact solves (one MGRIT level)' where no solve iterates."""
+    if not multilevel and "fwd_iters" in s:
+        return " | exact solves (one MGRIT level)"
+
     def part(name):
         if f"{name}_iters" not in s:
             return None
@@ -397,7 +401,9 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             if bar is not None:
                 bar.update(1)
                 if (b + 1) % args.log_interval == 0 or b + 1 == per_epoch:
-                    bar.set_postfix(loss=f"{sum(losses[-args.log_interval:]) / len(losses[-args.log_interval:]):.4f}",
+                    # the last batch's postfix is drawn once, by close() (not twice in a log)
+                    bar.set_postfix(refresh=b + 1 < per_epoch,
+                                    loss=f"{sum(losses[-args.log_interval:]) / len(losses[-args.log_interval:]):.4f}",
                                     **{k: f"{v:.1f}" for k, v in solves.summary().items()
                                        if k.endswith("iters")})
         audit_seconds = sum(a["seconds"] for a in audits)
@@ -430,7 +436,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             s = record
             print(f"epoch {s['epoch']}: loss {s['train_loss']:.4f} | test accuracy "
                   f"{100 * acc:.2f}% | {1000 * s['seconds_per_batch']:.1f} ms/batch"
-                  f"{_mgrit_line(s, estimates)}", flush=True)
+                  f"{_mgrit_line(s, estimates, _multilevel(model, args))}", flush=True)
             if audits:
                 print(_audit_line(audits, seconds), flush=True)
             if probes:
@@ -449,7 +455,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             missed = solves.missed_line(args)
             if missed:
                 print(missed, flush=True)
-            if epoch == start_epoch and estimates and s.get("fwd_error_estimate") is not None:
+            if (epoch == start_epoch and estimates and s.get("fwd_error_estimate") is not None
+                    and _multilevel(model, args)):
                 print("  (it: MGRIT iterations per batch; est. error: the estimated relative "
                       "error of the forward's output and of the adjoint's input gradient, "
                       "layerbraid.stats.SolveStats.error_estimate, calibrated by the audits, whose "

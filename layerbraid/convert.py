@@ -124,7 +124,9 @@ def from_serial(
         step_rule: a custom rule ``rule(model, layer, x, dt, index)``, as
             ``LayerParallelModule.step_rule`` (a module-level function, so that the model's
             serial copy pickles).
-        comm: an mpi4py communicator or a :class:`layerbraid.ProcessGrid` (default the world).
+        comm: an mpi4py communicator, a torch.distributed process group (or
+            ``layerbraid.launch.world()``, which is either, as the launcher made it) or a
+            :class:`layerbraid.ProcessGrid` (default: the world).
         **options: the other keyword arguments of :class:`LayerParallelModule`
             (``forward_options``, ``backward_options``, ``warm_start``, ``target_error``, ...).
 
@@ -132,7 +134,14 @@ def from_serial(
     with them: each rank copies the open and close layers and the blocks it owns; plain batch
     norms in the blocks become layer-parallel ones (``layerbraid.nn.LPBatchNorm2d``, ...) with
     the same state.  Every rank must pass the same network (the same weights, e.g. loaded
-    from one file or built under one seed)."""
+    from one file or built under one seed).
+
+    ``model(x)`` returns the close layer's output on every rank.  The open layer's parameters
+    get gradients on the first rank, the close layer's on the last, each block's on the rank
+    that owns it (``to_serial()`` gathers the weights; ``layerbraid.clip_grad_norm_`` and the
+    optimizers need nothing more).  A block whose input or output does not chain (a channel
+    count unlike the open layer's or the last block's) fails at the first forward, on every
+    rank, naming the block and the state's shape."""
     if serial is not None:
         parts = (open, steps, close, dt, t_final, step_rule)
         if any(p is not None for p in parts) or own_skip:

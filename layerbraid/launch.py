@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Any, NoReturn, Optional
 
 from mpi4py import MPI
@@ -19,6 +20,7 @@ from mpi4py import MPI
 from ._comm import mpi as _mpi
 from ._comm import world as _world
 from ._comm.timeouts import set_timeout  # public here as well
+from .errors import RemoteRankError
 
 __all__ = ["abort_on_exception", "check_launch", "install_process_hooks", "set_timeout", "world"]
 
@@ -207,7 +209,12 @@ def _rank():
 
 def _abort_hook(exc_type, exc, tb) -> None:
     rank = _rank()
-    _previous["sys"](exc_type, exc, tb)
+    if isinstance(exc, RemoteRankError):
+        # Another rank's error, relayed: that rank prints the traceback that matters; here
+        # one line says what and where this rank was (not a traceback through layerbraid).
+        print(f"{exc_type.__name__} on rank {rank}{_user_frame(tb)}: {exc}", file=sys.stderr)
+    else:
+        _previous["sys"](exc_type, exc, tb)
     print(
         f"layerbraid: uncaught {exc_type.__name__} on rank {rank}: aborting every rank of the job",
         file=sys.stderr,
@@ -224,6 +231,21 @@ def _abort_hook(exc_type, exc, tb) -> None:
 
 
 _RELAY_PAUSE = 2.0
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _user_frame(tb) -> str:
+    """' (at FILE:LINE, in FUNC)' for the innermost frame of ``tb`` outside layerbraid and
+    torch (the user's call that was waiting), or ''."""
+    import torch
+
+    skip = (_PACKAGE, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    found = ""
+    for frame, line in traceback.walk_tb(tb):
+        name = frame.f_code.co_filename
+        if not name.startswith(skip) and not name.startswith("<frozen"):
+            found = f" (at {name}:{line}, in {frame.f_code.co_name})"
+    return found
 
 
 def _abort_thread_hook(args) -> None:

@@ -226,6 +226,11 @@ def test_models_free_their_communicators():
 SUITE = sorted(set(drill.SCENARIOS) - {"loader", "clip", "checkpoint", "resume"})
 
 
+# Scenarios where one rank raises and the others learn it as RemoteRankError
+RELAYED = {"forward", "backward", "close-layer", "step-layer", "rnn", "grid", "from-serial",
+           "chain"}
+
+
 @pytest.fixture(scope="module")
 def drill_jobs(request):
     """The drill's result of (scenario, launcher), for every pair this session selected: run
@@ -262,6 +267,10 @@ def test_a_fault_ends_every_rank_of_the_job_with_its_cause(scenario, launcher, d
     if where == "waiting":  # caught by the other rank, in the collective the scenario names
         other = 1 - result["faulty"]
         assert other in result["cause_on"], result["outputs"]
+    if scenario in RELAYED:  # the traceback once, where it was raised; elsewhere one line
+        for rank, text in result["outputs"].items():
+            if rank != result["faulty"]:
+                assert "Traceback" not in text and text.count("RemoteRankError on") <= 1, text
     if scenario == "exit-forward":  # a failure status: the exiting rank said so
         assert "is exiting" in result["outputs"][result["faulty"]], result["outputs"]
     # loaded 2-core machine: the stall itself takes the timeout, the teardown a few seconds

@@ -74,12 +74,19 @@ def test_to_serial_keeps_the_models_device():
     m.free()
 
 
-def test_a_hierarchy_smaller_than_asked_is_said():
-    with pytest.warns(UserWarning, match=r"forward solve asked for 10 MGRIT levels with cfactor "
-                                         r"16 over 8 steps, but only 1 level\(s\) form.*exact "
-                                         r"sequential stepping") as caught:
-        m = model(MPI.COMM_SELF, forward_options=MGRITOptions(max_levels=10, cfactor=16))
-    assert caught[0].filename == __file__  # the user's line, not layerbraid's
+def test_a_hierarchy_smaller_than_asked_is_said_once(monkeypatch):
+    from layerbraid._engine import chain
+
+    monkeypatch.setattr(chain, "_REDUCED_WARNED", set())  # what earlier tests were told
+    asked = MGRITOptions(max_levels=10, cfactor=16)
+    with pytest.warns(UserWarning, match=r"the forward and adjoint solves asked for 10 MGRIT "
+                                         r"levels with cfactor 16 over 8 steps, but only 1 "
+                                         r"level\(s\) form.*exact sequential stepping") as caught:
+        m = model(MPI.COMM_SELF, forward_options=asked, backward_options=asked)
+        x, y = batch(n=4, dtype=torch.float32)
+        F.cross_entropy(m(x), y).backward()  # the solvers are built again for this batch
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert caught[0].filename == __file__  # the user's line, not layerbraid's or torch's
     assert m.mgrit_levels() == (1, 1)
     m.free()
     with warnings.catch_warnings():

@@ -291,8 +291,8 @@ class _Core:
             failed = lib.mgrit_failed_rank(self._core)
             err, self._error = self._error, None
             text = None
-            if err is not None:
-                text = f"{type(err).__name__}: {err}"
+            if err is not None:  # with its notes: which step, on which rank
+                text = " ".join([f"{type(err).__name__}: {err}", *getattr(err, "__notes__", [])])
             assert self.comm is not None  # a solve ran: the solver is open
             if 0 <= failed < self.comm.Get_size():
                 text = self.comm.bcast_obj(text, failed, "report of the failed callback")

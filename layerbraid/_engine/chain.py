@@ -123,8 +123,13 @@ class _Chain:
             raise
         self.strides = [m for (_, _, m) in self.bwd.level_info()]
         if comm.Get_rank() == 0:
-            _warn_if_reduced(num_steps, forward_options, self.fwd.num_levels(), "forward")
-            _warn_if_reduced(num_steps, backward_options, self.bwd.num_levels(), "adjoint")
+            _warn_if_reduced(
+                num_steps,
+                [
+                    (forward_options, self.fwd.num_levels(), "forward"),
+                    (backward_options, self.bwd.num_levels(), "adjoint"),
+                ],
+            )
         alo, ahi, _ = self.bwd.level_info()[0]
         starts = sorted(num_steps - j for j in range(max(alo, 1), ahi + 1))
         assert starts == self.owned, "adjoint distribution does not mirror the forward one"
@@ -503,20 +508,34 @@ class _Chain:
         return gx if gx is not None else torch.zeros_like(w)
 
 
-def _warn_if_reduced(num_steps: int, options: MGRITOptions, levels: int, solve: str) -> None:
-    """Warns (once per place, on the calling rank) when the hierarchy that formed is smaller
-    than the options ask for: a level is coarsened only while the coarser one keeps
-    ``min_coarse`` steps, so few steps or large cfactors give fewer levels, down to exact
-    sequential stepping."""
-    if levels >= options.max_levels:
-        return
-    what = "exact sequential stepping" if levels == 1 else f"{levels} levels"
-    warn(
-        f"the {solve} solve asked for {options.max_levels} MGRIT levels with cfactor "
-        f"{options.cfactor} over {num_steps} steps, but only {levels} level(s) form (a level is "
-        f"coarsened while the coarser one keeps at least min_coarse={options.min_coarse} "
-        f"steps): it runs {what}"
-    )
+# The reduced-hierarchy messages already given in this process: a network's solvers are built
+# again when the batch's shape changes, and the user needs to read it once.
+_REDUCED_WARNED: set[str] = set()
+
+
+def _warn_if_reduced(num_steps: int, solves: list[tuple[MGRITOptions, int, str]]) -> None:
+    """Warns (once per process and message, on the calling rank) when the hierarchy that
+    formed is smaller than the options ask for: a level is coarsened only while the coarser
+    one keeps ``min_coarse`` steps, so few steps or large cfactors give fewer levels, down to
+    exact sequential stepping.  ``solves``: (options, levels formed, name) of each solve;
+    solves reduced alike share one message."""
+    texts: dict[str, list[str]] = {}
+    for options, levels, solve in solves:
+        if levels >= options.max_levels:
+            continue
+        what = "exact sequential stepping" if levels == 1 else f"{levels} levels"
+        text = (
+            f"asked for {options.max_levels} MGRIT levels with cfactor {options.cfactor} over "
+            f"{num_steps} steps, but only {levels} level(s) form (a level is coarsened while "
+            f"the coarser one keeps at least min_coarse={options.min_coarse} steps): it runs "
+            f"{what}"
+        )
+        texts.setdefault(text, []).append(solve)
+    for text, names in texts.items():
+        message = f"the {' and '.join(names)} solve{'s' if len(names) > 1 else ''} {text}"
+        if message not in _REDUCED_WARNED:
+            _REDUCED_WARNED.add(message)
+            warn(message)
 
 
 def _one_by_one(

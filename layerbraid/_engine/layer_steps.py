@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from .step_rule import check_shape, combine, euler_step, increment
+from .step_rule import check_shape, combine, euler_step, increment, note_step
 from .steps import Run, State, Steps, _Graph
 from .torch_private import flatten_dense
 
@@ -65,7 +65,11 @@ class _LayerSteps(Steps):
     def apply_rule(self, layer: nn.Module, x: torch.Tensor, dt: float, index: int) -> torch.Tensor:
         if self.rule is None:
             return euler_step(layer, x, dt, index)
-        y = self.rule(layer, x, dt, index)
+        try:
+            y = self.rule(layer, x, dt, index)
+        except Exception as exc:
+            note_step(exc, layer, x, index)
+            raise
         check_shape(y, x, index)
         return y
 

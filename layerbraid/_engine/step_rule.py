@@ -37,9 +37,26 @@ def check_shape(fx: object, x: torch.Tensor, index: int) -> None:
 
 def increment(layer: nn.Module, x: torch.Tensor, index: int) -> torch.Tensor:
     """``f(x)`` of step ``index``, checked to keep the state's shape."""
-    fx = layer(x)
+    try:
+        fx = layer(x)
+    except Exception as exc:
+        note_step(exc, layer, x, index)
+        raise
     check_shape(fx, x, index)
     return fx
+
+
+def note_step(exc: BaseException, layer: nn.Module, x: torch.Tensor, index: int) -> None:
+    """Adds to ``exc`` which step raised it and on what state (torch's own message names
+    neither: e.g. a channel count that does not chain from the open layer or the step before)."""
+    if not hasattr(exc, "add_note") or getattr(exc, "_layerbraid_step_noted", False):
+        return  # Python < 3.11; or a step rule's own call of a layer, noted there already
+    exc.add_note(
+        f"(in step layer {index}, a {type(layer).__name__}, on a state of shape "
+        f"{tuple(x.shape)} and dtype "
+        f"{x.dtype}: each step layer takes and returns a state of one shape)"
+    )
+    exc._layerbraid_step_noted = True  # type: ignore[attr-defined]
 
 
 def combine(x: torch.Tensor, dt: float, fx: torch.Tensor) -> torch.Tensor:

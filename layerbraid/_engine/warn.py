@@ -9,17 +9,21 @@ import sys
 import warnings
 from types import FrameType
 
+import torch
+
 __all__ = ["warn"]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# torch's own frames between the user's call and layerbraid's (``nn.Module.__call__``, autograd)
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def user_stacklevel() -> int:
-    """The ``stacklevel`` that names the first caller outside layerbraid, counted from the
-    caller of this function's caller (as ``warnings.warn`` counts from its own caller)."""
+    """The ``stacklevel`` that names the first caller outside layerbraid and torch, counted from
+    the caller of this function's caller (as ``warnings.warn`` counts from its own caller)."""
     frame: FrameType | None = sys._getframe(2)  # the function that warns
     level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE, _TORCH)):
         frame = frame.f_back
         level += 1
     return level

@@ -137,6 +137,11 @@ SCENARIOS = {
         "ValueError: steps is empty",
         "faulty",
     ),
+    "chain": (
+        "from_serial's last block does not chain (8 features for a state of 4) on rank 1",
+        "(in step layer 3, a Linear, on a state of shape (16, 4)",
+        "waiting",
+    ),
     "nan": (
         "the input holds Inf: named as bad input on every rank, before any step",
         "the input holds 256 NaN or Inf value(s)",
@@ -405,6 +410,12 @@ def job(scenario: str) -> None:
             fault_here()
             blocks = []
         layerbraid.from_serial(steps=blocks, dt=0.25, comm=WORLD)
+    if scenario == "chain":  # the blocks build; the last one fails in the first forward
+        blocks = [nn.Linear(4, 4) for _ in range(3)] + [nn.Linear(8, 8)]
+        chain = layerbraid.from_serial(steps=blocks, dt=0.25, comm=WORLD)
+        if WORLD.rank == WORLD.size - 1:
+            fault_here()
+        chain(torch.zeros(16, 4))
     if scenario == "stall-construction":
         if one:
             sleep_forever()
