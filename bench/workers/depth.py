@@ -7,7 +7,7 @@ EXAMPLE: mnist (examples/mnist.py's network: 8 steps of 8 channels, SGD with mom
 batch 64) or volumes3d (examples/volumes3d.py's: 16 steps of 4 channels on 16^3 volumes, Adam at
 0.01, batch 16).  MODE: serial (plain PyTorch at full depth, on one rank), full (layer-parallel
 at full depth from scratch, one MGRIT level: the examples' default), nested (half the depth for
-the first third of the segments, then refined by linear interpolation, the optimizer's state
+the first SEGMENTS // 3 segments, then refined by linear interpolation, the optimizer's state
 carried over), mgopt (MG/Opt V-cycles over full and half depth: 1 / 1 optimizer steps around
 each coarse correction, 2 on the coarse network, its optimizer's state reset each batch,
 backtracking line search), spline (full depth,
@@ -15,7 +15,8 @@ the step weights B-splines of degree 2 with half as many coefficient sets as ste
 
 Every mode starts from the same seed and trains on the same batches (the loader's shuffle of
 SEED): SEGMENTS segments of BATCHES batches, the first TEST test images evaluated after each
-(not timed).  A segment's row gives its training seconds and each batch's.
+(not timed).  A segment's row gives its training seconds and each batch's, and how many
+optimizer steps the full-depth network took in it (MG/Opt: its fine relaxations).
 """
 import json
 import sys
@@ -141,8 +142,16 @@ def main():
             print(json.dumps({"kind": "segment", "example": example, "mode": mode, "seed": seed,
                               "segment": s, "steps": getattr(model, "num_steps", steps),
                               "batches": batches_seen, "seconds": sum(times),
+                              "full_depth_steps": _full_depth_steps(model, steps, mg, batches),
                               "batch_seconds": times, "loss": sum(losses) / len(losses),
                               "test_accuracy": acc, "alphas": alphas}), flush=True)
+
+
+def _full_depth_steps(model, steps, mg, batches):
+    """Optimizer steps the full-depth network took in a segment of ``batches``."""
+    if mg is not None:
+        return (mg.pre_relax + mg.post_relax) * batches
+    return batches if getattr(model, "num_steps", steps) == steps else 0
 
 
 if __name__ == "__main__":
