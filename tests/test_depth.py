@@ -127,6 +127,22 @@ def test_optimizer_state_moves_with_the_weights(make, names):
     train(fine, opt_f, steps=1)  # the moved state is usable as it is
 
 
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2])
+def test_adams_step_count_stays_whole_through_an_average():
+    """Adam's step count is a count: restricted by averages of three (weights 1/3, whose sum
+    of 7s is 6.999999999999999 in floating point) it is still 7."""
+    coarse, fine = pair(2, 3)
+    opt_f = torch.optim.Adam(fine.parameters(), lr=1e-3)
+    train(fine, opt_f, steps=7)
+    opt_c = torch.optim.Adam(coarse.parameters(), lr=1e-3)
+    depth.restrict(fine, coarse, "average", optimizers=(opt_f, opt_c))
+    for _, layer in coarse.owned_steps():
+        for p in layer.parameters():
+            assert float(opt_c.state[p]["step"]) == 7.0
+
+
 @pytest.mark.parallel([1])
 def test_bad_depths_and_rules_are_clear_errors():
     from mpi4py import MPI

@@ -360,10 +360,12 @@ def _set_step_state(
     for s, name in enumerate(_slots(like)):
         for p, v in zip(params, rest[s * len(params) : (s + 1) * len(params)]):
             slot = opt.state.setdefault(p, {})
-            if name == "step":  # as the optimizer would have made it
+            if name == "step":  # as the optimizer would have made it: a whole count
                 old = slot.get(name)
                 dtype = old.dtype if old is not None else torch.get_default_dtype()
-                slot[name] = v.detach().to("cpu", dtype).clone()
+                # a weighted mean of equal counts is the count only up to round-off (e.g.
+                # 6.999999999999999 from averaging 7s); a count is whole
+                slot[name] = v.detach().round().to("cpu", dtype).clone()
             else:
                 slot[name] = v.detach().to(p.device, p.dtype).clone()
 
