@@ -50,8 +50,8 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=3600, help="seconds for the whole script")
     p.add_argument("--scenarios", nargs="+",
                    default=pick(list(drill.SCENARIOS), ["forward"]))
-    p.add_argument("--launchers", nargs="+", choices=["mpiexec", "torchrun"],
-                   default=["mpiexec", "torchrun"])
+    p.add_argument("--launchers", nargs="+", choices=drill.LAUNCHERS,
+                   default=list(drill.LAUNCHERS))
     p.add_argument("--restart-repeats", type=int, default=pick(3, 1))
     p.add_argument("--restart-modes", nargs="+", choices=list(restarts.MODES),
                    default=pick(list(restarts.MODES), ["fixed"]))
@@ -60,7 +60,7 @@ def main(argv=None):
     rows, raw, skipped = [], [], []
     t0 = time.time()
     cases = [(s, launcher, ranks) for s in a.scenarios for launcher in a.launchers
-             for ranks in (a.ranks if launcher == "mpiexec" else [2])]
+             for ranks in (a.ranks if launcher == drill.LAUNCHERS[0] else [2])]
     for scenario, launcher, ranks in cases:
         if time.time() - t0 > a.budget:
             skipped.append((scenario, launcher, ranks))

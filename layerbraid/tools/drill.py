@@ -246,6 +246,7 @@ TORCHRUN_CAUSES = {
     "stall-resume": "rank 0's whether",
 }
 TIMEOUT = 3  # LAYERBRAID_TIMEOUT (seconds) for every scenario
+LAUNCHERS = ("mpiexec", "torchrun")
 
 
 def cause_of(scenario: str, launcher: str = "mpiexec") -> str:
@@ -554,7 +555,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[int]:
     p.add_argument("--mpiexec", default="mpiexec", help="an MPICH (Hydra) mpiexec")
     p.add_argument(
         "--launcher",
-        choices=["mpiexec", "torchrun"],
+        choices=LAUNCHERS,
         default="mpiexec",
         help="start each job with mpiexec (MPI) or torchrun (torch.distributed, gloo)",
     )

@@ -71,11 +71,8 @@ def job(out: str) -> None:
     extra = layerbraid.checkpoint.resume(model, ckpt, opt, loader)
     step = 0 if extra is None else extra["step"]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    print(
-        f"START {time.time():.3f} rank {rank} of {comm.Get_size()} attempt {attempt} "
-        f"at batch {step}",
-        flush=True,
-    )
+    size = comm.Get_size()
+    _say(f"START {time.time():.3f} rank {rank} of {size} attempt {attempt} at batch {step}")
     who = os.environ.get(KILL_ENV) if attempt == 0 else None
     doomed = who == "agent" or (who == "rank1" and rank == 1)
     while step < TOTAL:
@@ -93,12 +90,19 @@ def job(out: str) -> None:
     state = model._gather_state()
     if rank == 0:
         torch.save(state, out)
-    print(f"rank {rank} finished {TOTAL} batches", flush=True)
+    _say(f"rank {rank} finished {TOTAL} batches")
+
+
+def _say(line: str) -> None:
+    """One write of the line and its newline: the processes share the agent's pipe, and an
+    unbuffered print writes the two apart, so two lines could run into one."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _die(with_agent: bool) -> None:
     """SIGKILL this process (and first its torchrun agent, where ``with_agent``: a lost node)."""
-    print(f"KILL {time.time():.3f}", flush=True)
+    _say(f"KILL {time.time():.3f}")
     if with_agent:
         os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -233,15 +237,16 @@ def _read(proc: subprocess.Popen, lines: list[str]) -> None:
 
 def _parse(lines: list[str]) -> dict[str, Any]:
     kill, starts, resumed = None, [], None
-    for line in lines:
-        if (m := re.search(r"KILL (\d+\.\d+)", line)) and kill is None:
-            kill = float(m.group(1))
-        m = re.search(r"START (\d+\.\d+) rank (\d+) of (\d+) attempt (\d+) at batch (\d+)", line)
-        if m:
-            starts.append(tuple(int(g) for g in m.groups()[1:]))
-            if int(m.group(4)) > 0 and resumed is None:
-                resumed = float(m.group(1))
-    finished = sum(f"finished {TOTAL} batches" in line for line in lines)
+    text = "".join(lines)  # a line may still hold two processes' (another's write cut in)
+    if (m := re.search(r"KILL (\d+\.\d+)", text)) is not None:
+        kill = float(m.group(1))
+    for m in re.finditer(
+        r"START (\d+\.\d+) rank (\d+) of (\d+) attempt (\d+) at batch (\d+)", text
+    ):
+        starts.append(tuple(int(g) for g in m.groups()[1:]))
+        if int(m.group(4)) > 0 and resumed is None:
+            resumed = float(m.group(1))
+    finished = text.count(f"finished {TOTAL} batches")
     return {"kill": kill, "resumed": resumed, "starts": starts, "finished": finished}
 
 
