@@ -30,7 +30,7 @@ def add_training_arguments(  # Note [flag lists]
     *,
     steps: int = 8,
     channels: int = 8,
-    t_final: float = 1.0,
+    t_final: Optional[float] = 1.0,
     batch_size: int = 64,
     epochs: int = 1,
     lr: float = 0.05,
@@ -59,7 +59,8 @@ def add_training_arguments(  # Note [flag lists]
             "--t-final",
             type=cli.positive_float,
             default=t_final,
-            help=f"final time T; the step size is T / steps (default {t_final})",
+            help="final time T; the step size is T / steps (default "
+            + (f"{t_final})" if t_final is not None else "--steps: a step size of 1)"),
         )
     g.add_argument(
         "--batch-size",

@@ -29,16 +29,18 @@ def make_optimizer(args, params):
 
 
 def evaluate(model, dataset, device, batch_size=500, prepare=None):
-    """Accuracy on ``dataset``, read in order (the same batches on every rank)."""
+    """Accuracy on ``dataset``, read in order (the same batches on every rank): the fraction of
+    labels predicted right (one per sample, or one per position: a language model's)."""
     model.eval()
-    correct = 0
+    correct = total = 0
     with torch.no_grad():
         for xb, yb in DataLoader(dataset, batch_size):
             xb = prepare(xb) if prepare else xb
             out = model(xb.to(device))
             correct += int((out.argmax(1).cpu() == yb).sum())
+            total += yb.numel()
     model.train()
-    return correct / max(len(dataset), 1)
+    return correct / max(total, 1)
 
 
 class SerialReference:

@@ -11,6 +11,9 @@ __all__ = [
     "LPBatchNorm3d",
     "LayerParallelGRU",
     "LayerParallelLSTM",
+    "LMHead",
+    "TokenEmbedding",
+    "TransformerStep",
     "layer_parallel_modules",
     "plain_modules",
 ]
@@ -24,6 +27,7 @@ from .batchnorm import (
     plain_modules,
 )
 from .rnn import LayerParallelGRU, LayerParallelLSTM
+from .transformer import LMHead, TokenEmbedding, TransformerStep
 
 
 class ConvBlock(nn.Module):
