@@ -50,9 +50,10 @@ class MNISTSplineNet(SplineModule):
     """The same network, its step weights B-splines in time (--lp-splines)."""
 
     def __init__(self, comm, steps, channels, t_final, forward_options, backward_options,
-                 warm_start, target_error=None, *, nsplines, degree, microbatches=1):
+                 warm_start, target_error=None, *, nsplines, degree, knots="clamped",
+                 microbatches=1):
         super().__init__(num_steps=steps, t_final=t_final, comm=comm, nsplines=nsplines,
-                         degree=degree, forward_options=forward_options,
+                         degree=degree, knots=knots, forward_options=forward_options,
                          backward_options=backward_options, warm_start=warm_start,
                          target_error=target_error, microbatches=microbatches)
         self.channels = channels
@@ -100,6 +101,7 @@ def main(argv=None):
         if args.lp_splines:
             net, spline = MNISTSplineNet, {"nsplines": args.lp_splines,
                                            "degree": args.lp_spline_degree,
+                                           "knots": args.lp_spline_knots,
                                            "microbatches": args.lp_microbatches}
         return net(MPI.COMM_SELF if args.serial else grid, steps, args.channels, args.t_final,
                    fwd, bwd, args.lp_warm_start, args.lp_target_error, **spline).to(args.device)

@@ -77,9 +77,9 @@ class VolumeSplineNet(SplineModule):
     """The same network, its step weights B-splines in time (--lp-splines)."""
 
     def __init__(self, comm, steps, channels, fwd, bwd, spatial, warm, target_error=None, *,
-                 nsplines, degree):
+                 nsplines, degree, knots="clamped"):
         super().__init__(num_steps=steps, t_final=1.0, comm=comm, nsplines=nsplines,
-                         degree=degree, forward_options=fwd, backward_options=bwd,
+                         degree=degree, knots=knots, forward_options=fwd, backward_options=bwd,
                          spatial=spatial, warm_start=warm, target_error=target_error)
         self.channels = channels
         self.open = nn.Sequential(nn.Conv3d(1, channels, 3, padding=1), nn.ReLU())
@@ -137,7 +137,8 @@ def main(argv=None):
         net, spline = VolumeNet, {}
         if args.lp_splines:
             net, spline = VolumeSplineNet, {"nsplines": args.lp_splines,
-                                            "degree": args.lp_spline_degree}
+                                            "degree": args.lp_spline_degree,
+                                            "knots": args.lp_spline_knots}
         return net(MPI.COMM_SELF if args.serial else grid, steps, args.channels, fwd, bwd,
                    spatial, args.lp_warm_start, args.lp_target_error, **spline).to(args.device)
 

@@ -256,7 +256,8 @@ def add_depth_arguments(
     """Adds the ``--lp-nested-*`` flags (nested iteration: train shallower networks first,
     layerbraid.depth); with ``mgopt``, the ``--lp-mgopt-*`` flags (MG/Opt over depths,
     layerbraid.depth.mgopt; for a network that is one layer-parallel module); with ``splines``,
-    ``--lp-splines`` and ``--lp-spline-degree`` (layerbraid.depth.spline).  Off by default."""
+    ``--lp-splines``, ``--lp-spline-degree`` and ``--lp-spline-knots``
+    (layerbraid.depth.spline).  Off by default."""
     g = parser.add_argument_group("training over depths, spline steps")
     g.add_argument(
         "--lp-nested-levels",
@@ -305,6 +306,13 @@ def add_depth_arguments(
             choices=[1, 2, 3],
             default=2,
             help="the splines' degree (default 2)",
+        )
+        g.add_argument(
+            "--lp-spline-knots",
+            choices=["clamped", "uniform"],
+            default="clamped",
+            help="the splines' knots: clamped at the ends, or uniform beyond them as "
+            "TorchBraid's SpliNet (default clamped)",
         )
     if not mgopt:
         return g

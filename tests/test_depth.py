@@ -248,3 +248,13 @@ def test_nested_iteration_equals_the_one_rank_run():
     got, want = model.to_serial().state_dict(), reference.to_serial().state_dict()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14, msg=k)
+
+
+@pytest.mark.parallel([1])
+def test_full_weighting_is_the_quarter_half_quarter_stencil():
+    sources = depth.restriction("full_weighting", 8, 4)
+    assert sources(1) == [(1, 0.25), (2, 0.5), (3, 0.25)]
+    assert sources(2) == [(3, 0.25), (4, 0.5), (5, 0.25)]
+    for k in range(4):  # at the ends too, the weights of a coarse step sum to 1
+        assert sum(w for _, w in sources(k)) == pytest.approx(1.0, abs=1e-15)
+    assert [j for j, _ in sources(0)] == [0, 1]

@@ -136,6 +136,44 @@ def test_levels_with_different_data_parallelism_are_refused_on_every_rank():
 
 
 @pytest.mark.parallel([1])
+def test_backtracking_refuses_a_correction_that_is_not_a_descent_direction():
+    """A correction whose slope along the fine gradient is not negative is refused (step 0,
+    the weights as they were) without evaluating the objective; a descent direction is
+    searched as before."""
+    models = hierarchy(MPI.COMM_SELF, [4, 2])
+    mg = MGOpt(models, sgd(models))
+    calls = []
+    x, y = batch(seed=0)
+
+    def loss(model):
+        calls.append(1)
+        return F.cross_entropy(model(x), y)
+
+    before = {k: v.clone() for k, v in models[0].state_dict().items()}
+    e = {p: torch.ones_like(p) for p in models[0].parameters()}
+    for slope in (0.0, 1e-3):
+        assert mg._search(0, None, loss, e, old=1.0, slope=slope) == 0.0
+    assert calls == []
+    for k, v in models[0].state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    assert mg._search(0, None, loss, e, old=float("inf"), slope=-1.0) == 1.0 and calls
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([1, 2])
+@pytest.mark.parametrize("rule", ["full_weighting", "injection"])
+def test_torchbraids_restrictions_keep_the_coarse_gradient_coherent(rule):
+    """The full-weighting stencil and injection, for the weights and for the gradient (as
+    TorchBraid's MG/Opt offers them): the coherence term still makes the coarse gradient at the
+    restricted point the restricted fine gradient."""
+    models = hierarchy(WORLD, [8, 4])
+    mg = MGOpt(models, sgd(models), restrict=rule, grad_restrict=rule, check_coherence=True)
+    for k in range(2):
+        mg.step(loss_on(*batch(seed=k)))
+        assert mg.stats.coherence_gap < 1e-12, (k, mg.stats.coherence_gap)
+
+
+@pytest.mark.parallel([1])
 def test_bad_options_are_clear_errors():
     models = hierarchy(MPI.COMM_SELF, [4, 2])
     opts = sgd(models)

@@ -54,7 +54,7 @@ class SerialSplineNet(nn.Module):
         self.coefficients = nn.ModuleList(ConvBlock(4) for _ in range(model.nsplines))
         self.coefficients.load_state_dict(model.coefficients.state_dict())
         self.basis = bspline_basis(model.nsplines, model.degree,
-                                   np.arange(model.num_steps) * model.dt, 1.0)
+                                   np.arange(model.num_steps) * model.dt, 1.0, model.knots)
         self.dt, self.template = model.dt, ConvBlock(4)
 
     def forward(self, x):
@@ -85,6 +85,55 @@ def test_the_basis_is_a_partition_of_unity_with_local_support():
                                atol=1e-15)
     with pytest.raises(ValueError, match="nsplines must be at least degree \\+ 1 = 3"):
         bspline_basis(2, 2, t, 1.0)
+
+
+def cardinal(degree, x):
+    """The cardinal B-spline of ``degree`` on the integer knots 0 .. degree + 1, by its own
+    recursion (N_0 the indicator of [0, 1); N_d(x) = (x N_{d-1}(x) + (d + 1 - x)
+    N_{d-1}(x - 1)) / d): the shape every spline of a uniform, unclamped basis has."""
+    if degree == 0:
+        return ((0 <= x) & (x < 1)).astype(np.float64)
+    return (x * cardinal(degree - 1, x) + (degree + 1 - x) * cardinal(degree - 1, x - 1)) / degree
+
+
+@pytest.mark.parallel([1])
+@pytest.mark.parametrize("degree, nsplines", [(1, 4), (2, 4), (2, 7), (3, 6)])
+def test_uniform_knots_are_torchbraids_shifted_splines(degree, nsplines):
+    """knots="uniform": spline k is the cardinal B-spline shifted to start degree knot spans
+    before k's, on knots T / (nsplines - degree) apart that go on beyond both ends, as
+    TorchBraid's SpliNet evaluates them; at degree 1 the clamped basis is the same."""
+    t = np.linspace(0, 1, 97)[:-1]
+    h = 1.0 / (nsplines - degree)
+    want = np.stack([cardinal(degree, t / h - k + degree) for k in range(nsplines)], 1)
+    got = bspline_basis(nsplines, degree, t, 1.0, "uniform")
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(got.sum(1), 1.0, rtol=0, atol=1e-14)
+    clamped = bspline_basis(nsplines, degree, t, 1.0, "clamped")
+    if degree == 1:
+        np.testing.assert_allclose(clamped, got, rtol=0, atol=1e-15)
+    else:  # they differ near the ends
+        assert np.abs(clamped - got).max() > 0.1
+    with pytest.raises(ValueError, match="knots must be one of .*got 'open'"):
+        bspline_basis(nsplines, degree, t, 1.0, "open")
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2])
+@pytest.mark.parametrize("degree, nsplines", [(2, 4), (3, 6)])
+def test_uniform_knot_splines_equal_the_serial_network_with_that_basis(degree, nsplines):
+    torch.manual_seed(degree)
+    model = Net(WORLD, steps=12, nsplines=nsplines, degree=degree, knots="uniform")
+    serial = SerialSplineNet(model)
+    x, y = batch(seed=degree)
+    out, want = model(x), serial(x)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-13)
+    F.cross_entropy(out, y).backward()
+    F.cross_entropy(want, y).backward()
+    got, ref = grads(model.coefficients), grads(serial.coefficients)
+    assert set(got) == set(ref)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-12, atol=1e-14, msg=k)
 
 
 @pytest.mark.shared_job

@@ -27,7 +27,10 @@ from ..module import LayerParallelModule
 __all__ = ["depths", "interpolate", "nested_iteration", "refine", "restrict"]
 
 _DEPTH_TAG = 7311
-_RULES = {"interpolate": ("injection", "linear"), "restrict": ("injection", "average")}
+_RULES = {
+    "interpolate": ("injection", "linear"),
+    "restrict": ("injection", "average", "full_weighting"),
+}
 
 
 def interpolate(
@@ -90,15 +93,21 @@ def interpolation(rule: str, coarse_steps: int, fine_steps: int) -> Sources:
 
 def restriction(rule: str, fine_steps: int, coarse_steps: int) -> Sources:
     """``sources(k)``: the fine steps and weights whose combination is coarse step ``k``.
-    ``rule`` is ``"injection"``, ``"average"`` or, for gradients, ``"adjoint"`` (the
-    transpose of linear interpolation: every fine step's share of each coarse step it is
-    interpolated from, summed; see layerbraid.depth.mgopt)."""
+    ``rule`` is ``"injection"``, ``"average"``, ``"full_weighting"`` (the transpose of
+    linear interpolation with each coarse step's weights scaled to sum to 1: the stencil
+    [1/4, 1/2, 1/4] at a factor of 2, renormalized at the ends) or, for gradients,
+    ``"adjoint"`` (the transpose of linear interpolation: every fine step's share of each
+    coarse step it is interpolated from, summed; see layerbraid.depth.mgopt)."""
     cf = _factor(fine_steps, coarse_steps, "restrict")
-    if rule == "adjoint":
+    if rule in ("adjoint", "full_weighting"):
         inverse: dict[int, list[tuple[int, float]]] = {}
         for j in range(fine_steps):
             for k, w in interpolation("linear", coarse_steps, fine_steps)(j):
                 inverse.setdefault(k, []).append((j, w))
+        if rule == "full_weighting":
+            for k, ws in inverse.items():
+                total = sum(w for _, w in ws)
+                inverse[k] = [(j, w / total) for j, w in ws]
         return lambda k: inverse[k]
     _check_rule(rule, "restrict")
     if rule == "injection":

@@ -71,13 +71,17 @@ class MGOpt:
         pre_relax, post_relax: optimizer steps before and after the coarse correction on every
             level but the coarsest (default 1, 1).
         coarse_relax: optimizer steps on the coarsest level (default 2).
-        restrict: how the step weights go down: ``"injection"`` (default) or ``"average"``.
+        restrict: how the step weights go down: ``"injection"`` (default), ``"average"`` or
+            ``"full_weighting"`` (the stencil [1/4, 1/2, 1/4] at a factor of 2).
         grad_restrict: how the gradient goes down: ``"adjoint"`` (default: the transpose of
             linear interpolation, which makes the correction a descent direction wherever the
-            coarse step decreases the coarse objective), ``"injection"`` or ``"average"``.
+            coarse step decreases the coarse objective), ``"injection"`` (TorchBraid's
+            default), ``"average"`` or ``"full_weighting"``.
         interpolate: how the correction goes up: ``"linear"`` (default) or ``"injection"``.
         line_search: ``"backtracking"`` (default: from ``alpha``, halved up to ``tries``
-            times until the Armijo condition holds with ``c1``; no step if it never does),
+            times until the Armijo condition holds with ``c1``; no step if it never does, nor
+            where the correction is not a descent direction, its slope along the fine
+            gradient at least 0),
             ``"alphas"`` (the best of ``alphas``, or none if none lowers the objective) or
             ``"none"`` (``alpha`` itself).
         state: the coarse optimizers' state each cycle: ``"restrict"`` (default: restricted
@@ -124,8 +128,10 @@ class MGOpt:
         ):
             if not isinstance(n, int) or n < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {n!r}")
-        _choose("restrict", restrict, ("injection", "average"))
-        _choose("grad_restrict", grad_restrict, ("adjoint", "injection", "average"))
+        _choose("restrict", restrict, ("injection", "average", "full_weighting"))
+        _choose(
+            "grad_restrict", grad_restrict, ("adjoint", "injection", "average", "full_weighting")
+        )
         _choose("interpolate", interpolate, ("linear", "injection"))
         _choose("line_search", line_search, _LINE_SEARCHES)
         _choose("state", state, _STATES)
@@ -249,6 +255,8 @@ class MGOpt:
             alpha = self.alphas[best] if trials[best] < old else 0.0
             move.to(alpha)
             return alpha
+        if not slope < 0:  # not a descent direction: no step along it lowers F to first order
+            return 0.0
         alpha = self.alpha
         for _ in range(self.tries + 1):
             move.to(alpha)

@@ -26,29 +26,43 @@ from ..parameterization import LinearStepWeights, ParameterizedModel
 __all__ = ["SplineModule", "SplineWeights", "bspline_basis"]
 
 
-def bspline_basis(nsplines: int, degree: int, times: np.ndarray, t_final: float) -> np.ndarray:
-    """``B[i, k]``: B-spline ``k`` of ``degree`` at ``times[i]``, for ``nsplines`` splines on
-    the clamped uniform knot vector of ``[0, t_final]`` (``nsplines - degree + 1`` distinct
-    knots; the ends repeated ``degree + 1`` times).  Cox-de Boor, in float64; every row sums
-    to 1 on ``[0, t_final)``."""
+KNOTS = ("clamped", "uniform")
+
+
+def bspline_basis(
+    nsplines: int, degree: int, times: np.ndarray, t_final: float, knots: str = "clamped"
+) -> np.ndarray:
+    """``B[i, k]``: B-spline ``k`` of ``degree`` at ``times[i]``, for ``nsplines`` splines
+    whose ``nsplines - degree + 1`` knots in ``[0, t_final]`` are evenly spaced, ``h`` apart.
+    ``knots``: ``"clamped"`` (the ends repeated ``degree + 1`` times: the first and last
+    splines are 1 at the ends) or ``"uniform"`` (the knots go on ``h`` apart beyond both ends,
+    ``degree`` more on each side: every spline is the same shape, shifted, as TorchBraid's
+    SpliNet takes them).  Cox-de Boor, in float64; every row sums to 1 on ``[0, t_final)``."""
     if degree < 0 or nsplines < degree + 1:
         raise ValueError(
             f"nsplines must be at least degree + 1 = {degree + 1} for degree {degree}, "
             f"got nsplines={nsplines}"
         )
+    if knots not in KNOTS:
+        raise ValueError(f"knots must be one of {KNOTS}, got {knots!r}")
     inner = np.linspace(0.0, t_final, nsplines - degree + 1)
-    knots = np.concatenate([[0.0] * degree, inner, [t_final] * degree])
+    if knots == "uniform":
+        h = t_final / (nsplines - degree)
+        ends = (h * np.arange(-degree, 0), t_final + h * np.arange(1, degree + 1))
+    else:
+        ends = (np.zeros(degree), np.full(degree, t_final))
+    knots_at = np.concatenate([ends[0], inner, ends[1]])
     t = np.asarray(times, dtype=np.float64)[:, None]
-    # degree 0: the indicator of each knot span [knots[k], knots[k + 1])
-    basis = ((knots[:-1] <= t) & (t < knots[1:])).astype(np.float64)
+    # degree 0: the indicator of each knot span [knots_at[k], knots_at[k + 1])
+    basis = ((knots_at[:-1] <= t) & (t < knots_at[1:])).astype(np.float64)
     for d in range(1, degree + 1):
-        out = np.zeros((len(t), len(knots) - d - 1))
+        out = np.zeros((len(t), len(knots_at) - d - 1))
         for k in range(out.shape[1]):
-            left, right = knots[k + d] - knots[k], knots[k + d + 1] - knots[k + 1]
+            left, right = knots_at[k + d] - knots_at[k], knots_at[k + d + 1] - knots_at[k + 1]
             if left > 0:
-                out[:, k] += (t[:, 0] - knots[k]) / left * basis[:, k]
+                out[:, k] += (t[:, 0] - knots_at[k]) / left * basis[:, k]
             if right > 0:
-                out[:, k] += (knots[k + d + 1] - t[:, 0]) / right * basis[:, k + 1]
+                out[:, k] += (knots_at[k + d + 1] - t[:, 0]) / right * basis[:, k + 1]
         basis = out
     return basis
 
@@ -57,7 +71,15 @@ class SplineWeights(LinearStepWeights):
     """Step ``i``'s weights ``sum_k B_k(t_i) c_k`` for B-splines ``B_k`` of ``degree`` over
     ``[0, T]`` (:func:`bspline_basis`) and ``nsplines`` coefficient sets ``factory(k)``."""
 
-    def __init__(self, nsplines: int, degree: int, factory: Callable[[int], nn.Module]) -> None:
+    def __init__(
+        self,
+        nsplines: int,
+        degree: int,
+        factory: Callable[[int], nn.Module],
+        knots: str = "clamped",
+    ) -> None:
+        if knots not in KNOTS:
+            raise ValueError(f"knots must be one of {KNOTS}, got {knots!r}")
         if not isinstance(degree, int) or not 1 <= degree <= 3:
             raise ValueError(f"degree must be 1, 2 or 3, got {degree!r}")
         if not isinstance(nsplines, int) or nsplines < degree + 1:
@@ -65,13 +87,13 @@ class SplineWeights(LinearStepWeights):
                 f"nsplines must be an int >= degree + 1 = {degree + 1}, got {nsplines!r}"
             )
         super().__init__(nsplines, factory)
-        self.degree = degree
+        self.degree, self.knots = degree, knots
         self._basis: np.ndarray | None = None
 
     def weights(self, model: ParameterizedModel, index: int) -> list[tuple[int, float]]:
         if self._basis is None:
             times = np.arange(model.num_steps) * model.dt
-            self._basis = bspline_basis(self.sets, self.degree, times, model.t_final)
+            self._basis = bspline_basis(self.sets, self.degree, times, model.t_final, self.knots)
         row = self._basis[index]
         return [(k, float(row[k])) for k in range(self.sets) if row[k] != 0.0]
 
@@ -89,6 +111,8 @@ class SplineModule(LayerParallelModule):
         num_steps, t_final, comm, and the keyword arguments: as :class:`LayerParallelModule`.
         nsplines: the number of coefficient sets (at least ``degree + 1``).
         degree: the splines' degree, 1 (piecewise linear) to 3 (cubic).
+        knots: ``"clamped"`` (default) or ``"uniform"``, TorchBraid's SpliNet's
+            (:func:`bspline_basis`); the two agree at degree 1.
 
     ``model.coefficients`` (an ``nn.ModuleList``) holds the trainable step parameters; the step
     layers' own parameters (``model.layers``) hold the evaluated weights, refreshed at every
@@ -106,11 +130,12 @@ class SplineModule(LayerParallelModule):
         *,
         nsplines: int,
         degree: int = 1,
+        knots: str = "clamped",
         **kwargs: Any,
     ) -> None:
-        weights = SplineWeights(nsplines, degree, self._coefficient_layer)
+        weights = SplineWeights(nsplines, degree, self._coefficient_layer, knots)
         super().__init__(num_steps, t_final, comm, parameterization=weights, **kwargs)
-        self.nsplines, self.degree = nsplines, degree
+        self.nsplines, self.degree, self.knots = nsplines, degree, knots
 
     def _coefficient_layer(self, index: int) -> nn.Module:
         return self.coefficient_layer(index)  # looked up when called: the subclass's
