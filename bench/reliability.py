@@ -54,7 +54,7 @@ def main(argv=None):
                    default=list(drill.LAUNCHERS))
     p.add_argument("--restart-repeats", type=int, default=pick(3, 1))
     p.add_argument("--restart-modes", nargs="+", choices=list(restarts.MODES),
-                   default=pick(list(restarts.MODES), ["fixed"]))
+                   default=pick(list(restarts.MODES), []))  # quick: tests/test_restarts.py runs them
     p.add_argument("--out", type=Path, default=DOCS / "reliability.md")
     a = p.parse_args(argv)
     rows, raw, skipped = [], [], []

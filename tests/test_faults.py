@@ -1,4 +1,5 @@
 """Faults on one rank end every rank with their cause: no hang, no silent wrong answer."""
+import re
 import time
 
 import pytest
@@ -270,7 +271,8 @@ def test_a_fault_ends_every_rank_of_the_job_with_its_cause(scenario, launcher, d
     if scenario in RELAYED:  # the traceback once, where it was raised; elsewhere one line
         for rank, text in result["outputs"].items():
             if rank != result["faulty"]:
-                assert "Traceback" not in text and text.count("RemoteRankError on") <= 1, text
+                relayed = re.findall(r"^RemoteRankError on rank \d", text, re.M)
+                assert "Traceback" not in text and len(relayed) <= 1, text
     if scenario == "exit-forward":  # a failure status: the exiting rank said so
         assert "is exiting" in result["outputs"][result["faulty"]], result["outputs"]
     # loaded 2-core machine: the stall itself takes the timeout, the teardown a few seconds

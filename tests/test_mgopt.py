@@ -174,6 +174,43 @@ def test_torchbraids_restrictions_keep_the_coarse_gradient_coherent(rule):
 
 
 @pytest.mark.parallel([1])
+def test_several_cycles_per_batch_stop_at_the_tolerance():
+    """cycles=K runs K V-cycles on the batch, each lowering the loss here; with tol, the
+    cycles stop once the fine loss is at most tol."""
+    models = hierarchy(MPI.COMM_SELF, [8, 4])
+    x, y = batch(n=12, seed=3)
+    mg = MGOpt(models, sgd(models, lr=0.02), cycles=3)
+    first = mg.step(loss_on(x, y))
+    assert mg.stats.cycles == 3
+    with torch.no_grad():
+        after = float(F.cross_entropy(models[0](x), y))
+    assert after < first
+    models = hierarchy(MPI.COMM_SELF, [8, 4])
+    mg = MGOpt(models, sgd(models, lr=0.02), cycles=5, tol=1e9)  # met after the first
+    mg.step(loss_on(x, y))
+    assert mg.stats.cycles == 1
+
+
+@pytest.mark.parallel([1])
+def test_options_per_level_are_each_pairs_own():
+    """A sequence gives each coarse level its own option: three levels, two line searches."""
+    models = hierarchy(MPI.COMM_SELF, [12, 6, 3])
+    mg = MGOpt(models, sgd(models), line_search=["none", "backtracking"],
+               restrict=["full_weighting", "injection"], grad_restrict=["injection", "adjoint"],
+               alpha=0.5)
+    mg.step(loss_on(*batch(seed=0)))
+    assert mg.stats.alphas[0] == 0.5  # "none": alpha itself
+    assert mg.line_searches == ["none", "backtracking"]
+    with pytest.raises(ValueError, match="line_search takes one value or one per coarse "
+                                         "level \\(2\\), got 3"):
+        MGOpt(models, sgd(models), line_search=["none"] * 3)
+    with pytest.raises(ValueError, match="restrict must be one of .*got 'cubic'"):
+        MGOpt(models, sgd(models), restrict=["injection", "cubic"])
+    with pytest.raises(ValueError, match="cycles must be an int >= 1, got 0"):
+        MGOpt(models, sgd(models), cycles=0)
+
+
+@pytest.mark.parallel([1])
 def test_bad_options_are_clear_errors():
     models = hierarchy(MPI.COMM_SELF, [4, 2])
     opts = sgd(models)

@@ -29,7 +29,7 @@ losses, so every group takes the same steps: the full batch's cycle, to round-of
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -41,21 +41,24 @@ __all__ = ["MGOpt", "MGOptStats"]
 
 Vec = dict[nn.Parameter, torch.Tensor]
 LossFn = Callable[[LayerParallelModule], torch.Tensor]
+Levels = Union[str, Sequence[str]]  # one option for every level, or one per coarse level
 _LINE_SEARCHES = ("backtracking", "alphas", "none")
 _STATES = ("restrict", "keep", "reset")
 
 
 @dataclass
 class MGOptStats:
-    """What the last :meth:`MGOpt.step` did: the fine loss before the cycle, the line
-    search's step ``alpha`` per level (finest first; 0: the correction was refused), and the
-    largest gap, over the levels, between the coarse objective's gradient at the restricted
-    point and the restricted fine gradient, relative to the latter (round-off: the coherence
-    term's check, measured only with ``check_coherence=True``)."""
+    """What the last :meth:`MGOpt.step` did: the fine loss before its first cycle, the line
+    search's step ``alpha`` per level in its last cycle (finest first; 0: the correction was
+    refused), how many cycles it ran, and the largest gap, over the levels, between the coarse
+    objective's gradient at the restricted point and the restricted fine gradient, relative to
+    the latter (round-off: the coherence term's check, measured only with
+    ``check_coherence=True``)."""
 
     loss: float = float("nan")
     alphas: list[float] = field(default_factory=list)
     coherence_gap: Optional[float] = None
+    cycles: int = 0
 
 
 class MGOpt:
@@ -71,6 +74,9 @@ class MGOpt:
         pre_relax, post_relax: optimizer steps before and after the coarse correction on every
             level but the coarsest (default 1, 1).
         coarse_relax: optimizer steps on the coarsest level (default 2).
+        restrict, grad_restrict, interpolate, line_search: one name for every level, or a
+            sequence of one per coarse level (finest pair first), as TorchBraid's per-level
+            options.
         restrict: how the step weights go down: ``"injection"`` (default), ``"average"`` or
             ``"full_weighting"`` (the stencil [1/4, 1/2, 1/4] at a factor of 2).
         grad_restrict: how the gradient goes down: ``"adjoint"`` (default: the transpose of
@@ -90,6 +96,9 @@ class MGOpt:
             a restricted velocity moves the coarse weights again by what the fine steps
             already moved them, and the correction carries that back: a larger step per
             batch than the fine optimizer's own.  The examples reset.
+        cycles: V-cycles per :meth:`step` (per batch; default 1), TorchBraid's ``mgopt_iter``.
+        tol: with several cycles, stop a batch's cycles once the fine loss is at most ``tol``
+            (one more forward per cycle to see it); None: always ``cycles``.
         check_coherence: measure the coherence term's gap each cycle (``stats``): the
             gradient of each coarse objective, coherence term included, at the restricted
             point, against the restricted fine gradient (one more forward and backward per
@@ -104,16 +113,18 @@ class MGOpt:
         pre_relax: int = 1,
         post_relax: int = 1,
         coarse_relax: int = 2,
-        restrict: str = "injection",
-        grad_restrict: str = "adjoint",
-        interpolate: str = "linear",
-        line_search: str = "backtracking",
+        restrict: Levels = "injection",
+        grad_restrict: Levels = "adjoint",
+        interpolate: Levels = "linear",
+        line_search: Levels = "backtracking",
         alpha: float = 1.0,
         alphas: Sequence[float] = (1.0, 0.5, 0.25, 0.125),
         tries: int = 4,
         c1: float = 1e-4,
         state: str = "restrict",
         check_coherence: bool = False,
+        cycles: int = 1,
+        tol: Optional[float] = None,
     ) -> None:
         if len(models) < 2 or len(models) != len(optimizers):
             raise ValueError(
@@ -128,12 +139,14 @@ class MGOpt:
         ):
             if not isinstance(n, int) or n < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {n!r}")
-        _choose("restrict", restrict, ("injection", "average", "full_weighting"))
-        _choose(
-            "grad_restrict", grad_restrict, ("adjoint", "injection", "average", "full_weighting")
-        )
-        _choose("interpolate", interpolate, ("linear", "injection"))
-        _choose("line_search", line_search, _LINE_SEARCHES)
+        if not isinstance(cycles, int) or cycles < 1:
+            raise ValueError(f"cycles must be an int >= 1, got {cycles!r}")
+        pairs = len(models) - 1
+        downs = ("injection", "average", "full_weighting")
+        restricts = _per_level("restrict", restrict, pairs, downs)
+        grads = _per_level("grad_restrict", grad_restrict, pairs, ("adjoint", *downs))
+        interps = _per_level("interpolate", interpolate, pairs, ("linear", "injection"))
+        searches = _per_level("line_search", line_search, pairs, _LINE_SEARCHES)
         _choose("state", state, _STATES)
         if not alpha > 0 or not alphas or any(not a > 0 for a in alphas):
             raise ValueError(f"alpha and alphas must be > 0, got {alpha!r} and {list(alphas)!r}")
@@ -145,22 +158,29 @@ class MGOpt:
             )
         self.models, self.optimizers = list(models), list(optimizers)
         self._maps = [
-            _Maps(f, c, restrict, grad_restrict, interpolate)
-            for f, c in zip(self.models, self.models[1:])
+            _Maps(f, c, r, g, i)
+            for f, c, r, g, i in zip(self.models, self.models[1:], restricts, grads, interps)
         ]
         self.pre_relax, self.post_relax, self.coarse_relax = pre_relax, post_relax, coarse_relax
-        self.line_search, self.alpha, self.alphas = line_search, alpha, tuple(alphas)
+        self.line_searches, self.alpha, self.alphas = searches, alpha, tuple(alphas)
+        self.cycles, self.tol = cycles, tol
         self.tries, self.c1, self.state = tries, c1, state
         self.check_coherence = check_coherence
         self.stats = MGOptStats()
 
     def step(self, loss_fn: LossFn) -> float:
-        """One V-cycle on one batch.  ``loss_fn(model)`` returns the batch's loss on the
-        network ``model`` (any level; the same value on every rank, as a layer-parallel
-        network's output is).  Returns the fine loss before the cycle."""
+        """``cycles`` V-cycles on one batch (fewer where ``tol`` is met first).
+        ``loss_fn(model)`` returns the batch's loss on the network ``model`` (any level; the
+        same value on every rank, as a layer-parallel network's output is).  Returns the fine
+        loss before the first cycle."""
         self.stats = MGOptStats(alphas=[0.0] * (len(self.models) - 1))
         gaps: list[float] = []
-        self._cycle(0, None, loss_fn, gaps)
+        for c in range(self.cycles):
+            if c > 0 and self.tol is not None and self._objective(0, None, loss_fn) <= self.tol:
+                break  # the fine loss is at most tol: the batch is done
+            self.stats.alphas = [0.0] * (len(self.models) - 1)
+            self._cycle(0, None, loss_fn, gaps)
+            self.stats.cycles = c + 1
         if self.check_coherence:
             self.stats.coherence_gap = max(gaps)
         return self.stats.loss
@@ -243,10 +263,11 @@ class MGOpt:
     ) -> float:
         """Applies ``x + alpha e`` with the line search's ``alpha``; returns it."""
         move = _Mover(e)
-        if self.line_search == "none":
+        search = self.line_searches[level]
+        if search == "none":
             move.to(self.alpha)
             return self.alpha
-        if self.line_search == "alphas":
+        if search == "alphas":
             trials = []
             for a in self.alphas:
                 move.to(a)
@@ -277,6 +298,19 @@ class MGOpt:
 def _choose(name: str, value: str, allowed: Sequence[str]) -> None:
     if value not in allowed:
         raise ValueError(f"MGOpt: {name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+def _per_level(name: str, value: Levels, pairs: int, allowed: Sequence[str]) -> list[str]:
+    """``value`` for each of the ``pairs`` transfers (finest first): one name for all, or a
+    sequence of one per pair, as TorchBraid's per-level options."""
+    values = [value] * pairs if isinstance(value, str) else list(value)
+    if len(values) != pairs:
+        raise ValueError(
+            f"MGOpt: {name} takes one value or one per coarse level ({pairs}), got {len(values)}"
+        )
+    for v in values:
+        _choose(name, v, allowed)
+    return values
 
 
 # ---------------------------------------------------------------------- vectors
