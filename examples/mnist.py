@@ -23,7 +23,7 @@ from layerbraid.nn import ConvBlock
 from layerbraid.depth.spline import SplineModule
 
 import common  # examples/common.py, beside this script
-from training_loop import mgrit_summary, train  # examples/training_loop.py, beside this script
+from training_loop import run_summary, train  # examples/training_loop.py, beside this script
 
 
 def open_and_close(channels):
@@ -110,13 +110,7 @@ def main(argv=None):
     if args.serial:
         model = model.to_serial()
     if comm.rank == 0:
-        kind = "serial PyTorch"
-        if not args.serial:
-            solve = mgrit_summary(model, args)
-            if "(exact)" not in solve:  # iterations mean nothing at one level
-                solve += f", {args.lp_fwd_iters} forward / {args.lp_bwd_iters} backward iterations"
-            kind = (f"{args.dp_size} data-parallel x {comm.size // args.dp_size} layer-parallel "
-                    f"rank(s), {solve}")
+        kind = run_summary(model, args, comm)
         print(f"{args.dataset}: {len(data['train_x'])} training, {len(data['test_x'])} test images;"
               f" {args.steps} steps of {args.channels} channels; {kind}", flush=True)
     train(args, model, data, comm=comm, rank=comm.rank, name=args.dataset, grid=grid,

@@ -239,6 +239,18 @@ def _depth_smoothness(model):
     return sum(m.depth_smoothness() for m in model.modules() if hasattr(m, "depth_smoothness"))
 
 
+def run_summary(model, args, comm):
+    """'1 data-parallel x 2 layer-parallel rank(s), 2 MGRIT level(s), cfactor [4], 1 forward /
+    1 backward iterations' (or 'serial PyTorch') for an example's header."""
+    if args.serial:
+        return "serial PyTorch"
+    solve = mgrit_summary(model, args)
+    if "(exact)" not in solve:  # iterations mean nothing at one level
+        solve += f", {args.lp_fwd_iters} forward / {args.lp_bwd_iters} backward iterations"
+    return (f"{args.dp_size} data-parallel x {comm.size // args.dp_size} layer-parallel rank(s), "
+            f"{solve}")
+
+
 def mgrit_summary(model, args):
     """'2 MGRIT levels (cfactor [4])' for an example's header: the levels that formed, with
     what was asked when fewer formed."""

@@ -27,7 +27,7 @@ from layerbraid.launch import world
 from layerbraid.nn import TokenEmbedding, TransformerStep
 
 import common  # examples/common.py, beside this script
-from training_loop import mgrit_summary, train  # examples/training_loop.py, beside this script
+from training_loop import run_summary, train  # examples/training_loop.py, beside this script
 
 VOCAB = 256  # bytes
 
@@ -147,10 +147,7 @@ def main(argv=None):
     if args.serial:
         model = model.to_serial()
     if comm.rank == 0:
-        kind = "serial PyTorch"
-        if not args.serial:
-            kind = (f"{args.dp_size} data-parallel x {comm.size // args.dp_size} layer-parallel "
-                    f"rank(s), {mgrit_summary(model, args)}")
+        kind = run_summary(model, args, comm)
         print(f"transformer: {len(data['train_x'])} training, {len(data['test_x'])} test "
               f"windows of {args.context} bytes of Python source; {args.steps} layers of width "
               f"{args.channels}, {args.heads} heads; {kind}", flush=True)
