@@ -369,6 +369,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             bar = tqdm(total=per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch",
                        dynamic_ncols=True, leave=True, mininterval=0.5 if sys.stderr.isatty() else 10)
         losses, t0 = [], time.perf_counter()
+        multilevel = _multilevel(model, args)  # one level: no iterations to show
         solves, audits, probes, alphas = _SolveLog(), [], [], []
         loader.set_epoch(epoch)
         for b, (xb, yb) in enumerate(loader):
@@ -419,7 +420,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                     bar.set_postfix(refresh=b + 1 < per_epoch,
                                     loss=f"{sum(losses[-args.log_interval:]) / len(losses[-args.log_interval:]):.4f}",
                                     **{k: f"{v:.1f}" for k, v in solves.summary().items()
-                                       if k.endswith("iters")})
+                                       if k.endswith("iters") and multilevel})
         audit_seconds = sum(a["seconds"] for a in audits)
         # a tuner's probes are part of training (they set its iterations); others are not
         probe_seconds = sum(p["seconds"] for p in probes if "tuned" not in p)
@@ -450,7 +451,7 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
             s = record
             print(f"epoch {s['epoch']}: loss {s['train_loss']:.4f} | test accuracy "
                   f"{100 * acc:.2f}% | {1000 * s['seconds_per_batch']:.1f} ms/batch"
-                  f"{_mgrit_line(s, estimates, _multilevel(model, args))}", flush=True)
+                  f"{_mgrit_line(s, estimates, multilevel)}", flush=True)
             if audits:
                 print(_audit_line(audits, seconds), flush=True)
             if probes:
