@@ -472,3 +472,68 @@ def test_the_numbers_quoted_from_the_pipelining_report_are_its_own():
                    if line.startswith(f"| layerbraid exact, {m} microbatch"))
         speedup = row.split("|")[3].split()[0]
         assert said.format(speedup) in guide, (m, speedup)
+
+
+def _flat(path):
+    return " ".join((ROOT / path).read_text().split())
+
+
+def _floats(text):
+    return [float(x) for x in re.findall(r"[-+]?\d+\.\d+", text)]
+
+
+def test_the_numbers_quoted_from_the_depth_report_are_its_own():
+    """The guide's "When it pays" and the README's line on training over depths quote
+    docs/depth.md's findings, at the commit they name; the counts of seeds are recounted from
+    the per-seed accuracies the report lists."""
+    commit = json.loads((ROOT / "docs" / "depth.json").read_text())["commit"][:7]
+    report, guide, readme = (_flat("docs/depth.md"), _flat("docs/guide/depth.md"),
+                             _flat("README.md"))
+    assert f"measured at commit {commit}" in guide and f"commit {commit})" in readme
+    lines = {m.group(1): m.group(2) for m in re.finditer(r"- (nested iteration|MG/Opt|spline "
+                                                          r"steps): (.*?)(?= - |$)", report)}
+    nested, mgopt, spline = lines["nested iteration"], lines["MG/Opt"], lines["spline steps"]
+
+    def ratio(text, what):
+        m = re.search(what + r" ratio ([\d.]+) \[([\d.]+)-([\d.]+)\]", text)
+        return m.group(1), m.group(2), m.group(3)
+
+    t, b = ratio(nested, "time"), ratio(nested, "batch")
+    assert f"time ratio {t[0]}, {t[1]}-{t[2]}" in guide and f"ratio {b[0]}, {b[1]}-{b[2]}" in guide
+    assert re.search(r"Not distinguishable", nested) and "not distinguishable" in guide
+    acc = re.search(r"final accuracy ([-+][\d.]+) points .*?noise of \+-([\d.]+) points", nested)
+    assert f"accuracy {abs(float(acc.group(1))):.2f} points lower" in guide
+    assert f"noise ({acc.group(2)} points)" in guide
+    half = re.search(r"trained (\d+) of its (\d+) batches", nested)
+    assert f"{half.group(1)} of the {half.group(2)} batches" in guide
+    b = ratio(mgopt, "batch")
+    assert f"fewer batches to the target (ratio {b[0]}, {b[1]}-{b[2]})" in guide
+    gain = re.search(r"final accuracy \+([\d.]+) points", mgopt).group(1)
+    assert f"ends {gain} points higher" in guide and f"ended {gain} points above" in readme
+    t = ratio(mgopt, "time")
+    assert "later in every seed" in mgopt and f"(time ratio {t[0]})" in guide
+    assert f"(time ratio {t[0]})" in readme
+    steps = re.search(r"at equal fine optimizer steps .*? it had (.*?)% against full depth's "
+                      r"(.*?)%", mgopt)
+    wall = re.search(r"at equal training time .*? it had (.*?)% against full depth's (.*?)%",
+                     mgopt)
+    below = [sum(a < f for a, f in zip(_floats(m.group(1)), _floats(m.group(2))))
+             for m in (steps, wall)]
+    assert f"below full depth in {below[0]} of 5 seeds" in guide
+    assert below[1] == 5 and "below in all 5" in guide
+    sooner = re.search(r"sooner in (\d+), later in (\d+) of", spline)
+    assert f"sooner in {sooner.group(1)} seeds, later in {sooner.group(2)}" in guide
+    lower = re.search(r"final accuracy -([\d.]+) points", spline).group(1)
+    assert f"final accuracy {lower} points lower" in guide
+
+
+def test_the_restart_times_the_faults_page_quotes_are_the_reliability_reports():
+    commit = json.loads((ROOT / "docs" / "reliability.json").read_text())["commit"][:7]
+    page, report = _flat("docs/guide/faults.md"), (ROOT / "docs" / "reliability.md").read_text()
+    assert f"docs/reliability.md (commit {commit})" in page
+    for mode in ("fixed", "elastic"):
+        row = next(line for line in report.splitlines() if line.startswith(f"| {mode} |"))
+        resumed, latency = row.split("|")[3].strip(), row.split("|")[4].strip()
+        assert f"resumed {resumed.replace('/', ' of ')} runs of each" in page
+        median, spread = latency.split(" ")
+        assert f"{median} s {spread}" in page, (mode, latency)
