@@ -252,3 +252,29 @@ def test_a_rank_that_fails_on_the_coarse_level_does_not_hang_the_other(short_tim
         with pytest.raises(RuntimeError, match="rank 1 fails on the coarse level"):
             mg.step(loss)
         time.sleep(short_timeout + 3)  # still running when rank 0 gives up
+
+
+@pytest.mark.parallel([2])
+def test_a_data_group_that_fails_before_the_loss_agreement_does_not_hang_the_other(
+        short_timeout):
+    """2 data groups: rank 1 fails after its backward, just before the groups agree on the
+    objective; rank 0, waiting in that agreement, raises StallError naming it."""
+    layerbraid.set_timeout(120)
+    grid = layerbraid.ProcessGrid(WORLD, data_parallel=2)
+    models = hierarchy(grid, [4, 2])
+    mg = MGOpt(models, sgd(models))
+    layerbraid.set_timeout(short_timeout)
+    x, y = batch(seed=0)
+    if WORLD.rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(layerbraid.StallError, match="every data group's MG/Opt loss"):
+            mg.step(loss_on(x, y))
+        assert time.monotonic() - t0 < short_timeout + 30
+    else:
+        def fail(*args):
+            raise RuntimeError("rank 1 fails before the data groups agree on the loss")
+
+        mg._value = fail
+        with pytest.raises(RuntimeError, match="rank 1 fails before"):
+            mg.step(loss_on(x, y))
+        time.sleep(short_timeout + 3)  # still running when rank 0 gives up
