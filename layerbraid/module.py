@@ -29,6 +29,7 @@ from ._engine.layer_steps import _LayerSteps
 from ._engine.ownership import _StepLayers, draw_seed
 from ._engine.parts import ExactSolve, FreedOnExit
 from ._engine.pipeline import Pipeline, PipelineFn, check_independent, microbatch_sizes
+from ._engine.schedule import lib
 from ._engine.serial import parallel_penalty, serial_forward, time_points
 from ._engine.sharded_state import ShardedState
 from ._engine.stages import close_output, open_input, placeholder
@@ -45,6 +46,7 @@ __all__ = ["LayerParallelModule", "SolveStats"]
 logger = logging.getLogger(__name__)
 
 _MAX_STEPS = 2**62  # the C core counts steps in int64
+_MAX_MGRIT_PARTS = int(lib.MGRIT_MAX_PARTS)  # the C core's tags hold this many microbatches
 
 
 class _BuildStepsAfterInit(abc.ABCMeta):  # nn.Module's metaclass is type; the part's ABCMeta
@@ -114,13 +116,17 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         parameterization: what the steps' parameters are (a
             :class:`layerbraid.parameterization.StepParameterization`); default: each step
             layer's own weights, trained directly.
-        microbatches: with exact solves on several ranks, split each batch along its first
-            dimension into this many microbatches and pipeline them through the ranks (GPipe
-            order, Note [microbatched exact path] in _engine/pipeline.py): a rank steps one
-            microbatch while the next rank steps the one before.  The output and every
-            gradient equal the batched ones to round-off.  Refused (ValueError) with a batch
-            norm in training mode in a step layer, whose statistics are over the batch.
-            Default 1: the whole batch at once.
+        microbatches: split each batch along its first dimension into this many microbatches
+            and pipeline them through the ranks: a rank steps one microbatch while the next
+            rank steps the one before.  With exact solves on several ranks this is GPipe's
+            schedule over the chain (Note [microbatched exact path] in _engine/pipeline.py);
+            with MGRIT every phase of the solve runs microbatch after microbatch, so that the
+            coarsest level's sequential solve and the sweeps' hand-offs become pipelines too
+            (at most 254 microbatches; Note [parts] in cbridge/src/cycle.c).  The output and
+            every gradient equal the batched ones to round-off (with MGRIT, at the same
+            iteration counts).  Refused (ValueError) with a batch norm in training mode in a
+            step layer, whose statistics are over the batch.  Default 1: the whole batch at
+            once.
 
     The attribute ``retain_graphs`` (default False) keeps the steps' graphs after a backward,
     so that the same forward can be differentiated again (``retain_graph=True``,
@@ -384,6 +390,14 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         run = Run(self._steps, meta.shape, meta.dtype, meta.device, record, retain)
         run.own.step_params = step_params
         run.own.fused = bool(self.fused)
+        if len(sizes) > 1:
+            check_independent([layer for _, layer in self.owned_steps()], self.training)
+            if len(sizes) > _MAX_MGRIT_PARTS:
+                raise ValueError(
+                    f"microbatches={self.microbatches} with MGRIT solves: at most "
+                    f"{_MAX_MGRIT_PARTS} microbatches (exact solves take any number)"
+                )
+            run.sizes = sizes
         inputs = self.parameterization.inputs(self, params)
         return _ChainFn.apply(chain, run, anchor, h0, *inputs)
 

@@ -167,13 +167,21 @@ def _training(options: Any) -> MGRITOptions:
 
 
 def schedule(
-    num_steps: int, ranks: int, options: MGRITOptions, adjoint: bool = False
+    num_steps: int,
+    ranks: int,
+    options: MGRITOptions,
+    adjoint: bool = False,
+    microbatches: int = 1,
 ) -> list[np.ndarray]:
-    """Each rank's actions, from the C core's virtual ranks (structured numpy arrays)."""
+    """Each rank's actions, from the C core's virtual ranks (structured numpy arrays); with
+    ``microbatches``, each action once per microbatch, in the order the core runs them."""
     _check(num_steps, ranks)
+    check_int("microbatches", microbatches, 1, 254)
     if not isinstance(options, MGRITOptions):
         raise TypeError(f"options must be an MGRITOptions, got {type(options).__name__}")
-    return virtual_schedule(num_steps, ranks, _training(options), mirror=adjoint)
+    return virtual_schedule(
+        num_steps, ranks, _training(options), mirror=adjoint, parts=microbatches
+    )
 
 
 def step_counts(traces: Sequence[np.ndarray]) -> list[dict[int, int]]:
@@ -539,16 +547,23 @@ def predict(
     backward: MGRITOptions,
     costs: Costs,
     data_parallel: int = 1,
+    microbatches: int = 1,
+    serial_seconds: Optional[float] = None,
 ) -> Prediction:
     """Predicted seconds per batch on `ranks` layer-parallel ranks (x `data_parallel` groups,
-    each with 1 / data_parallel of the batch, and a gradient allreduce)."""
+    each with 1 / data_parallel of the batch, and a gradient allreduce).
+
+    ``microbatches``: MGRIT in that many microbatches (Note [parts] in cbridge/src/cycle.c);
+    then ``costs`` are those of a step, a VJP and a message at the microbatch's size (a step's
+    cost is not linear in its batch on a CPU: measure it there), and ``serial_seconds`` is plain
+    PyTorch's time for the whole batch (default: the microbatches one after another)."""
     check_int("data_parallel", data_parallel)
     if not isinstance(costs, Costs):
         raise TypeError(f"costs must be a Costs, got {type(costs).__name__}")
     share = 1.0 / data_parallel  # a layer's cost scales with the batch it sees
     msg = costs.latency + share * costs.message_bytes / costs.bandwidth
-    fwd_traces = schedule(num_steps, ranks, forward)
-    bwd_traces = schedule(num_steps, ranks, backward, adjoint=True)
+    fwd_traces = schedule(num_steps, ranks, forward, microbatches=microbatches)
+    bwd_traces = schedule(num_steps, ranks, backward, adjoint=True, microbatches=microbatches)
     over = costs.overhead_seconds
     tf = simulate(
         fwd_traces,
@@ -576,9 +591,10 @@ def predict(
             * (data_parallel - 1)
             * (costs.latency + per_rank_bytes / data_parallel / costs.bandwidth)
         )
-    serial = num_steps * (costs.step_seconds + costs.vjp_param())
+    if serial_seconds is None:
+        serial_seconds = microbatches * num_steps * (costs.step_seconds + costs.vjp_param())
     counts = [sum(c.values()) for c in step_counts(fwd_traces)]
-    return Prediction(ranks, data_parallel, total, serial, tf, tb, counts)
+    return Prediction(ranks, data_parallel, total, serial_seconds, tf, tb, counts)
 
 
 # Note [pipeline model]: a pipeline over the ranks in M microbatches (layerbraid's exact path with

@@ -95,8 +95,11 @@ class _Normed(LayerParallelModule):
 @pytest.mark.parallel([2])
 def test_a_batch_norm_in_training_is_refused_with_microbatches_and_runs_in_eval():
     torch.manual_seed(0)
-    model = _Normed(WORLD, microbatches=2)
     x = batch()[0]
+    mgrit = MGRITOptions(max_levels=2, cfactor=2, max_iters=1)
+    with pytest.raises(ValueError, match="microbatches > 1 with a batch norm in training mode"):
+        _Normed(WORLD, microbatches=2, forward_options=mgrit, backward_options=mgrit)(x)
+    model = _Normed(WORLD, microbatches=2)
     with pytest.raises(ValueError, match="microbatches > 1 with a batch norm in training mode"):
         model(x)
     model.eval()  # running statistics: each sample alone
@@ -105,19 +108,73 @@ def test_a_batch_norm_in_training_is_refused_with_microbatches_and_runs_in_eval(
         torch.testing.assert_close(model(x), serial(x), rtol=ROUNDOFF, atol=ROUNDOFF)
 
 
+def _solved(m, opts, seed=0, **kw):
+    """A fresh ODEResNet in ``m`` microbatches: its output, input gradient, parameter
+    gradients and the two solves' residual norms on one batch of 7."""
+    torch.manual_seed(seed)
+    model = ODEResNet(WORLD, forward_options=opts, backward_options=opts, microbatches=m, **kw)
+    x, y = batch(n=7)
+    x.requires_grad_(True)
+    out = model(x)
+    F.cross_entropy(out, y).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    measured = [
+        [*st.residual_norms, st.final_residual, st.raw_error_estimate]
+        for st in (model.forward_stats, model.backward_stats)
+    ]
+    return (out, x.grad, grads, *measured)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2, 3, 4])
+@pytest.mark.parametrize("levels, cfactor, cycle", [(2, 2, "V"), (3, 2, "F"), (2, 3, "V")])
+def test_mgrit_in_microbatches_equals_the_batched_solve(levels, cfactor, cycle):
+    """Note [parts] in cbridge/src/cycle.c: at fixed iteration counts MGRIT in microbatches is
+    the batched solve to round-off: output, every gradient and the residual norms."""
+    opts = MGRITOptions(max_levels=levels, cfactor=cfactor, max_iters=2, tol=0.0, cycle=cycle)
+    ref = _solved(1, opts, num_steps=12)
+    for m in (2, 3, 7):  # 7 samples: 4+3, 3+2+2, one each
+        got = _solved(m, opts, num_steps=12)
+        for a, b in zip(got[:2], ref[:2]):
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=ROUNDOFF, atol=ROUNDOFF)
+        assert len(got[2]) == len(ref[2])
+        for a, b in zip(got[2], ref[2]):
+            torch.testing.assert_close(a, b, rtol=ROUNDOFF, atol=ROUNDOFF)
+        for a, b in zip(got[3:], ref[3:]):  # the residuals and the estimate: the batch's
+            assert len(a) == len(b) > 2 and None not in a, (a, b)
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-9, atol=0)
+
+
 @pytest.mark.shared_job
 @pytest.mark.parallel([2])
-def test_microbatches_do_not_change_mgrit():
-    """With MGRIT (several levels) the solve is the core's, batched: microbatches apply to the
-    exact path only, and leave a multilevel solve as it is, to the bit."""
-    opts = MGRITOptions(max_levels=2, cfactor=2, max_iters=2)
+def test_warm_started_mgrit_in_microbatches_equals_the_batched_solve():
+    """Warm starts: each microbatch starts from its rows of the last solve's states."""
+    opts = MGRITOptions(max_levels=2, cfactor=2, max_iters=1, tol=0.0)
     outs = []
     for m in (1, 3):
         torch.manual_seed(0)
         model = ODEResNet(WORLD, num_steps=8, forward_options=opts, backward_options=opts,
-                          microbatches=m)
-        outs.append(model(batch()[0]).detach())
-    assert torch.equal(outs[0], outs[1])
+                          microbatches=m, warm_start=True)
+        x, y = batch(n=7)
+        runs = []
+        for _ in range(3):
+            out = model(x)
+            F.cross_entropy(out, y).backward()
+            runs.append(out.detach())
+        outs.append(runs)
+    assert not torch.equal(outs[0][0], outs[0][2])  # the warm start changed the solve
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=ROUNDOFF, atol=ROUNDOFF)
+
+
+def test_more_microbatches_than_mgrit_takes_are_refused_naming_the_count():
+    opts = MGRITOptions(max_levels=2, cfactor=2, max_iters=1)
+    model = ODEResNet(WORLD, num_steps=4, forward_options=opts, backward_options=opts,
+                      microbatches=300)
+    with pytest.raises(ValueError, match="microbatches=300 with MGRIT solves: at most 254"):
+        model(batch(n=300)[0])
 
 
 _FAULT = {"where": None}  # where _Failing's step 5 raises: "forward", "backward" or None
@@ -140,11 +197,15 @@ class _Failing(ODEResNet):
 @pytest.mark.both_transports
 @pytest.mark.parallel([3])
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_a_step_that_raises_in_a_microbatch_raises_on_every_rank(where):
+@pytest.mark.parametrize("levels", [1, 2])
+def test_a_step_that_raises_in_a_microbatch_raises_on_every_rank(where, levels):
     """Step 5 of 9 runs on rank 1 of 3: rank 1 raises its own error, the ranks before and
-    after it a RemoteRankError naming rank 1 and the message, none waits for the deadline."""
+    after it a RemoteRankError naming rank 1 and the message, none waits for the deadline;
+    on the exact path and in MGRIT's microbatched solves."""
     torch.manual_seed(0)
-    model = _Failing(WORLD, num_steps=9, microbatches=3)
+    opts = MGRITOptions(max_levels=levels, cfactor=3, max_iters=1)
+    model = _Failing(WORLD, num_steps=9, microbatches=3, forward_options=opts,
+                     backward_options=opts)
     _FAULT["where"] = where
     assert (5 in [i for i, _ in model.owned_steps()]) == (WORLD.rank == 1)
     x, y = batch()
@@ -158,7 +219,11 @@ def test_a_step_that_raises_in_a_microbatch_raises_on_every_rank(where):
     # the layer group is still usable: the same model, without the fault
     _FAULT["where"] = None
     model.zero_grad()  # the close layer's backward ran before the failure
-    _compare(model, x, y)
+    if levels == 1:
+        _compare(model, x, y)
+    else:
+        F.cross_entropy(model(x), y).backward()
+        assert model.backward_stats.iterations == 1
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])

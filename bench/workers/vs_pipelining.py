@@ -13,7 +13,9 @@ process, SGD.  Systems (each its own copy of the same initial weights):
   microbatches, the network cut into as many stages as processes at the step boundaries
   layerbraid uses (the first stage holds the first layer, the last the last); torchrun only;
 - ``lp-M``: layerbraid exact (one level) with ``microbatches=M``;
-- ``lp-mgrit``: layerbraid, 2 MGRIT levels, cfactor 4, 1 forward and 1 adjoint iteration.
+- ``lp-mgrit-M``: layerbraid, 2 MGRIT levels, cfactor 4, 1 forward and 1 adjoint iteration,
+  with ``microbatches=M`` (every phase of the solve microbatch after microbatch, so that the
+  coarsest level's sequential solve is a pipeline too).
 
 Each round runs one training batch of every system, in an order that rotates from round to
 round; a system's time is the slowest rank's.  Beside each system: its gradient's relative
@@ -136,8 +138,10 @@ def main() -> None:
                                                                  microbatches=m)
     if "lp-mgrit" in a.systems:
         opts = layerbraid.MGRITOptions(max_levels=2, cfactor=4, max_iters=1)
-        systems["lp-mgrit"], errors["lp-mgrit"] = _layerbraid(
-            a.steps, x, y, reference, comm, forward_options=opts, backward_options=opts)
+        for m in [1, *a.microbatches]:
+            systems[f"lp-mgrit-{m}"], errors[f"lp-mgrit-{m}"] = _layerbraid(
+                a.steps, x, y, reference, comm, forward_options=opts, backward_options=opts,
+                microbatches=m)
 
     names = list(systems)
     times: dict[str, list[float]] = {n: [] for n in names}

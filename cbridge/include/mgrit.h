@@ -122,6 +122,10 @@ typedef struct mgrit_callbacks {
   int (*try_recv)(void *app, int src, int tag, int *found, int64_t *flag, mgrit_vec *out);
   int (*iallreduce)(void *app, const double *in, double *out, int n, int op, int64_t *handle);
   int (*test)(void *app, int64_t handle, int *done);
+  /* Optional with one part, required with more (mgrit_set_parts): the callbacks that follow act
+   * on microbatch `part` until the next call; init's state at fine point 0 is that part's
+   * initial value, and its idle callback comes once per part. */
+  int (*part)(void *app, int part);
 } mgrit_callbacks;
 
 typedef struct mgrit_core mgrit_core; /* opaque */
@@ -182,6 +186,18 @@ int mgrit_set_timeout(mgrit_core *core, double seconds);
  * (at most 1 ms), so that more ranks than cores (an emulation, a laptop) leave the CPU to the
  * ranks that compute.  A local setting: ranks may differ. */
 int mgrit_set_wait_sleep(mgrit_core *core, double seconds);
+
+/* Solve `parts` microbatches in lockstep (1, the default: the state is one batch).  Each
+ * operation of the schedule runs on every part before the next operation starts, and the
+ * messages of a sweep that passes a state from rank to rank (the coarsest level's solve, the
+ * F-sweeps' boundary values) go out part by part, so that a rank steps one part while the next
+ * rank steps the part before: a pipeline.  With a norm that is the 2-norm over the batch, the
+ * residuals, stopping tests and results equal the solve of the whole batch's state to
+ * round-off.  The application's part callback says which part the other callbacks act on. */
+#define MGRIT_MAX_PARTS 254
+int mgrit_set_parts(mgrit_core *core, int parts);
+/* The state of part `part` at fine point i (mgrit_state is part 0's). */
+mgrit_vec mgrit_state_part(const mgrit_core *core, int64_t index, int part);
 
 /* Check that all ranks were given the same problem and options, and build the levels, so that
  * mgrit_owned and mgrit_level_stride can be asked before a solve.  Collective.  mgrit_solve does

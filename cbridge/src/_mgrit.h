@@ -18,8 +18,10 @@ typedef struct mgrit_i_level {
   int nrelax;
   int64_t lo, hi; /* owned points; lo > hi when none */
   int left, right; /* the ranks owning points lo-1 and hi+1 on this level, or -1 */
-  mgrit_vec *u, *v, *g; /* indexed by i - lo; g[k] == MGRIT_NONE means zero */
-  mgrit_vec ghost;      /* u[lo - 1] as it was after this rank's last F-sweep of the level */
+  /* The current part's states (Note [parts]): u, v, g indexed by i - lo (g[k] == MGRIT_NONE
+   * means zero); *ghost is u[lo - 1] as it was after this rank's last F-sweep of the level. */
+  mgrit_vec *u, *v, *g, *ghost;
+  mgrit_vec *ubase, *vbase, *gbase, *ghosts; /* every part's: part p's from p * (hi - lo + 1) */
 } mgrit_i_level;
 
 typedef struct mgrit_i_opts {
@@ -38,6 +40,7 @@ typedef struct mgrit_i_opts {
   int store_all; /* keep every level-0 point (default), or only what the cycles read again */
   double timeout; /* seconds a wait may last; 0 = forever */
   double wait_sleep; /* seconds a long wait sleeps between tests; 0 = yield instead */
+  int parts; /* microbatches solved in lockstep (Note [parts] in cycle.c); 1 = the whole batch */
 } mgrit_i_opts;
 
 /* Note [options fingerprint]: what every rank's solver must agree on, compared across ranks in
@@ -51,7 +54,8 @@ typedef struct mgrit_i_opts {
   X(cycle, (double)core->o.cycle) X(min_coarse, (double)core->o.min_coarse)                  \
   X(final_fc, (double)core->o.final_fc) X(cfactor, (double)core->o.ncf)                      \
   X(nrelax, (double)core->o.nnr) X(mirror, (double)core->mirror)                             \
-  X(store_all, (double)core->o.store_all) X(timeout, core->o.timeout)
+  X(store_all, (double)core->o.store_all) X(timeout, core->o.timeout)                        \
+  X(parts, (double)core->o.parts)
 
 /* A pending operation: an MPI request, or the application transport's handle (Note
  * [application transport] in comm.c). */
@@ -88,6 +92,9 @@ struct mgrit_core {
   int err;         /* MGRIT_OK, or CALLBACK/REMOTE/NOMEM once this rank is poisoned */
   int abandoned;   /* a wait timed out or was interrupted: pending sends are never waited for */
   int failed_rank; /* set when a failure is known globally */
+  int built_parts; /* the parts the levels' arrays hold */
+  int part;        /* the part whose states the levels' u, v, g and ghost point at */
+  double *cnorm2;  /* per owned level-0 C-point: its residual's squared norm summed over parts */
   int iterations;
   double comm_seconds; /* time spent in MPI calls (waiting included) during the last solve */
   double *norms;
@@ -105,7 +112,12 @@ struct mgrit_core {
 int64_t mgrit_i_owner(const mgrit_core *core, int64_t fine_point);
 void mgrit_i_fine_range(const mgrit_core *core, int rank, int64_t *lo, int64_t *hi);
 int mgrit_i_build_levels(mgrit_core *core);
+/* Frees the current part's states of level l (Note [parts] in cycle.c). */
 void mgrit_i_free_level_states(mgrit_core *core, int l);
+/* Frees every part's states of level l. */
+void mgrit_i_free_level_parts(mgrit_core *core, int l);
+/* Points the levels' states at part p's and tells the application (its part callback). */
+void mgrit_i_select(mgrit_core *core, int p);
 void mgrit_i_free_levels(mgrit_core *core);
 double mgrit_i_time(const mgrit_core *core, int l, int64_t i);
 int mgrit_i_is_c(const mgrit_core *core, int l, int64_t i);
@@ -122,7 +134,6 @@ mgrit_vec mgrit_i_step(mgrit_core *core, int l, int64_t i, mgrit_vec u, int done
 mgrit_vec mgrit_i_before(const mgrit_i_level *L, int64_t i);
 int mgrit_i_fsweep(mgrit_core *core, int l, int done);
 int mgrit_i_csweep(mgrit_core *core, int l, int done, double *sums);
-int mgrit_i_relax(mgrit_core *core, int l);
 
 /* restrict.c */
 int mgrit_i_restrict(mgrit_core *core, int l, double *sums);
@@ -142,7 +153,9 @@ enum { MGRIT_I_SUM = 0, MGRIT_I_MIN = 1, MGRIT_I_MAX = 2 };
 int mgrit_i_iallreduce(mgrit_core *core, const double *in, double *out, int n, int op,
                        mgrit_i_req *req);
 int mgrit_i_allreduce_status(mgrit_core *core, double *sums, int n);
-int mgrit_i_tag(int l, int kind);
+/* The tag of a message of level l (kind 0 an F-sweep's state, 1 a restriction's v) of the
+ * current part. */
+int mgrit_i_tag(const mgrit_core *core, int l, int kind);
 
 int mgrit_i_mpi_error(mgrit_core *core, int rc, const char *call);
 

@@ -29,7 +29,11 @@
 /* A message that carries only the poisoned flag, for a rank that cannot allocate a buffer. */
 static const int64_t poisoned_header = 1;
 
-int mgrit_i_tag(int l, int kind) { return 16 + 2 * l + kind; }
+/* 128 tags per part (two per level, 64 levels at most): with MGRIT_MAX_PARTS parts the largest
+ * is below 32767, the least MPI_TAG_UB that MPI allows. */
+int mgrit_i_tag(const mgrit_core *core, int l, int kind) {
+  return 16 + 128 * core->part + 2 * l + kind;
+}
 
 int mgrit_i_mpi_error(mgrit_core *core, int rc, const char *call) {
   char text[MPI_MAX_ERROR_STRING];

@@ -29,6 +29,7 @@ static void defaults(mgrit_core *core, int64_t num_steps, double tstart, double 
   core->o.cycle = MGRIT_CYCLE_V;
   core->o.min_coarse = 2;
   core->o.store_all = 1;
+  core->o.parts = 1;
   core->state_norm = core->final_residual = core->final_state_norm = -1.0;
   core->final_residual_sum = -1.0;
 }
@@ -102,6 +103,7 @@ int mgrit_destroy(mgrit_core *core) {
   free(core->c.pending);
   free(core->norms);
   free(core->trace);
+  free(core->cnorm2);
   if (!core->virt && !core->c.ext) {
     int finalized = 0;
     MPI_Finalized(&finalized);
@@ -233,6 +235,15 @@ int mgrit_set_trace(mgrit_core *core, int v) {
   return MGRIT_OK;
 }
 
+int mgrit_set_parts(mgrit_core *core, int v) {
+  if (v < 1 || v > MGRIT_MAX_PARTS) BAD(core, "parts must be in 1..%d, got %d", MGRIT_MAX_PARTS, v);
+  if (v > 1 && !core->virt && !core->cb.part)
+    BAD(core, "parts=%d needs the part callback, which this solver's application lacks", v);
+  if (v != core->o.parts) core->built = 0;
+  core->o.parts = v;
+  return MGRIT_OK;
+}
+
 int mgrit_set_store_all(mgrit_core *core, int v) {
   core->o.store_all = v != 0;
   return MGRIT_OK;
@@ -273,15 +284,17 @@ int64_t mgrit_level_stride(const mgrit_core *core, int level) {
   return core->levels[level].stride;
 }
 
-mgrit_vec mgrit_state(const mgrit_core *core, int64_t i) {
-  if (core->nlevels == 0) return MGRIT_NONE;
+mgrit_vec mgrit_state_part(const mgrit_core *core, int64_t i, int part) {
+  if (core->nlevels == 0 || part < 0 || part >= core->built_parts) return MGRIT_NONE;
   const mgrit_i_level *L = &core->levels[0];
   if (i < L->lo || i > L->hi) return MGRIT_NONE;
-  return L->u[i - L->lo];
+  return L->ubase[(size_t)part * (size_t)(L->hi - L->lo + 1) + (size_t)(i - L->lo)];
 }
+
+mgrit_vec mgrit_state(const mgrit_core *core, int64_t i) { return mgrit_state_part(core, i, 0); }
 
 int mgrit_release_states(mgrit_core *core) {
   if (!core) return MGRIT_ERR_ARG;
-  for (int l = 0; l < core->nlevels; l++) mgrit_i_free_level_states(core, l);
+  for (int l = 0; l < core->nlevels; l++) mgrit_i_free_level_parts(core, l);
   return MGRIT_OK;
 }

@@ -18,16 +18,93 @@ static int push_norm(mgrit_core *core, double r) {
   return MGRIT_OK;
 }
 
+/* Note [parts]: with parts > 1 (mgrit_set_parts) the batch is solved as that many microbatches
+ * in lockstep: each level keeps every part's states, and each phase below (a relaxation, a
+ * restriction, the coarsest solve, a correction) runs part after part before the next phase.
+ * A sweep that passes a state from rank to rank sends each part's state as soon as that part
+ * is stepped, so the next rank steps part p while this one steps part p + 1: the coarsest
+ * solve, sequential over the ranks with one batch, becomes a pipeline (GPipe's schedule).  Each
+ * part's messages have their own tags (mgrit_i_tag).  Nothing couples the parts but the
+ * residual sums, which add up over parts exactly as over the batch's samples; the sum of the
+ * final residuals' norms is taken per C-point over the parts first (cnorm2), so that it too is
+ * the whole batch's.  The application's part callback (mgrit_i_select) says which part its
+ * other callbacks act on. */
+static int fsweeps(mgrit_core *core, int l, int done) {
+  int rc;
+  for (int p = 0; p < core->o.parts; p++) {
+    mgrit_i_select(core, p);
+    if ((rc = mgrit_i_fsweep(core, l, done))) return rc;
+  }
+  return MGRIT_OK;
+}
+
+static int csweeps(mgrit_core *core, int l, int done, double *sums) {
+  int rc;
+  for (int p = 0; p < core->o.parts; p++) {
+    mgrit_i_select(core, p);
+    if ((rc = mgrit_i_csweep(core, l, done, sums))) return rc;
+  }
+  return MGRIT_OK;
+}
+
+/* nrelax (F, C) sweeps of every part, the pre-smoothing before a restriction. */
+static int relax(mgrit_core *core, int l) {
+  int rc;
+  for (int s = 0; s < core->levels[l].nrelax; s++) {
+    if ((rc = fsweeps(core, l, 0))) return rc;
+    if ((rc = csweeps(core, l, 0, NULL))) return rc;
+  }
+  return MGRIT_OK;
+}
+
+/* The descent from level l to l+1 of every part: relax and restrict, or (skip) inject. */
+static int descend(mgrit_core *core, int l, int skip, double *sums) {
+  int rc;
+  if (!skip && (rc = relax(core, l))) return rc;
+  for (int p = 0; p < core->o.parts; p++) {
+    mgrit_i_select(core, p);
+    if ((rc = skip ? mgrit_i_inject(core, l) : mgrit_i_restrict(core, l, sums))) return rc;
+  }
+  return MGRIT_OK;
+}
+
+static int correct(mgrit_core *core, int l) {
+  int rc;
+  for (int p = 0; p < core->o.parts; p++) {
+    mgrit_i_select(core, p);
+    if ((rc = mgrit_i_correct(core, l))) return rc;
+  }
+  return MGRIT_OK;
+}
+
+/* The final relaxation of every part: an F-sweep, and with final_fc a C-sweep that measures
+ * the residual into final (Note [parts]: each C-point's norm over the parts). */
+static int final_relax(mgrit_core *core, double *final) {
+  int rc = fsweeps(core, 0, 1);
+  if (rc || !core->o.final_fc) return rc;
+  mgrit_i_level *L = &core->levels[0];
+  int64_t n = L->lo <= L->hi ? L->hi - L->lo + 1 : 0;
+  if (core->o.parts > 1 && n) {
+    core->cnorm2 = calloc((size_t)n, sizeof(double));
+    if (!core->cnorm2) return MGRIT_ERR_NOMEM;
+  }
+  rc = csweeps(core, 0, 1, final);
+  if (core->cnorm2) {
+    for (int64_t k = 0; k < n; k++) final[2] += sqrt(core->cnorm2[k]);
+    free(core->cnorm2);
+    core->cnorm2 = NULL;
+  }
+  return rc;
+}
+
 /* Down from level `top` to the coarsest, solve there, and correct back up to `top`. */
 static int vcycle(mgrit_core *core, int top, double *sums) {
   int rc, last = core->nlevels - 1;
-  for (int l = top; l < last; l++) {
-    if ((rc = mgrit_i_relax(core, l))) return rc;
-    if ((rc = mgrit_i_restrict(core, l, sums))) return rc;
-  }
-  if ((rc = mgrit_i_fsweep(core, last, 0))) return rc;
+  for (int l = top; l < last; l++)
+    if ((rc = descend(core, l, 0, sums))) return rc;
+  if ((rc = fsweeps(core, last, 0))) return rc;
   for (int l = last; l > top; l--)
-    if ((rc = mgrit_i_correct(core, l))) return rc;
+    if ((rc = correct(core, l))) return rc;
   return MGRIT_OK;
 }
 
@@ -35,18 +112,12 @@ static int vcycle(mgrit_core *core, int top, double *sums) {
  * correction runs one more V-cycle from l before correcting level l-1. */
 static int iterate(mgrit_core *core, int skip, double *sums) {
   int rc, last = core->nlevels - 1;
-  for (int l = 0; l < last; l++) {
-    if (skip) {
-      if ((rc = mgrit_i_inject(core, l))) return rc;
-    } else {
-      if ((rc = mgrit_i_relax(core, l))) return rc;
-      if ((rc = mgrit_i_restrict(core, l, sums))) return rc;
-    }
-  }
-  if ((rc = mgrit_i_fsweep(core, last, 0))) return rc;
+  for (int l = 0; l < last; l++)
+    if ((rc = descend(core, l, skip, sums))) return rc;
+  if ((rc = fsweeps(core, last, 0))) return rc;
   for (int l = last; l >= 1; l--) {
     if (core->o.cycle == MGRIT_CYCLE_F && l < last && (rc = vcycle(core, l, sums))) return rc;
-    if ((rc = mgrit_i_correct(core, l))) return rc;
+    if ((rc = correct(core, l))) return rc;
   }
   return MGRIT_OK;
 }
@@ -85,7 +156,10 @@ static int finish_deferred(mgrit_core *core, int rc, double *final, double *defe
   int n = 3 * ndeferred + (final ? 3 : 0);
   if (rc == MGRIT_OK && !core->err && !core->virt && core->cb.idle) {
     rc = mgrit_i_wait_sends(core);
-    if (rc == MGRIT_OK) MGRIT_I_CB(core, core->cb.idle(core->app));
+    for (int p = 0; rc == MGRIT_OK && p < core->o.parts; p++) {
+      mgrit_i_select(core, p);
+      MGRIT_I_CB(core, core->cb.idle(core->app));
+    }
   }
   if (rc == MGRIT_OK || rc == MGRIT_ERR_NAN) {
     if (final) memcpy(deferred + 3 * ndeferred, final, 3 * sizeof(double));
@@ -103,7 +177,7 @@ static int finish_deferred(mgrit_core *core, int rc, double *final, double *defe
   } else {
     mgrit_i_wait_sends(core);
   }
-  for (int l = 1; l < core->nlevels; l++) mgrit_i_free_level_states(core, l);
+  for (int l = 1; l < core->nlevels; l++) mgrit_i_free_level_parts(core, l);
   if (rc == MGRIT_ERR_CALLBACK && !core->msg[0])
     snprintf(core->msg, sizeof core->msg, "a callback failed on rank %d", core->c.rank);
   if (rc == MGRIT_ERR_REMOTE)
@@ -179,21 +253,24 @@ int mgrit_solve(mgrit_core *core) {
   core->state_norm = core->final_residual = core->final_state_norm = -1.0;
   core->final_residual_sum = -1.0;
   if ((rc = mgrit_setup(core))) return rc;
-  for (int l = 0; l < core->nlevels; l++) mgrit_i_free_level_states(core, l);
+  for (int l = 0; l < core->nlevels; l++) mgrit_i_free_level_parts(core, l);
 
   /* Only point 0 and the level-0 C-points need a value before the first sweep: every F-point
    * (and, on one level, every point) is written by an F-sweep before it is read. */
   mgrit_i_level *F = &core->levels[0];
-  for (int64_t i = F->lo; i <= F->hi; i++) {
-    if (i > 0 && (core->nlevels == 1 || !mgrit_i_is_c(core, 0, i))) continue;
-    mgrit_vec x = MGRIT_NONE;
-    mgrit_i_trace(core, 0, MGRIT_OP_INIT, i, -1, 0);
-    MGRIT_I_CB(core, core->cb.init(core->app, mgrit_i_time(core, 0, i), i, &x));
-    mgrit_i_set(core, &F->u[i - F->lo], x);
+  for (int p = 0; p < core->o.parts; p++) {
+    mgrit_i_select(core, p);
+    for (int64_t i = F->lo; i <= F->hi; i++) {
+      if (i > 0 && (core->nlevels == 1 || !mgrit_i_is_c(core, 0, i))) continue;
+      mgrit_vec x = MGRIT_NONE;
+      mgrit_i_trace(core, 0, MGRIT_OP_INIT, i, -1, 0);
+      MGRIT_I_CB(core, core->cb.init(core->app, mgrit_i_time(core, 0, i), i, &x));
+      mgrit_i_set(core, &F->u[i - F->lo], x);
+    }
   }
 
   if (core->nlevels == 1) { /* sequential stepping across the ranks */
-    rc = mgrit_i_fsweep(core, 0, 1);
+    rc = fsweeps(core, 0, 1);
     if (!rc && core->o.max_levels > 1) {
       core->iterations = 1;
       rc = push_norm(core, 0.0);
@@ -240,10 +317,7 @@ int mgrit_solve(mgrit_core *core) {
       break;
   }
   double final[3] = {0.0, 0.0, 0.0};
-  if (!rc) {
-    rc = mgrit_i_fsweep(core, 0, 1);
-    if (!rc && core->o.final_fc) rc = mgrit_i_csweep(core, 0, 1, final);
-  }
+  if (!rc) rc = final_relax(core, final);
   rc = finish_deferred(core, rc, !rc && core->o.final_fc ? final : NULL, deferred, ndeferred,
                        core->iterations - ndeferred);
   if (deferred != few) free(deferred);

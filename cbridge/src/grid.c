@@ -51,6 +51,36 @@ int mgrit_i_is_c(const mgrit_core *core, int l, int64_t i) {
 
 static int option_at(const int *values, int n, int l) { return values[l < n ? l : n - 1]; }
 
+/* Allocates level L's states for every part; returns 0 when out of memory. */
+static int alloc_parts(mgrit_i_level *L, int parts) {
+  size_t count = L->lo <= L->hi ? (size_t)(L->hi - L->lo + 1) : 0, n = count * (size_t)parts;
+  L->ghosts = calloc((size_t)parts, sizeof(mgrit_vec));
+  if (!L->ghosts) return 0;
+  for (int p = 0; p < parts; p++) L->ghosts[p] = MGRIT_NONE;
+  if (!count) return 1;
+  /* calloc checks n * size for overflow (a huge num_steps) and fails cleanly */
+  mgrit_vec **arrays[3] = {&L->ubase, &L->vbase, &L->gbase};
+  for (int a = 0; a < 3; a++) {
+    mgrit_vec *x = *arrays[a] = calloc(n, sizeof(mgrit_vec));
+    if (!x) return 0;
+    for (size_t k = 0; k < n; k++) x[k] = MGRIT_NONE;
+  }
+  return 1;
+}
+
+void mgrit_i_select(mgrit_core *core, int p) {
+  for (int l = 0; l < core->nlevels; l++) {
+    mgrit_i_level *L = &core->levels[l];
+    size_t off = L->lo <= L->hi ? (size_t)p * (size_t)(L->hi - L->lo + 1) : 0;
+    L->u = L->ubase ? L->ubase + off : NULL;
+    L->v = L->vbase ? L->vbase + off : NULL;
+    L->g = L->gbase ? L->gbase + off : NULL;
+    L->ghost = L->ghosts + p;
+  }
+  if (core->part != p && core->cb.part) MGRIT_I_CB(core, core->cb.part(core->app, p));
+  core->part = p;
+}
+
 int mgrit_i_build_levels(mgrit_core *core) {
   mgrit_i_free_levels(core);
   int cap = core->o.max_levels;
@@ -64,7 +94,6 @@ int mgrit_i_build_levels(mgrit_core *core) {
     L->npoints = n + 1;
     L->stride = stride;
     L->nrelax = option_at(core->o.nrelax, core->o.nnr, nl);
-    L->ghost = MGRIT_NONE;
     nl++;
     int cf = option_at(core->o.cf, core->o.ncf, nl - 1);
     if (nl == cap || n / cf < min_coarse) break;
@@ -88,41 +117,52 @@ int mgrit_i_build_levels(mgrit_core *core) {
     if (L->lo <= L->hi) {
       if (L->lo > 0) L->left = (int)mgrit_i_owner(core, (L->lo - 1) * m);
       if (L->hi < L->npoints - 1) L->right = (int)mgrit_i_owner(core, (L->hi + 1) * m);
-      size_t count = (size_t)(L->hi - L->lo + 1);
-      /* calloc checks count * size for overflow (a huge num_steps) and fails cleanly */
-      L->u = calloc(count, sizeof(mgrit_vec));
-      L->v = calloc(count, sizeof(mgrit_vec));
-      L->g = calloc(count, sizeof(mgrit_vec));
-      if (!L->u || !L->v || !L->g) {
-        mgrit_i_free_levels(core); /* frees what was allocated; the states are all NONE */
-        snprintf(core->msg, sizeof core->msg, "rank %d is out of memory building level %d",
-                 core->c.rank, l);
-        return MGRIT_ERR_NOMEM;
-      }
-      for (size_t k = 0; k < count; k++) L->u[k] = L->v[k] = L->g[k] = MGRIT_NONE;
+    }
+    core->built_parts = core->o.parts;
+    if (!alloc_parts(L, core->o.parts)) {
+      mgrit_i_free_levels(core); /* frees what was allocated; the states are all NONE */
+      snprintf(core->msg, sizeof core->msg, "rank %d is out of memory building level %d",
+               core->c.rank, l);
+      return MGRIT_ERR_NOMEM;
     }
   }
+  core->part = 0;
+  mgrit_i_select(core, 0);
   return MGRIT_OK;
 }
 
 void mgrit_i_free_level_states(mgrit_core *core, int l) {
   mgrit_i_level *L = &core->levels[l];
+  if (L->ghost) mgrit_i_set(core, L->ghost, MGRIT_NONE);
   if (L->lo > L->hi || !L->u || !L->v || !L->g) return; /* nothing (or a failed build) */
   for (int64_t k = 0; k <= L->hi - L->lo; k++) {
     mgrit_i_set(core, &L->u[k], MGRIT_NONE);
     mgrit_i_set(core, &L->v[k], MGRIT_NONE);
     mgrit_i_set(core, &L->g[k], MGRIT_NONE);
   }
-  mgrit_i_set(core, &L->ghost, MGRIT_NONE);
+}
+
+/* Frees every part's states of level l, the current part selected again afterwards. */
+void mgrit_i_free_level_parts(mgrit_core *core, int l) {
+  mgrit_i_level *L = &core->levels[l];
+  size_t count = L->lo <= L->hi ? (size_t)(L->hi - L->lo + 1) : 0;
+  size_t n = count * (size_t)core->built_parts;
+  for (int p = 0; L->ghosts && p < core->built_parts; p++) mgrit_i_set(core, &L->ghosts[p], MGRIT_NONE);
+  for (size_t k = 0; k < n; k++) {
+    if (L->ubase) mgrit_i_set(core, &L->ubase[k], MGRIT_NONE);
+    if (L->vbase) mgrit_i_set(core, &L->vbase[k], MGRIT_NONE);
+    if (L->gbase) mgrit_i_set(core, &L->gbase[k], MGRIT_NONE);
+  }
 }
 
 void mgrit_i_free_levels(mgrit_core *core) {
   if (!core->levels) return;
   for (int l = 0; l < core->nlevels; l++) {
-    mgrit_i_free_level_states(core, l);
-    free(core->levels[l].u);
-    free(core->levels[l].v);
-    free(core->levels[l].g);
+    mgrit_i_free_level_parts(core, l);
+    free(core->levels[l].ubase);
+    free(core->levels[l].vbase);
+    free(core->levels[l].gbase);
+    free(core->levels[l].ghosts);
   }
   free(core->levels);
   core->levels = NULL;

@@ -96,8 +96,8 @@ static void run(mgrit_core *core, int l, int64_t a, int64_t b, mgrit_vec prev, i
 static int recv_ghost(mgrit_core *core, int l) {
   mgrit_i_level *L = &core->levels[l];
   mgrit_vec x = MGRIT_NONE;
-  int rc = mgrit_i_recv(core, L->left, mgrit_i_tag(l, 0), l, L->lo - 1, &x);
-  mgrit_i_set(core, &L->ghost, x);
+  int rc = mgrit_i_recv(core, L->left, mgrit_i_tag(core, l, 0), l, L->lo - 1, &x);
+  mgrit_i_set(core, L->ghost, x);
   return rc;
 }
 
@@ -106,7 +106,7 @@ static int recv_ghost(mgrit_core *core, int l) {
  * Order matters for parallelism: the interval that continues on the right rank is computed and
  * sent first, then the interval that continues from the left rank (which waits for its message),
  * then the intervals in between.  On the coarsest level every point but 0 is an F-point, which
- * makes this the sequential solve, pipelined across ranks.  Afterwards L->ghost holds u[lo-1]. */
+ * makes this the sequential solve, pipelined across ranks.  Afterwards *L->ghost holds u[lo-1]. */
 int mgrit_i_fsweep(mgrit_core *core, int l, int done) {
   mgrit_i_level *L = &core->levels[l];
   if (L->lo > L->hi) return MGRIT_OK;
@@ -124,15 +124,15 @@ int mgrit_i_fsweep(mgrit_core *core, int l, int done) {
   }
   if (first_c < 0) { /* no C-point here: one piece of an interval that spans ranks */
     if ((rc = recv_ghost(core, l))) return rc;
-    run(core, l, L->lo, L->hi, L->ghost, done, op);
-    return mgrit_i_send(core, L->right, mgrit_i_tag(l, 0), l, L->hi, L->u[L->hi - L->lo]);
+    run(core, l, L->lo, L->hi, *L->ghost, done, op);
+    return mgrit_i_send(core, L->right, mgrit_i_tag(core, l, 0), l, L->hi, L->u[L->hi - L->lo]);
   }
   run(core, l, last_c + 1, L->hi, L->u[last_c - L->lo], done, op);
-  if ((rc = mgrit_i_send(core, L->right, mgrit_i_tag(l, 0), l, L->hi, L->u[L->hi - L->lo])))
+  if ((rc = mgrit_i_send(core, L->right, mgrit_i_tag(core, l, 0), l, L->hi, L->u[L->hi - L->lo])))
     return rc;
   if (L->lo < first_c) {
     if ((rc = recv_ghost(core, l))) return rc;
-    run(core, l, L->lo, first_c - 1, L->ghost, done, op);
+    run(core, l, L->lo, first_c - 1, *L->ghost, done, op);
   }
   if (!coarsest) {
     for (int64_t c = first_c; c < last_c; c += L->cf)
@@ -144,7 +144,7 @@ int mgrit_i_fsweep(mgrit_core *core, int l, int done) {
 
 /* The value at point i-1 (owned, or the ghost). */
 mgrit_vec mgrit_i_before(const mgrit_i_level *L, int64_t i) {
-  return i - 1 >= L->lo ? L->u[i - 1 - L->lo] : L->ghost;
+  return i - 1 >= L->lo ? L->u[i - 1 - L->lo] : *L->ghost;
 }
 
 /* C-sweep of level l: each C-point c >= cf from the F-value just before it.  Needs the ghost of
@@ -170,19 +170,12 @@ int mgrit_i_csweep(mgrit_core *core, int l, int done, double *sums) {
       mgrit_i_set(core, &d, MGRIT_NONE);
       sums[0] += nrm * nrm;
       sums[1] += unrm * unrm;
-      if (c * L->stride != core->nsteps) sums[2] += nrm;
+      if (c * L->stride != core->nsteps && core->cnorm2) /* Note [parts] in cycle.c */
+        core->cnorm2[c - L->lo] += nrm * nrm;
+      else if (c * L->stride != core->nsteps)
+        sums[2] += nrm;
     }
     mgrit_i_set(core, &L->u[c - L->lo], out);
-  }
-  return MGRIT_OK;
-}
-
-/* nrelax (F, C) sweeps, the pre-smoothing before a restriction. */
-int mgrit_i_relax(mgrit_core *core, int l) {
-  int rc;
-  for (int s = 0; s < core->levels[l].nrelax; s++) {
-    if ((rc = mgrit_i_fsweep(core, l, 0))) return rc;
-    if ((rc = mgrit_i_csweep(core, l, 0, NULL))) return rc;
   }
   return MGRIT_OK;
 }

@@ -17,7 +17,7 @@ int mgrit_i_restrict(mgrit_core *core, int l, double *sums) {
   for (int64_t k = C->lo; k <= C->hi; k++)
     mgrit_i_set(core, &C->v[k - C->lo], mgrit_i_coarsen(core, l, L->u[k * cf - L->lo]));
   if (C->lo <= C->hi &&
-      (rc = mgrit_i_send(core, C->right, mgrit_i_tag(l + 1, 1), l + 1, C->hi, C->v[C->hi - C->lo])))
+      (rc = mgrit_i_send(core, C->right, mgrit_i_tag(core, l + 1, 1), l + 1, C->hi, C->v[C->hi - C->lo])))
     return rc;
   if ((rc = mgrit_i_fsweep(core, l, 0))) return rc;
 
@@ -43,7 +43,7 @@ int mgrit_i_restrict(mgrit_core *core, int l, double *sums) {
 
   mgrit_vec vghost = MGRIT_NONE;
   if (C->lo > 0 &&
-      (rc = mgrit_i_recv(core, C->left, mgrit_i_tag(l + 1, 1), l + 1, C->lo - 1, &vghost)))
+      (rc = mgrit_i_recv(core, C->left, mgrit_i_tag(core, l + 1, 1), l + 1, C->lo - 1, &vghost)))
     return rc;
   for (int64_t k = C->lo < 1 ? 1 : C->lo; k <= C->hi; k++) {
     mgrit_vec vprev = k - 1 >= C->lo ? C->v[k - 1 - C->lo] : vghost;

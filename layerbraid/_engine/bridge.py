@@ -50,7 +50,7 @@ def _callback_table(
     cbs.init, cbs.clone, cbs.free = lib._lb_init, lib._lb_clone, lib._lb_free
     cbs.sum, cbs.norm, cbs.step = lib._lb_sum, lib._lb_norm, lib._lb_step
     cbs.bufsize, cbs.pack, cbs.unpack = lib._lb_bufsize, lib._lb_pack, lib._lb_unpack
-    cbs.poll = lib._lb_poll
+    cbs.poll, cbs.part = lib._lb_poll, lib._lb_part
     if coarsen is not None:
         cbs.coarsen = lib._lb_coarsen
     if refine is not None:
@@ -128,6 +128,8 @@ class _Core:
         self._init_fn, self._step_fn, self._interval_fn = init, step, step_interval
         self._idle_fn = idle
         self._app = None
+        self._apps: list[Any] = []  # the parts' apps (Note [parts] in cbridge/src/cycle.c)
+        self._parts = 1
         self._coarsen_fn, self._refine_fn = coarsen, refine
         self._table: dict[int, Any] = {}
         self._private: set[int] = set()  # Note [private states]
@@ -330,13 +332,21 @@ class _Core:
         return out
 
     # solve
-    def solve(self, app: Any = None, device: Any = None) -> tuple[int, list[float]]:
+    def solve(
+        self, app: Any = None, device: Any = None, parts: Optional[list[Any]] = None
+    ) -> tuple[int, list[float]]:
         """Runs the solve, handing ``app`` to the init and step callbacks; returns (iterations,
-        residual norms).  ``device``: where received states land (None: the device of the
-        first state this rank makes).  Raises on every rank on error."""
+        residual norms).  ``parts``: solve that many microbatches in lockstep, the callbacks of
+        part p getting ``parts[p]`` as their app (Note [parts] in cbridge/src/cycle.c; every
+        rank must give as many).  ``device``: where received states land (None: the device of
+        the first state this rank makes).  Raises on every rank on error."""
         self._error = None
         self.step_seconds = 0.0
-        self._app = app
+        apps = list(parts) if parts else [app]
+        if len(apps) != self._parts:
+            self._check(lib.mgrit_set_parts(self._core, len(apps)))
+            self._parts = len(apps)
+        self._apps, self._app = apps, apps[0]
         # Where unpacked states land (Note [staging]): the solve's device where the caller names
         # one (a rank may receive a state before it makes one, and a model can move between
         # solves), else the device of the first state this rank makes.
@@ -344,7 +354,7 @@ class _Core:
         try:
             rc = lib.mgrit_solve(self._core)
         finally:
-            self._app = None
+            self._app, self._apps = None, []
         if rc != lib.MGRIT_OK:
             self._raise(rc)
         n = lib.mgrit_num_norms(self._core)
@@ -386,12 +396,12 @@ class _Core:
     def num_levels(self) -> int:
         return lib.mgrit_num_levels(self._core)
 
-    def states(self) -> dict[int, Any]:
-        """{fine index: state} for the points this rank owns, after a solve."""
+    def states(self, part: int = 0) -> dict[int, Any]:
+        """{fine index: state} of ``part`` for the points this rank owns, after a solve."""
         lo, hi = self.owned(0)
         out = {}
         for i in range(lo, hi + 1):
-            vid = lib.mgrit_state(self._core, i)
+            vid = lib.mgrit_state_part(self._core, i, part)
             if vid >= 0:
                 out[i] = self._handed(vid)
         return out
@@ -586,6 +596,13 @@ def _coarsen_cb(self: _Core, x: int, level: int, out: Any) -> int:
 def _refine_cb(self: _Core, x: int, level: int, out: Any) -> int:
     assert self._refine_fn is not None  # registered only where given
     out[0] = self._put(self._refine_fn(self._handed(x), level))
+    return 0
+
+
+@_callback("_lb_part", "part")
+def _part_cb(self: _Core, part: int) -> int:
+    """The callbacks that follow act on microbatch ``part``: they get its app."""
+    self._app = self._apps[part]
     return 0
 
 

@@ -136,7 +136,8 @@ class _Chain:
         self.warm_start = bool(warm_start)
         self._warm_fwd: dict[int, Any] = {}
         self._warm_bwd: dict[int, Any] = {}
-        self._zeros: Optional[torch.Tensor] = None  # the cold guess of the solve running
+        # the cold guesses of the solve running, one per part's shape
+        self._zeros: dict[tuple[int, ...], torch.Tensor] = {}
         self._options = {id(self.fwd): forward_options, id(self.bwd): backward_options}
         self._contraction: dict[Any, float] = {}  # core -> the last contraction factor
         self._alignment: dict[Any, float] = {}  # core -> last residual sum / residual norm
@@ -280,10 +281,16 @@ class _Chain:
 
     # ------------------------------------------------------------------ the two solves
     def forward(self, run: Run, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The forward solve of ``run`` from the autograd Function's ``inputs``: its output."""
+        """The forward solve of ``run`` from the autograd Function's ``inputs``: its output.
+        With ``run.sizes`` the batch is solved in microbatches (Note [parts] in
+        cbridge/src/cycle.c), one run of ``run.parts`` each."""
         run.owned = self.owned
         run.adjoint_levels = self.bwd.num_levels()
-        run.steps.begin(run, inputs)
+        split = run.steps.split_run(run, inputs) if len(run.sizes) > 1 else [(run, list(inputs))]
+        for part, part_inputs in split:
+            part.owned, part.adjoint_levels = run.owned, run.adjoint_levels
+            run.steps.begin(part, part_inputs)
+        run.parts = [part for part, _ in split] if len(split) > 1 else []
         _solve_state.in_solve = True
         try:
             run.forward_stats, states = self._solve(self.fwd, run, self._warm_fwd)
@@ -291,17 +298,23 @@ class _Chain:
             _solve_state.in_solve = _solve_state.final = False
         self.forward_stats = run.forward_stats
         if self.warm_start:
-            self._warm_fwd = {i: s for i, s in states.items() if i > 0}
+            self._warm_fwd = {i: s for i, s in _joined(states).items() if i > 0}
         if self._parent is not None:  # a tuned variant: what it solved is its chain's
             self._parent.forward_stats, self._parent._warm_fwd = self.forward_stats, self._warm_fwd
-        return run.steps.output(run, states)
+        if not run.parts:
+            return run.steps.output(run, states[0])
+        outs = [run.steps.output(part, st) for part, st in zip(run.parts, states)]
+        return run.steps.join_output(run, outs)
 
     def backward(self, run: Run, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         """The adjoint solve of ``run`` for the output's gradient: the inputs' gradients."""
         if not run.record:
             raise RuntimeError("backward through a layer-parallel forward that ran without grad")
-        run.steps.begin_adjoint(run, grad)
-        run.grads = {}
+        parts = run.parts or [run]
+        grads = run.steps.split_grad(run, grad) if run.parts else [grad]
+        for part, part_grad in zip(parts, grads):
+            run.steps.begin_adjoint(part, part_grad)
+            part.grads = {}
         # Coarse adjoint steps may run a layer again (a custom rule, spatial coarsening): as in
         # the forward's sweeps, its batch norms then leave their running statistics alone.
         _solve_state.in_solve = True
@@ -310,22 +323,28 @@ class _Chain:
         finally:
             _solve_state.in_solve = _solve_state.final = False
             if not run.retain:
-                run.graphs = {}
+                for part in parts:
+                    part.graphs = {}
         self.backward_stats = run.backward_stats
         if run.on_backward is not None:
             run.on_backward(run.backward_stats)
         if self.warm_start:
-            self._warm_bwd = {i: s for i, s in states.items() if i > 0}
+            self._warm_bwd = {i: s for i, s in _joined(states).items() if i > 0}
         if self._parent is not None:
             self._parent.backward_stats, self._parent._warm_bwd = (
                 self.backward_stats,
                 self._warm_bwd,
             )
-        return run.steps.input_grads(run, states)
+        if not run.parts:
+            return run.steps.input_grads(run, states[0])
+        part_grads = [run.steps.input_grads(part, st) for part, st in zip(parts, states)]
+        return run.steps.join_input_grads(run, part_grads)
 
     def _solve(
         self, core: _Core, run: Run, warm: dict[int, Any]
-    ) -> tuple[SolveStats, dict[int, Any]]:
+    ) -> tuple[SolveStats, list[dict[int, Any]]]:
+        """Solves ``run`` (each of its parts) on ``core``: the statistics, and each part's
+        {fine index: state}."""
         opts = self._options[id(core)]
         if opts.max_levels > 1:
             # Note [warm start]: a skipped first down-cycle gives the coarse levels no
@@ -338,13 +357,13 @@ class _Chain:
                 share = _FORWARD_SHARE if core is self.fwd else _ADJOINT_SHARE
                 core.set_rtol(self._adaptive_rtol(core, share * self.target_error))
         t0 = time.perf_counter()
-        self._zeros = None
+        self._zeros = {}
         try:
             with torch.no_grad():
-                iters, norms = core.solve(run, run.device)
+                iters, norms = core.solve(run, run.device, run.parts)
         finally:
-            self._zeros = None
-        states = core.states()
+            self._zeros = {}
+        states = [core.states(p) for p in range(max(len(run.parts), 1))]
         core.release_states()  # what the solve returns is in states; the core would keep it
         stats = SolveStats(
             iters, norms, time.perf_counter() - t0, core.step_seconds, core.comm_seconds()
@@ -392,15 +411,21 @@ class _Chain:
         return s is not None and tuple(s.shape) == run.shape and s.dtype == run.dtype
 
     def _guess(self, warm: dict[int, Any], index: int, run: Run) -> torch.Tensor:
-        """The previous solve's state at ``index`` (warm start), else zeros: one tensor for
-        every point of a solve (the core never writes into a state the application made, Note
-        [private states] in _engine/bridge.py), so that a cold start's guesses cost one state."""
+        """The previous solve's state at ``index`` (warm start; a part's run takes its rows of
+        it), else zeros: one tensor for every point of a solve (the core never writes into a
+        state the application made, Note [private states] in _engine/bridge.py), so that a cold
+        start's guesses cost one state per part's shape."""
         s = warm.get(index)
+        if s is not None and run.rows is not None:
+            s = s[run.rows[0] : run.rows[1]]
         if s is not None and tuple(s.shape) == run.shape and s.dtype == run.dtype:
             return s
-        if self._zeros is None:
-            self._zeros = torch.zeros(run.shape, dtype=run.dtype, device=run.device)
-        return self._zeros
+        zeros = self._zeros.get(run.shape)
+        if zeros is None:
+            zeros = self._zeros[run.shape] = torch.zeros(
+                run.shape, dtype=run.dtype, device=run.device
+            )
+        return zeros
 
     # ------------------------------------------------------------------ callbacks
     def _fwd_init(self, run: Run, t: float, index: int) -> torch.Tensor:
@@ -411,7 +436,7 @@ class _Chain:
     def _fwd_step(
         self, run: Run, u: Any, t0: float, t1: float, level: int, index: int, done: bool
     ) -> Any:
-        self._zeros = None  # the guesses are made: what the core keeps of them stays
+        self._zeros = {}  # the guesses are made: what the core keeps of them stays
         final = bool(done and level == 0)
         _solve_state.final = final
         if final:
@@ -434,7 +459,7 @@ class _Chain:
     ) -> list[Any]:
         """A run of forward steps: the provider's fused version, else one step at a time
         (which still saves the core's crossing into Python per step)."""
-        self._zeros = None  # the guesses are made: what the core keeps of them stays
+        self._zeros = {}  # the guesses are made: what the core keeps of them stays
         final = bool(done and level == 0)
         _solve_state.final = final
         dts = [b - a for a, b in zip(times[:-1], times[1:])]
@@ -451,7 +476,7 @@ class _Chain:
     def _bwd_step(
         self, run: Run, w: Any, t0: float, t1: float, level: int, index: int, done: bool
     ) -> Any:
-        self._zeros = None  # the guesses are made: what the core keeps of them stays
+        self._zeros = {}  # the guesses are made: what the core keeps of them stays
         s = self.adjoint_step_index(index, level)
         steps = run.steps
         final = bool(level == 0 and done)
@@ -472,7 +497,7 @@ class _Chain:
         done: bool,
         keep: bool,
     ) -> list[Any]:
-        self._zeros = None  # the guesses are made: what the core keeps of them stays
+        self._zeros = {}  # the guesses are made: what the core keeps of them stays
         dts = [b - a for a, b in zip(times[:-1], times[1:])]
         ss = [self.adjoint_step_index(index + k * stride, level) for k in range(len(dts))]
         out = run.steps.adjoint_interval(run, w, dts, level, ss, bool(level == 0 and done), keep)
@@ -506,6 +531,13 @@ class _Chain:
         if graph.increment:
             return w + gx if gx is not None else w.clone()
         return gx if gx is not None else torch.zeros_like(w)
+
+
+def _joined(states: list[dict[int, Any]]) -> dict[int, Any]:
+    """The whole batch's {fine index: state} from its parts' (one part: its own)."""
+    if len(states) == 1:
+        return states[0]
+    return {i: torch.cat([st[i] for st in states]) for i in states[0]}
 
 
 # The reduced-hierarchy messages already given in this process: a network's solvers are built

@@ -129,6 +129,47 @@ class _LayerSteps(Steps):
             self._check_finite(grad_h0 if self.rank == 0 else None, grads)
         return (grad_h0, *grads)
 
+    # ------------------------------------------------------------------ microbatches
+    # Note [parts] in cbridge/src/cycle.c.  The batch is the first dimension of the state: the
+    # first rank's input and the last rank's output and its gradient split and join along it;
+    # the other ranks hold placeholders, which every part shares.
+    def split_run(self, run: Run, inputs: Sequence[torch.Tensor]) -> list[tuple[Run, list[Any]]]:
+        out: list[tuple[Run, list[Any]]] = []
+        start = 0
+        for size in run.sizes:
+            part = Run(self, (size, *run.shape[1:]), run.dtype, run.device, run.record, run.retain)
+            part.own.step_params, part.own.fused = run.own.step_params, run.own.fused
+            part.rows = (start, start + size)
+            h0 = inputs[0][start : start + size] if self.rank == 0 else inputs[0]
+            out.append((part, [h0, *inputs[1:]]))
+            start += size
+        return out
+
+    def split_grad(self, run: Run, grad: torch.Tensor) -> list[torch.Tensor]:
+        if self.rank != self.size - 1:
+            return [grad] * len(run.parts)
+        return list(torch.split(grad, list(run.sizes)))
+
+    def join_output(self, run: Run, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(outputs)) if self.rank == self.size - 1 else outputs[0]
+
+    def join_input_grads(
+        self, run: Run, grads: Sequence[tuple[Optional[torch.Tensor], ...]]
+    ) -> tuple[Optional[torch.Tensor], ...]:
+        h0s = [g[0] for g in grads]
+        if self.rank != 0 or any(h is None for h in h0s):
+            grad_h0 = h0s[0]
+        else:
+            grad_h0 = torch.cat([h for h in h0s if h is not None])
+        summed: list[Optional[torch.Tensor]] = []
+        for column in zip(*(g[1:] for g in grads)):
+            present = [g for g in column if g is not None]
+            total = present[0] if present else None
+            for g in present[1:]:
+                total = total + g
+            summed.append(total)
+        return (grad_h0, *summed)
+
     def _check_finite(
         self, grad_h0: Optional[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]
     ) -> None:

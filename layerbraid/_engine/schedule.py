@@ -73,10 +73,11 @@ def trace_entries(array: Any) -> list[Any]:
     ]
 
 
-def virtual_schedule(num_steps, size, options, mirror: bool = False):
+def virtual_schedule(num_steps, size, options, mirror: bool = False, parts: int = 1):
     """The schedule each of ``size`` ranks would run (without running it): a list, per rank, of
     structured arrays (TRACE_DTYPE; `op` indexes OPS).  Every solve runs options.max_iters
-    iterations (a virtual rank has no residual to stop on)."""
+    iterations (a virtual rank has no residual to stop on).  ``parts``: the batch in that many
+    microbatches (Note [parts] in cbridge/src/cycle.c): every action once per microbatch."""
     out = []
     ptr = ffi.new("mgrit_core **")
     for rank in range(size):
@@ -87,6 +88,8 @@ def virtual_schedule(num_steps, size, options, mirror: bool = False):
         try:
             configure(core, options, trace=True)
             lib.mgrit_set_mirror(core, int(bool(mirror)))
+            if lib.mgrit_set_parts(core, int(parts)) != lib.MGRIT_OK:
+                raise ValueError(ffi.string(lib.mgrit_error_message(core)).decode())
             rc = lib.mgrit_solve(core)
             if rc != lib.MGRIT_OK:
                 raise ValueError(ffi.string(lib.mgrit_error_message(core)).decode())

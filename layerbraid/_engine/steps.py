@@ -61,7 +61,12 @@ class Run:
     graphs (forward step index -> _Graph), the gradients collected per leaf (summed over the
     steps), the solves' statistics, the owned forward steps and the adjoint's level count (set
     by the engine), and ``on_backward``, called with the backward's SolveStats when it is
-    known (how a module hears of it)."""
+    known (how a module hears of it).
+
+    Microbatches (Note [parts] in cbridge/src/cycle.c): ``sizes``, set by the module, splits an
+    MGRIT solve's batch into that many microbatches solved in lockstep; the engine then makes one
+    run per microbatch (``parts``, by :meth:`Steps.split_run`), each knowing its ``rows`` of the
+    batch, and the callbacks of a microbatch get its run."""
 
     __slots__ = (
         "steps",
@@ -78,6 +83,9 @@ class Run:
         "adjoint_levels",
         "on_backward",
         "own",
+        "sizes",
+        "rows",
+        "parts",
     )
 
     def __init__(
@@ -102,6 +110,9 @@ class Run:
         self.adjoint_levels = 0
         self.on_backward = on_backward
         self.own = steps.new_run_state()
+        self.sizes: Sequence[int] = ()
+        self.rows: tuple[int, int] | None = None  # (start, stop) in the batch of a part's run
+        self.parts: list[Run] = []
 
 
 class Steps(abc.ABC):
@@ -142,6 +153,29 @@ class Steps(abc.ABC):
     def input_grads(self, run: Run, states: Any) -> tuple[torch.Tensor | None, ...]:
         """The gradients of the Function's inputs, in order, from the adjoint states and
         ``run.grads``."""
+
+    # ---------------------------------------------------------------- microbatches (optional)
+    # Note [parts] in cbridge/src/cycle.c: a provider that can split a run's batch offers MGRIT
+    # solves in microbatches; the default refuses.
+    def split_run(self, run: Run, inputs: Sequence[torch.Tensor]) -> list[tuple[Run, list[Any]]]:
+        """One (run, its inputs) per microbatch of ``run.sizes``, each run with its ``rows``."""
+        raise ValueError(
+            f"{type(self).__name__} cannot solve its batch in microbatches: use microbatches=1"
+        )
+
+    def split_grad(self, run: Run, grad: torch.Tensor) -> list[torch.Tensor]:
+        """The output's gradient of each microbatch of a split run."""
+        raise NotImplementedError
+
+    def join_output(self, run: Run, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The output of a split run from its microbatches' outputs."""
+        raise NotImplementedError
+
+    def join_input_grads(
+        self, run: Run, grads: Sequence[tuple[torch.Tensor | None, ...]]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The input gradients of a split run from its microbatches' (:meth:`input_grads`)."""
+        raise NotImplementedError
 
     # ---------------------------------------------------------------- steps
     @abc.abstractmethod
