@@ -45,6 +45,8 @@ __all__ = [
     "SharedCores",
     "pipeline_orders",
     "predict_pipeline",
+    "MicrobatchChoice",
+    "choose_microbatches",
 ]
 
 # The trace's operation names (a schedule's "op" column indexes OPS), and those that run a step.
@@ -814,6 +816,116 @@ def measure_step(
         vjp_p.append(t3 - t2)
     med = lambda v: float(np.median(v[1:]))  # noqa: E731
     return med(fwd), med(vjp), med(vjp_p)
+
+
+@dataclass
+class MicrobatchChoice:
+    """What :func:`choose_microbatches` chose: the microbatch count predicted fastest, each
+    candidate's predicted seconds per batch, and plain PyTorch's predicted time (one process,
+    the whole batch) at the same measured costs."""
+
+    microbatches: int
+    seconds: dict[int, float]
+    serial_seconds: float
+
+    def summary(self) -> str:
+        """One line: the choice, and every candidate's predicted time and speedup."""
+        rows = ", ".join(
+            f"{m}: {1e3 * t:.1f} ms ({self.serial_seconds / t:.2f}x)"
+            for m, t in sorted(self.seconds.items())
+        )
+        return (
+            f"microbatches {self.microbatches} (predicted per batch, speedup over plain "
+            f"PyTorch's {1e3 * self.serial_seconds:.1f} ms: {rows})"
+        )
+
+
+def choose_microbatches(
+    model: Any,
+    x: Any,
+    candidates: Sequence[int] = (1, 2, 4, 8),
+    *,
+    latency: float = 50e-6,
+    bandwidth: float = 1e9,
+    repeats: int = 10,
+) -> MicrobatchChoice:
+    """The microbatch count (``model.microbatches``) that the planner predicts fastest for
+    ``model`` on batches like ``x``.  Collective over the model's layer group: every rank
+    returns the first rank's choice.
+
+    The first rank measures one step ``x + dt * layer(x)`` and its VJPs (:func:`measure_step`)
+    of its first step layer, on its input state (the open layer's output for ``x``), at each
+    candidate's microbatch size (a step's cost is not linear in its batch); the other ranks'
+    layers are taken to cost the same.  With exact solves each candidate is the microbatched
+    exact path (:func:`predict_pipeline`, GPipe order); with MGRIT, the model's solves in that
+    many microbatches (:func:`predict`).  ``latency`` and ``bandwidth``: the messages' (the
+    defaults are this machine's processes on one node, roughly).  One layer-parallel rank, or a
+    batch of one sample, needs no measurement: 1."""
+    import torch
+
+    comm = model.comm
+    batch = int(x.shape[0]) if getattr(x, "dim", lambda: 0)() > 0 else 1
+    ranks = comm.Get_size()
+    pool = sorted({m for m in candidates if 1 <= m <= min(batch, 254)} | {1})
+    if ranks == 1 or len(pool) == 1:
+        return MicrobatchChoice(1, {1: 0.0}, 0.0)
+    choice = None
+    if comm.Get_rank() == 0:
+        choice = _measure_and_choose(model, x, pool, ranks, latency, bandwidth, repeats, torch)
+    out = comm.bcast_obj(choice, 0, "the microbatch count the first rank chose")
+    assert isinstance(out, MicrobatchChoice)
+    return out
+
+
+def _measure_and_choose(
+    model: Any,
+    x: Any,
+    pool: Sequence[int],
+    ranks: int,
+    latency: float,
+    bandwidth: float,
+    repeats: int,
+    torch: Any,
+) -> MicrobatchChoice:
+    """choose_microbatches on the first rank: its measurements and the predictions."""
+    with torch.no_grad():
+        h = model.open(x) if model.open is not None else x
+    layer = model.owned_steps()[0][1]
+    n = model.num_steps
+    exact = model.forward_options.max_levels == 1 and model.backward_options.max_levels == 1
+    dt = float(model.t_final) / n
+    seconds: dict[int, float] = {}
+    serial = None
+    for m in pool:
+        rows = -(-int(h.shape[0]) // m)  # the largest microbatch
+        xm = h[:rows].detach()
+        step, vjp, vjp_p = measure_step(layer, xm, repeats, dt)
+        costs = Costs(
+            step,
+            vjp,
+            vjp_p,
+            message_bytes=xm.numel() * xm.element_size(),
+            latency=latency,
+            bandwidth=bandwidth,
+        )
+        if m == 1:
+            serial = n * (step + vjp_p)
+        assert serial is not None  # pool starts at 1
+        if exact:
+            seconds[m] = predict_pipeline(n, ranks, m, costs, "gpipe", serial).seconds
+        else:
+            seconds[m] = predict(
+                n,
+                ranks,
+                model.forward_options,
+                model.backward_options,
+                costs,
+                microbatches=m,
+                serial_seconds=serial,
+            ).seconds
+    assert serial is not None
+    best = min(seconds, key=lambda m: seconds[m])
+    return MicrobatchChoice(best, seconds, serial)
 
 
 if __name__ == "__main__":  # the command moved (importing it here would make a circle)

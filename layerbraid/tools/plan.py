@@ -73,11 +73,12 @@ def _parse(
         type=int,
         nargs="+",
         metavar="M",
-        help="also compare, on each rank count, the pipelines in M microbatches: layerbraid's "
-        "exact path (microbatches=M) and torch.distributed.pipelining's GPipe and 1F1B, "
-        "beside plain PyTorch and the MGRIT settings, and name the fewest ranks on which "
-        "MGRIT beats the fastest of them; with --measure-conv the step costs are measured "
-        "at each microbatch's size, else taken as the whole batch's over M",
+        help="also compare, on each rank count, the schedules in M microbatches: layerbraid's "
+        "exact path and MGRIT (the flags' settings) with microbatches=M, and "
+        "torch.distributed.pipelining's GPipe and 1F1B, beside plain PyTorch; name the "
+        "fastest, and the fewest ranks on which MGRIT beats every pipeline; with "
+        "--measure-conv the step costs are measured at each microbatch's size, else taken "
+        "as the whole batch's over M",
     )
     p.add_argument(
         "--table",
@@ -151,42 +152,46 @@ def _microbatch_costs(args: argparse.Namespace, costs: Any) -> dict[int, Any]:
 def _print_pipelines(
     args: argparse.Namespace, costs: Any, fwd: Any, bwd: Any, per_m: dict[int, Any]
 ) -> None:
-    """Seconds per batch of each schedule on each rank count; the fewest ranks where MGRIT
-    (the flags' settings) beats every pipeline."""
+    """Seconds per batch of each schedule on each rank count, the fastest named; the fewest
+    ranks where MGRIT (the flags' settings, in the fastest microbatch count) beats every
+    pipeline."""
     from ..plan import predict, predict_pipeline
 
     serial = args.steps * (costs.step_seconds + costs.vjp_param())
+    per_m = {1: costs, **per_m}
     print(f"\npipelines in microbatches (plain PyTorch: {serial:.4f} s/batch)")
-    print(f"{'ranks':>6} {'schedule':<34} {'s/batch':>10} {'speedup':>8}")
+    print(f"{'ranks':>6} {'schedule':<48} {'s/batch':>10} {'speedup':>8}")
     crossover = None
+    mgrit_name = f"layerbraid MGRIT, {args.levels} levels"
     for p in [r for r in args.ranks if r <= args.steps]:
-        rows = []
+        pipes, mgrits = [], []
         for m, c in per_m.items():
-            rows.append(
+            pipes.append(
                 (
                     f"layerbraid exact, {m} microbatch(es)",
                     predict_pipeline(args.steps, p, m, c, "gpipe", serial).seconds,
                 )
             )
-            rows.append(
+            pipes.append(
                 (
                     f"pipelining 1F1B, {m} microbatch(es)",
                     predict_pipeline(args.steps, p, m, c, "1f1b", serial).seconds,
                 )
             )
-        best_pipe = min(t for _, t in rows)
-        mgrit = predict(args.steps, p, fwd, bwd, costs).seconds
-        rows.append((f"layerbraid MGRIT, {args.levels} levels", mgrit))
-        for name, t in rows:
-            print(f"{p:>6} {name:<34} {t:>10.4f} {serial / t:>8.2f}")
-        if crossover is None and mgrit < best_pipe:
+            mg = predict(args.steps, p, fwd, bwd, c, microbatches=m, serial_seconds=serial)
+            mgrits.append((f"{mgrit_name}, {m} microbatch(es)", mg.seconds))
+        for name, t in pipes + mgrits:
+            print(f"{p:>6} {name:<48} {t:>10.4f} {serial / t:>8.2f}")
+        best = min(pipes + mgrits, key=lambda row: row[1])
+        print(f"{p:>6} fastest: {best[0]}")
+        if crossover is None and min(t for _, t in mgrits) < min(t for _, t in pipes):
             crossover = p
     if crossover is None:
         print("MGRIT beats no pipeline on these rank counts")
     else:
         print(
             f"MGRIT ({args.levels} levels) beats every pipeline from {crossover} ranks on "
-            "(of those given)"
+            "(of those given; MGRIT's gradients are approximate: check their error)"
         )
 
 
