@@ -148,11 +148,9 @@ void mgrit_i_free_level_parts(mgrit_core *core, int l) {
   size_t count = L->lo <= L->hi ? (size_t)(L->hi - L->lo + 1) : 0;
   size_t n = count * (size_t)core->built_parts;
   for (int p = 0; L->ghosts && p < core->built_parts; p++) mgrit_i_set(core, &L->ghosts[p], MGRIT_NONE);
-  for (size_t k = 0; k < n; k++) {
-    if (L->ubase) mgrit_i_set(core, &L->ubase[k], MGRIT_NONE);
-    if (L->vbase) mgrit_i_set(core, &L->vbase[k], MGRIT_NONE);
-    if (L->gbase) mgrit_i_set(core, &L->gbase[k], MGRIT_NONE);
-  }
+  mgrit_vec *arrays[3] = {L->ubase, L->vbase, L->gbase};
+  for (int a = 0; a < 3; a++) /* an array that failed to allocate is NULL: nothing to free */
+    for (size_t k = 0; arrays[a] && k < n; k++) mgrit_i_set(core, &arrays[a][k], MGRIT_NONE);
 }
 
 void mgrit_i_free_levels(mgrit_core *core) {
