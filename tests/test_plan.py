@@ -49,22 +49,27 @@ def test_planner_schedule_is_the_cores_trace_on_every_rank():
 
 @pytest.mark.shared_job
 @pytest.mark.parallel([1, 3])
-def test_planner_adjoint_schedule_is_the_training_backward_trace(float64):
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_planner_adjoint_schedule_is_the_training_backward_trace(float64, microbatches):
     # fixed iteration counts, as the planner plans them (no stopping test: no allreduce between
-    # the iterations, Note [deferred status] in cycle.c)
+    # the iterations, Note [deferred status] in cycle.c); in microbatches, every action once
+    # per microbatch in the core's order (Note [parts] in cycle.c)
     opts = MGRITOptions(skip_first_downcycle=False, max_levels=2, cfactor=2, max_iters=2,
                         nrelax=0, tol=0.0)
     torch.manual_seed(0)
-    model = ODEResNet(WORLD, num_steps=7, forward_options=opts, backward_options=opts)
+    model = ODEResNet(WORLD, num_steps=7, forward_options=opts, backward_options=opts,
+                      microbatches=microbatches)
     model.set_trace(True)
     x, y = batch()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     fwd_trace, bwd_trace = model.trace()
-    fwd = plan.schedule(7, WORLD.size, opts)[WORLD.rank]
+    fwd = plan.schedule(7, WORLD.size, opts, microbatches=microbatches)[WORLD.rank]
     assert virtual_tuples(fwd) == as_tuples(fwd_trace)
     adj_rank = WORLD.size - 1 - WORLD.rank  # the adjoint runs on the reversed communicator
-    bwd = plan.schedule(7, WORLD.size, opts, adjoint=True)[adj_rank]
+    bwd = plan.schedule(7, WORLD.size, opts, adjoint=True, microbatches=microbatches)[adj_rank]
     assert virtual_tuples(bwd) == as_tuples(bwd_trace)
+    # each action once per microbatch
+    assert len(fwd) == microbatches * len(plan.schedule(7, WORLD.size, opts)[WORLD.rank])
 
 
 @pytest.mark.parametrize("adjoint", [False, True])
@@ -271,4 +276,5 @@ def test_command_line_compares_pipelines_and_names_the_crossover(capsys):
                    "1e-3", "--vjp-seconds", "2e-3", "--microbatches", "2", "4"])
     out = capsys.readouterr().out
     assert "pipelining 1F1B, 4 microbatch(es)" in out and "layerbraid exact, 2" in out
+    assert "layerbraid MGRIT, 2 levels, 4 microbatch(es)" in out and "fastest:" in out
     assert "MGRIT beats no pipeline" in out or "beats every pipeline from" in out
