@@ -71,7 +71,8 @@ def main(argv=None):
     # gradients.  On 2 ranks that is the fastest exact mode (docs/performance.md); more levels
     # pay on more ranks (--lp-levels 2 --lp-cfactor 4: with the first down-cycle relaxed, one
     # iteration solves this depth's two C-intervals exactly, docs/accuracy.md).
-    cli.add_lp_arguments(parser, levels=1, fwd_iters=1, bwd_iters=1, skip=False, microbatches=1)
+    cli.add_lp_arguments(parser, levels=1, fwd_iters=1, bwd_iters=1, skip=False,
+                         microbatches="auto")
     cli.add_depth_arguments(parser, splines=True)
     parser.add_argument("--serial-reference", action=argparse.BooleanOptionalAction, default=True,
                         help="train plain PyTorch beside the run on the first rank, from the same "
@@ -97,12 +98,13 @@ def main(argv=None):
     fwd, bwd = cli.mgrit_options(args)
     grid = None if args.serial else layerbraid.ProcessGrid(comm, data_parallel=args.dp_size)
     def build(steps):  # the network at any depth (nested iteration, MG/Opt)
-        net, spline = MNISTNet, {"microbatches": args.lp_microbatches}
+        microbatches = cli.model_microbatches(args)  # auto: chosen on the first batch
+        net, spline = MNISTNet, {"microbatches": microbatches}
         if args.lp_splines:
             net, spline = MNISTSplineNet, {"nsplines": args.lp_splines,
                                            "degree": args.lp_spline_degree,
                                            "knots": args.lp_spline_knots,
-                                           "microbatches": args.lp_microbatches}
+                                           "microbatches": microbatches}
         return net(MPI.COMM_SELF if args.serial else grid, steps, args.channels, args.t_final,
                    fwd, bwd, args.lp_warm_start, args.lp_target_error, **spline).to(args.device)
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import layerbraid
+from layerbraid import cli
 from layerbraid.data import LayerParallelLoader
 
 
@@ -303,6 +304,14 @@ def _probe_line(probes, seconds):
                    f"{100 * share:.0f}% of the epoch's training time")
 
 
+def _say(bar, line):
+    """A line above the progress bar (or plain, without one)."""
+    if bar is not None:
+        bar.write(line)
+    else:
+        print(line, flush=True)
+
+
 def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False, grid=None,
           build=None):
     """Trains ``model`` on ``data`` = {"train", "test"} datasets (or {"train_x", "train_y",
@@ -377,6 +386,9 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                 break
             xb = prepare(xb) if prepare else xb
             xb, yb = xb.to(device), yb.to(device)
+            chosen = cli.choose_microbatches(args, model, xb)  # --lp-microbatches auto, once
+            if chosen and rank == 0:
+                _say(bar, chosen)
             optimizer.zero_grad()
 
             def objective(net=model):

@@ -52,6 +52,11 @@ def _number(
 
 _finite = float("inf")
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_microbatch_count = _number(
+    lambda t: "auto" if t == "auto" else int(t),
+    lambda v: v == "auto" or v >= 1,
+    "a positive integer or auto",
+)
 _nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: 0 < v < _finite, "a positive number")
 _nonneg_float = _number(float, lambda v: 0 <= v < _finite, "a number >= 0")
@@ -97,7 +102,7 @@ def add_lp_arguments(
     relax: str = "FCF" if _DEFAULT.nrelax else "F",
     skip: bool = _DEFAULT.skip_first_downcycle,
     audit_every: int = 50,
-    microbatches: Optional[int] = None,
+    microbatches: Union[int, str, None] = None,
 ) -> argparse._ArgumentGroup:
     """Adds the ``--lp-*`` MGRIT flags.  The defaults are MGRITOptions' (levels, cfactor,
     relaxation, skip, cycle), with 2 forward / 1 adjoint iterations and no residual tolerance;
@@ -203,13 +208,14 @@ def add_lp_arguments(
     if microbatches is not None:
         g.add_argument(
             "--lp-microbatches",
-            type=_positive_int,
+            type=_microbatch_count,
             default=microbatches,
             metavar="M",
-            help="with exact solves (--lp-levels 1) on several ranks, pipeline each batch "
-            "through the ranks in M microbatches, so that the ranks step different "
-            "microbatches at once; the gradients equal the batch's to round-off "
-            f"(default {microbatches})",
+            help="pipeline each batch through the ranks in M microbatches, so that the ranks "
+            "step different microbatches at once (the exact path, and every sweep of MGRIT); "
+            "the gradients equal the whole batch's to round-off (MGRIT's at the same "
+            "iterations); auto = the count the planner predicts fastest for the first batch "
+            f"(layerbraid.plan.choose_microbatches) (default {microbatches})",
         )
     g.add_argument(
         "--lp-smoothness",
@@ -546,3 +552,28 @@ def mgrit_options(args: argparse.Namespace) -> tuple[MGRITOptions, MGRITOptions]
         MGRITOptions(max_iters=args.lp_fwd_iters, **common),
         MGRITOptions(max_iters=args.lp_bwd_iters, **common),
     )
+
+
+def model_microbatches(args: argparse.Namespace) -> int:
+    """The ``microbatches`` to build a model with from ``--lp-microbatches``: its count, or 1
+    while ``auto`` has not chosen yet (:func:`choose_microbatches`)."""
+    m = _flag(args, "lp_microbatches", 1)
+    return 1 if m == "auto" else int(m)
+
+
+def choose_microbatches(args: argparse.Namespace, model: Any, x: Any) -> Optional[str]:
+    """With ``--lp-microbatches auto``: the planner's choice for batches like ``x``
+    (:func:`layerbraid.plan.choose_microbatches`, collective over the model's layer group), set
+    on the model and in ``args`` for the networks built later; returns the line to print.  None
+    (and nothing done) otherwise; a model that is not layer-parallel keeps one."""
+    if _flag(args, "lp_microbatches", 1) != "auto":
+        return None
+    from .module import LayerParallelModule
+    from .plan import choose_microbatches as choose
+
+    if not isinstance(model, LayerParallelModule):
+        args.lp_microbatches = 1
+        return None
+    choice = choose(model, x)
+    model.microbatches = args.lp_microbatches = choice.microbatches
+    return f"--lp-microbatches auto: {choice.summary()}"

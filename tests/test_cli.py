@@ -165,8 +165,34 @@ def test_microbatches_are_a_flag_where_the_script_takes_them(capsys):
     cli.add_lp_arguments(p, microbatches=1)
     assert p.parse_args([]).lp_microbatches == 1
     assert p.parse_args(["--lp-microbatches", "4"]).lp_microbatches == 4
-    with pytest.raises(SystemExit):
-        p.parse_args(["--lp-microbatches", "0"])
-    assert "--lp-microbatches" in capsys.readouterr().err
+    auto = p.parse_args(["--lp-microbatches", "auto"])
+    assert auto.lp_microbatches == "auto" and cli.model_microbatches(auto) == 1
+    assert cli.model_microbatches(p.parse_args(["--lp-microbatches", "3"])) == 3
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--lp-microbatches", bad])
+        assert f"a positive integer or auto, got {bad!r}" in capsys.readouterr().err
     # a script that gives no default has no such flag: it would not pass it to its model
     assert "lp_microbatches" not in vars(common.parse_args(parser(), []))
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+def test_auto_microbatches_choose_once_and_set_the_model_and_the_flag():
+    import torch
+    from nets import ODEResNet, batch
+    from transports import WORLD
+
+    p = argparse.ArgumentParser(prog="train")
+    cli.add_lp_arguments(p, microbatches="auto")
+    args = p.parse_args([])
+    model = ODEResNet(WORLD, num_steps=8, microbatches=cli.model_microbatches(args))
+    x = batch(n=8, dtype=torch.float32)[0]
+    line = cli.choose_microbatches(args, model, x)
+    assert line.startswith("--lp-microbatches auto: microbatches ")
+    assert args.lp_microbatches == model.microbatches in (1, 2, 4, 8)
+    assert WORLD.allgather(model.microbatches) == [model.microbatches] * WORLD.size
+    assert cli.choose_microbatches(args, model, x) is None  # chosen: nothing more to do
+    plain = p.parse_args([])
+    assert cli.choose_microbatches(plain, torch.nn.Linear(2, 2), x) is None
+    assert plain.lp_microbatches == 1  # not layer-parallel: one
