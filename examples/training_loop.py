@@ -336,6 +336,14 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
         return (layerbraid.accuracy.IterationTuner(model, tune, every=probe_every,
                                                    margin=getattr(args, "lp_tune_margin", 2.0))
                 if tune else None)
+    guard_window = 0 if args.serial else getattr(args, "lp_bias_guard", 0)
+    guard_events = []
+    def make_guard(model, bar_of):  # bar_of(): the progress bar the guard's lines go above
+        if not guard_window or getattr(args, "lp_mgopt_levels", 1) > 1:
+            return None
+        return layerbraid.accuracy.BiasGuard(
+            model, window=guard_window, max_error=args.lp_bias_guard_error,
+            max_iterations=10, log=lambda line: _say(bar_of(), line))
     smoothness = getattr(args, "lp_smoothness", 0.0)
     device = torch.device(args.device)
     optimizer = make_optimizer(args, depths.model.parameters())
@@ -366,11 +374,12 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
     if getattr(args, "serial_reference", False) and not args.serial and not args.resume \
             and data_size == 1:
         reference = SerialReference(model, args, rank)
-    tuner, tuned = None, None
+    tuner, tuned, guard = None, None, None
+    bar = None
     for epoch in range(start_epoch, args.epochs):
         model, optimizer = depths.epoch(epoch, optimizer)
-        if tuned is not model:  # a tuner follows one network's solves
-            tuner, tuned = make_tuner(model), model
+        if tuned is not model:  # a tuner and a guard follow one network's solves
+            tuner, tuned, guard = make_tuner(model), model, make_guard(model, lambda: bar)
         bar = None
         if rank == 0:
             from tqdm import tqdm
@@ -417,6 +426,10 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
                     p = layerbraid.accuracy.probe_gradients(model, lambda: objective()[1])
                     probes.append({"batch": b, "change": p.change, "iterations": p.iterations,
                                    "seconds": p.seconds})
+                if guard is not None:  # a stalled loss and a large audited error: better solves
+                    event = guard(loss, epoch * per_epoch + b, lambda: objective()[1])
+                    if event is not None:
+                        guard_events.append(vars(event) | {"epoch": epoch})
                 optimizer.step()
             if reference is not None:
                 reference.step(xb, yb)
@@ -507,7 +520,8 @@ def train(args, model, data, *, comm, rank, name, prepare=None, synthetic=False,
         meta = {"example": name, "ranks": comm.Get_size() if comm is not None else 1,
                 "data_parallel": data_size, "serial_comparison": comparison,
                 "serial": bool(args.serial), "synthetic": synthetic,
-                "args": {k: v for k, v in vars(args).items()}, "history": history}
+                "args": {k: v for k, v in vars(args).items()}, "history": history,
+                "bias_guard": guard_events}
         (out_dir / "metrics.json").write_text(json.dumps(meta, indent=1, default=str))
         _plot(history, out_dir / "training_curve.png", name, synthetic)
         print(f"wrote {out_dir / 'metrics.json'} and {out_dir / 'training_curve.png'}")

@@ -184,6 +184,25 @@ def add_lp_arguments(
         "--lp-bwd-iters times (raise those, e.g. to 10); default: off",
     )
     g.add_argument(
+        "--lp-bias-guard",
+        type=_nonneg_int,
+        default=0,
+        metavar="W",
+        help="watch the loss in windows of W batches: where it stalls (falls by less than "
+        "1%% from one window to the next) and an audit finds a gradient error above "
+        "--lp-bias-guard-error, raise every solve's iterations by one, and past 10, "
+        "switch to exact solves, logged as it happens (layerbraid.accuracy.BiasGuard); "
+        "0: off (default)",
+    )
+    g.add_argument(
+        "--lp-bias-guard-error",
+        type=_fraction,
+        default=0.05,
+        metavar="E",
+        help="with --lp-bias-guard, the audited relative gradient error above which a "
+        "stall is put down to the gradients (default 0.05)",
+    )
+    g.add_argument(
         "--lp-tune-error",
         type=_fraction,
         default=None,
@@ -469,6 +488,10 @@ def check_lp_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
             )
         if not _flag(args, "lp_probe_every", None):
             args.lp_probe_every = 20
+        if _flag(args, "lp_bias_guard", 0):
+            parser.error(
+                "--lp-tune-error and --lp-bias-guard both set the iterations: give one"
+            )
     _check_depth_flags(parser, args)
 
 
