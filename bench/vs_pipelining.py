@@ -8,11 +8,21 @@ torch.distributed.pipelining's GPipe and 1F1B schedules and layerbraid; under mp
 plain PyTorch and layerbraid (pipelining needs torch.distributed).  The network: 64 steps
 ``x + dt * relu(conv2(relu(conv1 x)))`` of 8 channels at 28x28 between a 3x3 convolution in and
 a linear layer out, float32, MSE loss, SGD, one thread per process.
+
+Then more ranks than this machine has cores: bench/workers/emulated.py trains 64 emulated layers
+(each sleeps its share of 20 ms per step and 40 ms per VJP for a batch of 10, as a layer on an
+accelerator leaves its CPU idle) on 2-16 ranks under mpiexec, layerbraid's exact path (GPipe's
+schedule) and MGRIT (2 levels, cfactor 4, 2 forward / 1 adjoint iterations) each in 1, 2, 5
+and 10 microbatches, beside the planner's prediction of each (layerbraid.plan.predict_pipeline,
+layerbraid.plan.predict with microbatches).  1F1B's schedule has GPipe's bubble, so the exact
+rows stand for pipelining there: where MGRIT's fastest row beats the exact path's fastest is
+where MGRIT overtakes pipelining.
 """
 import statistics
 import time
 
 from bench.harness import DOCS, SAME_LEGEND, generate, launch, parser, pick, provenance, speedup
+from layerbraid import MGRITOptions, plan
 
 OUT = DOCS / "vs_pipelining.md"
 WORKER = "vs_pipelining"  # bench/workers/vs_pipelining.py
@@ -22,7 +32,7 @@ LABELS = {
     "gpipe": "pipelining, GPipe, {m} microbatches",
     "1f1b": "pipelining, 1F1B, {m} microbatches",
     "lp": "layerbraid exact, {m} microbatch(es)",
-    "lp-mgrit": "layerbraid, 2 MGRIT levels, 1/1 iterations",
+    "lp-mgrit": "layerbraid, 2 MGRIT levels, 1/1 iterations, {m} microbatch(es)",
 }
 
 
@@ -45,7 +55,49 @@ def measure(a):
             if not torchrun:  # pipelining needs torch.distributed
                 args += ["--systems", "plain", "lp", "lp-mgrit"]
             jobs.append(launch(WORKER, 2, *args, cores_per_rank=1, **kind)[-1])
-    return {**provenance(), "rounds": a.rounds, "seconds": time.time() - t0, "jobs": jobs}
+    emulated = measure_emulated()
+    return {**provenance(), "rounds": a.rounds, "seconds": time.time() - t0, "jobs": jobs,
+            "emulated": emulated}
+
+
+# The emulated section: N layers, a batch of ROWS rows of FLOATS float32 numbers in all, each
+# layer sleeping STEP_MS per step and VJP_MS per VJP for the whole batch (its share for a
+# microbatch); MGRIT as bench/workers/emulated.py sets it (2 levels, cfactor 4).
+EMU_STEPS, EMU_ROWS, EMU_FLOATS = 64, 10, 6270
+EMU_STEP_MS, EMU_VJP_MS, EMU_REPEATS = pick(20.0, 2.0), pick(40.0, 4.0), 2
+EMU_RANKS = pick([2, 4, 8, 16], [4])
+EMU_MICROBATCHES = pick([1, 2, 5, 10], [1, 5])
+EMU_LATENCY, EMU_BANDWIDTH = 20e-6, 2e9  # one node's processes (docs/scaling.md's model)
+
+
+def measure_emulated():
+    rows = []
+    for ranks in EMU_RANKS:
+        configs = [f"{EMU_STEPS}:{levels}:{cf}:{m}:{EMU_ROWS}"
+                   for levels, cf in ((1, 2), (2, 4)) for m in EMU_MICROBATCHES]
+        print(f"--- emulated, {ranks} ranks", flush=True)
+        out = launch("emulated", ranks, EMU_STEP_MS, EMU_VJP_MS, EMU_FLOATS, EMU_REPEATS,
+                     *configs, timeout=3600)
+        rows += [r for r in out if r.get("kind") != "hand_off"]
+    return {"steps": EMU_STEPS, "rows_per_batch": EMU_ROWS, "floats": EMU_FLOATS,
+            "step_ms": EMU_STEP_MS, "vjp_ms": EMU_VJP_MS, "repeats": EMU_REPEATS, "runs": rows}
+
+
+def emulated_prediction(emu, run):
+    """The planner's seconds per batch for an emulated run: its layer's sleep at the
+    microbatch's size (the largest microbatch), its messages' bytes."""
+    m, n = run["microbatches"], emu["steps"]
+    share = -(-emu["rows_per_batch"] // m) / emu["rows_per_batch"]
+    costs = plan.Costs(share * emu["step_ms"] / 1e3, share * emu["vjp_ms"] / 1e3,
+                       share * emu["vjp_ms"] / 1e3, message_bytes=4 * emu["floats"] * share,
+                       latency=EMU_LATENCY, bandwidth=EMU_BANDWIDTH)
+    serial = n * (emu["step_ms"] + emu["vjp_ms"]) / 1e3
+    if run["levels"] == 1:
+        return plan.predict_pipeline(n, run["ranks"], m, costs, "gpipe", serial)
+    fwd = MGRITOptions(max_levels=2, cfactor=4, max_iters=2, tol=0.0, nrelax=0,
+                       skip_first_downcycle=True)
+    bwd = MGRITOptions(**{**fwd.__dict__, "max_iters": 1})
+    return plan.predict(n, run["ranks"], fwd, bwd, costs, microbatches=m, serial_seconds=serial)
 
 
 def _label(name):
@@ -53,24 +105,31 @@ def _label(name):
     return LABELS[family].format(m=m)
 
 
-def predicted(job, name):
-    """The planner's seconds per batch for a row (layerbraid.plan.predict_pipeline, with the
-    step costs the job measured at the row's microbatch size), or None for a row it does not
-    model this way (the MGRIT row: bench/plan_validation.py validates those)."""
-    from layerbraid.plan import Costs, predict_pipeline
+MGRIT_ROWS = MGRITOptions(max_levels=2, cfactor=4, max_iters=1)  # the worker's lp-mgrit-M
 
+
+def predicted(job, name):
+    """The planner's seconds per batch for a row, from the step costs the job measured at the
+    row's microbatch size (a pipeline: layerbraid.plan.predict_pipeline; MGRIT in microbatches:
+    layerbraid.plan.predict), or None for plain PyTorch."""
     family, _, m = name.rpartition("-")
-    if name == "plain" or name == "lp-mgrit" or family not in ("gpipe", "1f1b", "lp"):
+    if name == "plain" or family not in ("gpipe", "1f1b", "lp", "lp-mgrit"):
         return None
     c = job["costs"]
-    step, vjp_param = c["busy"][m]
+    measured = c["busy"][m]
+    if len(measured) == 2:  # runs before the plain VJP was measured: VJP = 2/3 of the other
+        measured = (measured[0], measured[1] / 1.5, measured[1])
+    step, vjp, vjp_param = measured
     alone = c["alone"]
-    costs = Costs(step, vjp_param, vjp_param, message_bytes=c["message_bytes"] * job["batch"]
-                  / int(m), latency=50e-6, bandwidth=1e9)
-    serial = job["steps"] * (alone[0] + alone[1])
+    costs = plan.Costs(step, vjp, vjp_param, message_bytes=c["message_bytes"] * job["batch"]
+                       / int(m), latency=50e-6, bandwidth=1e9)
+    serial = job["steps"] * (alone[0] + alone[-1])
+    if family == "lp-mgrit":
+        return plan.predict(job["steps"], job["ranks"], MGRIT_ROWS, MGRIT_ROWS, costs,
+                            microbatches=int(m), serial_seconds=serial).seconds
     schedule = "1f1b" if family == "1f1b" else "gpipe"
-    return predict_pipeline(job["steps"], job["ranks"], int(m), costs, schedule,
-                            serial).seconds
+    return plan.predict_pipeline(job["steps"], job["ranks"], int(m), costs, schedule,
+                                 serial).seconds
 
 
 def report(data):
@@ -107,7 +166,7 @@ def report(data):
                 ratios.append(med / guess)
             lines.append(f"| {_label(name)} | {spread(times)} | {cell} | "
                          f"{job['errors'][name]:.1e} | {peaks} | {model} |")
-            exact = name.startswith("lp-") and name != "lp-mgrit"
+            exact = name.startswith("lp-") and not name.startswith("lp-mgrit")
             family = name.split("-")[0]
             kind = "pipelining" if family in ("gpipe", "1f1b") else "layerbraid" if exact else None
             if kind:
@@ -115,6 +174,8 @@ def report(data):
                 if key not in best or med < best[key][1]:
                     best[key] = (name, med)
         lines.append("")
+    emu_lines, emu_findings, emu_ratios = emulated_report(data.get("emulated"))
+    lines += emu_lines
     lines += ["## Findings", ""]
     for job in data["jobs"]:
         key = (job["batch"], job["transport"])
@@ -126,10 +187,61 @@ def report(data):
                          f"pipelining row ({_label(pp[0])}, {1e3 * pp[1]:.0f} ms): "
                          f"{ratio:.2f}x its speed (> 1: layerbraid faster), medians.")
     if ratios:
-        lines.append(f"- The planner's pipeline model: measured / predicted "
-                     f"{min(ratios):.2f} to {max(ratios):.2f} over the {len(ratios)} modelled "
-                     f"rows ({sum(abs(r - 1) <= 0.15 for r in ratios)} within 15%).")
+        lines.append(f"- The planner's pipeline model on the 2-process rows: measured / "
+                     f"predicted {min(ratios):.2f} to {max(ratios):.2f} over the {len(ratios)} "
+                     f"modelled rows ({sum(abs(r - 1) <= 0.15 for r in ratios)} within 15%).")
+    lines += emu_findings
     return lines
+
+
+def _emu_label(run):
+    kind = "exact (GPipe)" if run["levels"] == 1 else "MGRIT, 2 levels"
+    return f"layerbraid {kind}, {run['microbatches']} microbatch(es)"
+
+
+def emulated_report(emu):
+    """The emulated section's lines, its findings, and the measured / predicted ratios."""
+    if not emu or not emu.get("runs"):
+        return [], [], []
+    serial = emu["steps"] * (emu["step_ms"] + emu["vjp_ms"]) / 1e3
+    lines = [f"## More ranks, emulated layers ({emu['steps']} layers, mpiexec)", "",
+             f"Each layer sleeps its share of {emu['step_ms']:g} ms per step and "
+             f"{emu['vjp_ms']:g} ms per VJP for the batch of {emu['rows_per_batch']} rows; the "
+             f"serial network's time is {1e3 * serial:.0f} ms per batch (the sleeps alone).  "
+             f"Seconds per batch: median [min-max] of {emu['repeats']} passes (the slowest "
+             "rank's); predicted: the planner's.  Speedup = the serial time / the median.", "",
+             "| ranks | system | ms per batch | speedup | predicted ms | measured / predicted |",
+             "|---|---|---|---|---|---|"]
+    ratios, best = [], {}
+    for run in sorted(emu["runs"], key=lambda r: (r["ranks"], r["levels"], r["microbatches"])):
+        med = statistics.median(run["seconds"])
+        guess = emulated_prediction(emu, run).seconds
+        ratios.append(med / guess)
+        lines.append(f"| {run['ranks']} | {_emu_label(run)} | {spread(run['seconds'])} | "
+                     f"{serial / med:.2f} | {1e3 * guess:.0f} | {med / guess:.2f} |")
+        key = (run["ranks"], run["levels"] > 1)
+        for source, value in (("measured", med), ("predicted", guess)):
+            k = (*key, source)
+            if k not in best or value < best[k][1]:
+                best[k] = (run, value)
+    lines.append("")
+    findings = [f"- Emulated rows: measured / predicted {min(ratios):.2f} to {max(ratios):.2f} "
+                f"over {len(ratios)} rows ({sum(abs(r - 1) <= 0.15 for r in ratios)} within "
+                "15%)."]
+    for source in ("measured", "predicted"):
+        ranks = sorted({r for r, _, s in best if s == source})
+        over = [r for r in ranks if (r, True, source) in best and (r, False, source) in best
+                and best[(r, True, source)][1] < best[(r, False, source)][1]]
+        if over:
+            r = over[0]
+            mg, ex = best[(r, True, source)], best[(r, False, source)]
+            findings.append(f"- MGRIT overtakes the pipeline ({source}) from {r} ranks on "
+                            f"(of {ranks}): {_emu_label(mg[0])} {1e3 * mg[1]:.0f} ms against "
+                            f"{_emu_label(ex[0])} {1e3 * ex[1]:.0f} ms.")
+        else:
+            findings.append(f"- MGRIT does not overtake the pipeline ({source}) on {ranks} "
+                            "ranks.")
+    return lines, findings, ratios
 
 
 def spread(times):

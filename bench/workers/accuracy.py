@@ -1,11 +1,13 @@
 """Training in several modes side by side, with the true gradient error measured on the side
 (a worker of bench/accuracy.py, run under mpiexec on 2 ranks; prints JSON lines).
 
-    accuracy.py EXAMPLE MODES EPOCHS LOG_EVERY [TARGET [MAX_BATCHES [AUDIT_EVERY [PENALTIES]]]]
+    accuracy.py EXAMPLE MODES EPOCHS LOG_EVERY [TARGET [MAX_BATCHES [AUDIT_EVERY [PENALTIES [SEED]]]]]
 
 EXAMPLE: mnist (examples/mnist.py's network and defaults), volumes3d (examples/volumes3d.py's),
-sequence (examples/sequence_classification.py's GRU on MNIST rows) or convchain (mnist's network
-with 24 steps over T = 2, a deeper ReLU conv chain than any example's default).
+sequence (examples/sequence_classification.py's GRU on MNIST rows), convchain (mnist's network
+with 24 steps over T = 2, a deeper ReLU conv chain than any example's default) or transformerN
+(examples/transformer.py's byte-level GPT with N layers, its defaults otherwise; 2 levels,
+cfactor 4).
 MODES: a comma-separated list of: serial (plain PyTorch, on rank 0 alone), exact (one MGRIT
 level: sequential stepping across the ranks), fixed (the example's hierarchy at 2 forward / 1
 adjoint iteration, the first down-cycle skipped), relaxed (fixed, the first down-cycle relaxed),
@@ -18,7 +20,9 @@ smooth3), tuned (iterations tuned to TARGET by ``layerbraid.accuracy.IterationTu
 aiming the probe at TARGET / 2 (its default margin), probing every TUNE_EVERY batches and
 climbing within a batch whose probe is above that aim, from 2 forward / 1 adjoint iteration,
 the first down-cycle skipped; the tuner's time is part of the batch's, as it is part of
-training), tuned_warm (tuned, with warm starts).
+training), tuned_warm (tuned, with warm starts), guard (relaxed1 under
+``layerbraid.accuracy.BiasGuard``: windows of GUARD_WINDOW batches, an audited error above 0.05
+at a stall raises the iterations; its audits are part of the batch's time, as in training).
 
 Every mode trains its own model from the same initial weights on the same batches, the modes
 taking turns batch by batch (the order rotating by one each batch, every timed part starting
@@ -39,12 +43,13 @@ import sys
 from bench import harness
 
 TUNE_EVERY = 20  # the tuned modes probe every this many batches (the examples' default)
+GUARD_WINDOW = 10  # the guard mode's window of batches
 
 
-def setup(example):
+def setup(example, seed=0):
     """(comm, build, train, test, batch size, learning rate, optimizer name), where
     ``build(mode, target)`` makes the model of one mode, from the same initial weights in
-    every mode."""
+    every mode (drawn with ``seed``)."""
     import torch
     from mpi4py import MPI
 
@@ -87,6 +92,18 @@ def setup(example):
                     for p in model.head.parameters():
                         p.copy_(lp_comm.bcast(p.detach(), root=0))
             return model
+    elif example.startswith("transformer"):
+        gpt = harness.example("transformer")
+        steps = int(example.removeprefix("transformer"))
+        data = gpt.windows(gpt.standard_library_text(2_000_000), 64)
+        train = (data["train_x"], data["train_y"])
+        test = (data["test_x"][:1000], data["test_y"][:1000])
+        fwd = layerbraid.MGRITOptions(max_levels=2, cfactor=4, max_iters=2, nrelax=0, tol=0.0,
+                                      skip_first_downcycle=True)
+        batch, lr, opt = 32, 3e-3, "adam"
+
+        def make(lp_comm, serial, f, b, warm, target=None):
+            return gpt.TinyGPT(lp_comm, steps, 64, 4, 64, float(steps), f, b, warm, target)
     else:
         volumes3d = harness.example("volumes3d")
         VolumeNet, make_volumes = volumes3d.VolumeNet, volumes3d.make_volumes
@@ -105,7 +122,7 @@ def setup(example):
     def build(mode, target):
         serial = mode.startswith("serial")
         lp_comm = MPI.COMM_SELF if serial else comm
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         if mode.startswith("smooth"):
             model = make(lp_comm, serial, fwd, bwd, False)
         elif mode.startswith("adaptive"):
@@ -118,7 +135,7 @@ def setup(example):
             model = make(lp_comm, serial,
                          *(o.__class__(**{**o.__dict__, "skip_first_downcycle": False})
                            for o in (fwd, bwd)), False)
-        elif mode == "relaxed1":  # cold, 1/1, the first down-cycle relaxed (not skipped)
+        elif mode in ("relaxed1", "guard"):  # cold, 1/1, the first down-cycle relaxed
             relaxed = fwd.__class__(**{**fwd.__dict__, "max_iters": 1,
                                        "skip_first_downcycle": False})
             model = make(lp_comm, serial, relaxed, relaxed, False)
@@ -179,10 +196,11 @@ def main():
     target = float(sys.argv[5]) if len(sys.argv) > 5 else None
     max_batches = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "-" else None
     audit_every = int(sys.argv[7]) if len(sys.argv) > 7 else 50
-    penalties = {m: float(g) for m, g in (kv.split("=") for kv in sys.argv[8].split(","))} \
+    penalties = {m: float(g) for m, g in (kv.split("=") for kv in sys.argv[8].split(",") if kv)} \
         if len(sys.argv) > 8 else {}
+    seed = int(sys.argv[9]) if len(sys.argv) > 9 else 0
     torch.set_num_threads(1)
-    comm, build, train, test, batch, lr, opt_name = setup(example)
+    comm, build, train, test, batch, lr, opt_name = setup(example, seed)
     rank = comm.rank
     # serial trains on rank 0 alone (plain PyTorch on one core); the other rank waits for it at
     # the next barrier, as it would for anything else that runs on one rank
@@ -193,13 +211,15 @@ def main():
     gamma = {m: penalties.get(m.removeprefix("serial_"), 0.0) for m in modes}
     tuners = {m: layerbraid.accuracy.IterationTuner(models[m], target, every=TUNE_EVERY)
               for m in modes if m.startswith("tuned")}
+    guards = {m: layerbraid.accuracy.BiasGuard(models[m], window=GUARD_WINDOW, log=None)
+              for m in modes if m == "guard"}
 
     def emit(row):
         if rank == 0:
             print(json.dumps(row), flush=True)
 
     # every rank reads the same batches (the layer group's loader); serial uses them too
-    loader = LayerParallelLoader(TensorDataset(*train), batch, comm=comm, seed=0)
+    loader = LayerParallelLoader(TensorDataset(*train), batch, comm=comm, seed=seed)
     per_epoch = len(loader) if max_batches is None else min(len(loader), max_batches)
     for epoch in range(epochs):
         loader.set_epoch(epoch)
@@ -224,7 +244,14 @@ def main():
                 total.backward()
                 tuning = (tuners[m](lambda: objective()[1], epoch * per_epoch + b)
                           if m in tuners else None)
+                event = (guards[m](loss, epoch * per_epoch + b, lambda: objective()[1])
+                         if m in guards else None)
                 seconds = time.perf_counter() - t0
+                if event is not None:
+                    emit(dict(kind="guard", mode=m, epoch=epoch + 1, batch=b,
+                              before=event.before, now=event.now, error=event.error,
+                              action=event.action, iterations=event.iterations,
+                              seconds=event.seconds))
                 if tuning is not None:
                     emit(dict(kind="tuning", mode=m, epoch=epoch + 1, batch=b,
                               change=tuning.change, lower_change=tuning.lower_change,
@@ -264,9 +291,11 @@ def main():
                     out = model(test[0][k:k + 500])
                     correct += int((out.argmax(1) == test[1][k:k + 500]).sum())
             model.train()
+            # a label per sample, or per position (the transformer's next bytes)
             emit(dict(kind="epoch", mode=m, epoch=epoch + 1, seconds=sum(times[m]),
                       batch_seconds=times[m], batches=len(losses[m]),
-                      loss=sum(losses[m]) / len(losses[m]), test_accuracy=correct / len(test[0])))
+                      batch_losses=losses[m], loss=sum(losses[m]) / len(losses[m]),
+                      test_accuracy=correct / test[1].numel()))
 
 
 if __name__ == "__main__":

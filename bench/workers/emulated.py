@@ -3,10 +3,13 @@ mpiexec; prints JSON lines).
 
     emulated.py STEP_MS VJP_MS STATE_FLOATS REPEATS CONFIG [CONFIG ...]
 
-CONFIG is ``N:levels:cfactor``.  Each step layer spends STEP_MS milliseconds asleep in its forward
-and VJP_MS in each VJP, with or without the parameter's gradient (using no CPU, like a layer
-running on an accelerator), and computes
-``w * x`` on a state of STATE_FLOATS float32 numbers, so that the messages have a real size.
+CONFIG is ``N:levels:cfactor[:M:B]``.  Each step layer spends STEP_MS milliseconds asleep in its
+forward and VJP_MS in each VJP, with or without the parameter's gradient (using no CPU, like a
+layer running on an accelerator), and computes ``w * x`` on a state of STATE_FLOATS float32
+numbers, so that the messages have a real size.  With M and B the state is a batch of B rows
+(STATE_FLOATS / B each) in M microbatches (``microbatches=M``: levels 1 is the exact path's
+GPipe pipeline, more levels MGRIT in microbatches), and a layer sleeps its share of the time,
+rows / B, as a layer whose cost is linear in its batch.
 Everything else is the real training path: LayerParallelModule's forward and adjoint MGRIT
 solves (2 forward / 1 adjoint iteration, F-relaxation on the fine level and FCF below, first
 down-cycle skipped), the output broadcast and ``loss.backward()``.  Per config: the seconds of
@@ -33,7 +36,7 @@ def nap(seconds):
     LATE[1] += 1
 
 
-def build(comm, steps, levels, cfactor, step_s, vjp_s, floats):
+def build(comm, steps, levels, cfactor, step_s, vjp_s, floats, microbatches=1, rows=1):
     import torch
     from torch import nn
 
@@ -42,14 +45,14 @@ def build(comm, steps, levels, cfactor, step_s, vjp_s, floats):
     class Sleep(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, w):
-            nap(step_s)
+            nap(step_s * x.shape[0] / rows)
             ctx.save_for_backward(x, w)
             return w * x
 
         @staticmethod
         def backward(ctx, g):
             x, w = ctx.saved_tensors
-            nap(vjp_s)
+            nap(vjp_s * x.shape[0] / rows)
             return g * w, (g * x).sum().reshape(w.shape)
 
     class Layer(nn.Module):
@@ -71,8 +74,8 @@ def build(comm, steps, levels, cfactor, step_s, vjp_s, floats):
     if levels == 1:
         fwd = bwd = layerbraid.MGRITOptions(max_levels=1)
     model = Emulated(num_steps=steps, comm=comm, forward_options=fwd, backward_options=bwd,
-                     check_inputs=False, check_finite=False)
-    x = torch.ones(1, floats)
+                     check_inputs=False, check_finite=False, microbatches=microbatches)
+    x = torch.ones(rows, floats // rows)
     return model, x
 
 
@@ -90,8 +93,10 @@ def main():
     step_s, vjp_s = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
     floats, repeats = int(sys.argv[3]), int(sys.argv[4])
     for config in sys.argv[5:]:
-        steps, levels, cfactor = map(int, config.split(":"))
-        model, x = build(comm, steps, levels, cfactor, step_s, vjp_s, floats)
+        steps, levels, cfactor, *batching = map(int, config.split(":"))
+        microbatches, rows = batching if batching else (1, 1)
+        model, x = build(comm, steps, levels, cfactor, step_s, vjp_s, floats, microbatches,
+                         rows)
         # the warm-up: the steps and VJPs from the core's trace of one solve, untimed (a traced
         # solve runs in the core; one rank with one level runs as plain autograd otherwise, as
         # timed)
@@ -121,6 +126,7 @@ def main():
         model.free()
         if comm.rank == 0:
             print(json.dumps(dict(ranks=comm.size, steps=steps, levels=levels, cfactor=cfactor,
+                                  microbatches=microbatches, rows=rows,
                                   seconds=times, fwd_steps=[c[0] for c in counts],
                                   bwd_vjps=[c[1] for c in counts],
                                   cpu_seconds=[c[2] for c in counts],

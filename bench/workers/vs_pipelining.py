@@ -173,16 +173,16 @@ def main() -> None:
 
 
 def _costs(batch: int, counts: list[int], comm) -> dict[str, Any]:
-    """What the planner needs (layerbraid.plan.predict_pipeline): a step's seconds, forward
-    and VJP with parameter gradients, at each microbatch count's largest microbatch, measured
+    """What the planner needs (layerbraid.plan.predict_pipeline and predict): a step's
+    seconds, forward, VJP and VJP with parameter gradients, at each microbatch count's largest
+    microbatch, measured
     on every rank at once (the ranks of a pipeline step side by side and share the node), and
     at the whole batch on rank 0 alone (plain PyTorch has the node to itself)."""
     from layerbraid.plan import measure_step
 
-    def measure(n: int) -> tuple[float, float]:
+    def measure(n: int) -> tuple[float, float, float]:
         torch.manual_seed(0)
-        step, _, vjp_param = measure_step(ConvBlock(CHANNELS), torch.randn(n, CHANNELS, SIZE, SIZE))
-        return step, vjp_param
+        return measure_step(ConvBlock(CHANNELS), torch.randn(n, CHANNELS, SIZE, SIZE))
 
     busy = {}
     for m in counts:
