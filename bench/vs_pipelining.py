@@ -84,13 +84,18 @@ def measure_emulated():
 
 
 def emulated_prediction(emu, run):
-    """The planner's seconds per batch for an emulated run: its layer's sleep at the
-    microbatch's size (the largest microbatch), its messages' bytes."""
+    """The planner's prediction for an emulated run: its layer's sleep at the microbatch's size
+    (the largest microbatch), plus what the run measured per step action on its slowest rank:
+    how late a sleep woke, and layerbraid's own CPU time (the pass's CPU seconds over the
+    steps and VJPs the rank ran: a sleeping layer uses none)."""
     m, n = run["microbatches"], emu["steps"]
     share = -(-emu["rows_per_batch"] // m) / emu["rows_per_batch"]
-    costs = plan.Costs(share * emu["step_ms"] / 1e3, share * emu["vjp_ms"] / 1e3,
-                       share * emu["vjp_ms"] / 1e3, message_bytes=4 * emu["floats"] * share,
-                       latency=EMU_LATENCY, bandwidth=EMU_BANDWIDTH)
+    late = max(t / k for t, k in run["sleep_late"] if k)
+    over = max(c / (f + b) for c, f, b in zip(run["cpu_seconds"], run["fwd_steps"],
+                                                run["bwd_vjps"]) if f + b)
+    costs = plan.Costs(share * emu["step_ms"] / 1e3 + late, share * emu["vjp_ms"] / 1e3 + late,
+                       share * emu["vjp_ms"] / 1e3 + late, message_bytes=4 * emu["floats"] * share,
+                       latency=EMU_LATENCY, bandwidth=EMU_BANDWIDTH, overhead_seconds=over)
     serial = n * (emu["step_ms"] + emu["vjp_ms"]) / 1e3
     if run["levels"] == 1:
         return plan.predict_pipeline(n, run["ranks"], m, costs, "gpipe", serial)
@@ -209,7 +214,9 @@ def emulated_report(emu):
              f"{emu['vjp_ms']:g} ms per VJP for the batch of {emu['rows_per_batch']} rows; the "
              f"serial network's time is {1e3 * serial:.0f} ms per batch (the sleeps alone).  "
              f"Seconds per batch: median [min-max] of {emu['repeats']} passes (the slowest "
-             "rank's); predicted: the planner's.  Speedup = the serial time / the median.", "",
+             "rank's); predicted: the planner's, from the sleeps at the microbatch's size plus "
+             "what the run measured per step action (how late a sleep woke, and layerbraid's "
+             "own CPU time per step).  Speedup = the serial time / the median.", "",
              "| ranks | system | ms per batch | speedup | predicted ms | measured / predicted |",
              "|---|---|---|---|---|---|"]
     ratios, best = [], {}
