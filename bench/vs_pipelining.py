@@ -18,10 +18,12 @@ layerbraid.plan.predict with microbatches).  1F1B's schedule has GPipe's bubble,
 rows stand for pipelining there: where MGRIT's fastest row beats the exact path's fastest is
 where MGRIT overtakes pipelining.
 """
+import os
 import statistics
 import time
 
-from bench.harness import DOCS, SAME_LEGEND, generate, launch, parser, pick, provenance, speedup
+from bench.harness import (DOCS, SAME_LEGEND, generate, launch, load_raw, parser, pick,
+                           provenance, speedup)
 from layerbraid import MGRITOptions, plan
 
 OUT = DOCS / "vs_pipelining.md"
@@ -41,10 +43,17 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=pick(20, 2), help="interleaved rounds per job")
     p.add_argument("--batches", type=int, nargs="+", default=pick([50, 10], [10]))
     p.add_argument("--microbatches", type=int, nargs="+", default=pick([2, 5, 10], [2]))
+    p.add_argument("--emulated-only", action="store_true",
+                   help="measure the emulated section again, keeping the last run's 2-process "
+                        "jobs (its raw data)")
     generate(OUT, measure, report, p, argv)
 
 
 def measure(a):
+    if a.emulated_only:
+        data = load_raw(OUT)
+        data["emulated"] = measure_emulated()
+        return data
     t0 = time.time()
     jobs = []
     for batch in a.batches:
@@ -76,11 +85,15 @@ def measure_emulated():
         configs = [f"{EMU_STEPS}:{levels}:{cf}:{m}:{EMU_ROWS}"
                    for levels, cf in ((1, 2), (2, 4)) for m in EMU_MICROBATCHES]
         print(f"--- emulated, {ranks} ranks", flush=True)
+        # waits sleep on every rank count (by default they spin where every rank has a core
+        # of its own), so that a rank's CPU seconds are layerbraid's work, not its waiting
         out = launch("emulated", ranks, EMU_STEP_MS, EMU_VJP_MS, EMU_FLOATS, EMU_REPEATS,
-                     *configs, timeout=3600)
+                     *configs, timeout=3600,
+                     env={**os.environ, "LAYERBRAID_WAIT_SLEEP": "1e-4"})
         rows += [r for r in out if r.get("kind") != "hand_off"]
-    return {"steps": EMU_STEPS, "rows_per_batch": EMU_ROWS, "floats": EMU_FLOATS,
-            "step_ms": EMU_STEP_MS, "vjp_ms": EMU_VJP_MS, "repeats": EMU_REPEATS, "runs": rows}
+    return {**provenance(), "steps": EMU_STEPS, "rows_per_batch": EMU_ROWS,
+            "floats": EMU_FLOATS, "step_ms": EMU_STEP_MS, "vjp_ms": EMU_VJP_MS,
+            "repeats": EMU_REPEATS, "wait_sleep": 1e-4, "runs": rows}
 
 
 def emulated_prediction(emu, run):
@@ -209,8 +222,10 @@ def emulated_report(emu):
     if not emu or not emu.get("runs"):
         return [], [], []
     serial = emu["steps"] * (emu["step_ms"] + emu["vjp_ms"]) / 1e3
+    when = (f"Measured on commit {emu['commit']}, {emu['date']}; waiting ranks sleep "
+            f"{1e3 * emu['wait_sleep']:g} ms between tests.  " if "commit" in emu else "")
     lines = [f"## More ranks, emulated layers ({emu['steps']} layers, mpiexec)", "",
-             f"Each layer sleeps its share of {emu['step_ms']:g} ms per step and "
+             when + f"Each layer sleeps its share of {emu['step_ms']:g} ms per step and "
              f"{emu['vjp_ms']:g} ms per VJP for the batch of {emu['rows_per_batch']} rows; the "
              f"serial network's time is {1e3 * serial:.0f} ms per batch (the sleeps alone).  "
              f"Seconds per batch: median [min-max] of {emu['repeats']} passes (the slowest "
