@@ -461,11 +461,28 @@ def test_the_numbers_quoted_from_the_pipelining_report_are_its_own():
     job = next(j for j in data["jobs"] if j["batch"] == 50 and "gloo" in j["transport"])
     med = job["medians"]
     best_pipe = min(v for k, v in med.items() if k.split("-")[0] in ("gpipe", "1f1b"))
+    exact = {k: v for k, v in med.items() if k.startswith("lp-") and k[3:].isdigit()}
+    fastest = min(exact, key=exact.get)
     readme = (ROOT / "README.md").read_text()
-    assert f"ran at {best_pipe / med['lp-2']:.2f}x the speed" in readme
+    assert f"the exact path in {fastest[3:]} microbatches ran at " \
+           f"{best_pipe / exact[fastest]:.2f}x the speed" in readme
     assert f"commit {data['commit'][:7]}" in readme
     guide = (ROOT / "docs" / "guide" / "tuning.md").read_text()
     assert f"commit {data['commit'][:7]}" in guide
+    # the emulated section: its commit, the crossover's two rows and the planner's count
+    emu = data["emulated"]
+    assert f"commit\n{emu['commit'][:7]}" in readme or f"commit {emu['commit'][:7]}" in readme
+    assert f"commit {emu['commit'][:7]}" in guide
+    crossover = next(line for line in report.splitlines()
+                     if line.startswith("- MGRIT overtakes the pipeline (measured) from"))
+    ranks = int(crossover.split(" from ")[1].split()[0])
+    table = report.split("## More ranks, emulated layers")[1]
+    rows = [line.split("|") for line in table.splitlines() if line.startswith(f"| {ranks} |")]
+    best = {kind: max(float(r[4]) for r in rows if kind in r[2]) for kind in ("exact", "MGRIT")}
+    said = f"{best['MGRIT']:.2f}x serial's speed against {best['exact']:.2f}x"
+    assert said in " ".join(readme.split()) and said in " ".join(guide.split()), said
+    within = re.search(r"Emulated rows: .* over (\d+) rows \((\d+) within 15%\)", report)
+    assert f"({within.group(2)} of {within.group(1)})" in guide
     batch50 = report.split("## Batch 50, 2 processes, torch")[1].split("##")[0]
     for m, said in ((2, "2 microbatches ran at {}x"), (5, "5 at {}x"), (1, "1 microbatch:\n{}x")):
         row = next(line for line in batch50.splitlines()
