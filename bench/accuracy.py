@@ -18,7 +18,9 @@ PyTorch on one rank, the speedup reference, without any penalty), exact (one MGR
 sequential stepping across the ranks), fixed (2 forward / 1 adjoint iteration, the first
 down-cycle skipped), relaxed (2 forward / 1 adjoint iteration, the first down-cycle relaxed:
 the work of a warm solve, from the cold guess), relaxed1 (1 forward / 1 adjoint iteration, the
-first down-cycle relaxed), warm (fixed, each solve starting from the previous batch's states
+first down-cycle relaxed), guard (relaxed1 under ``layerbraid.accuracy.BiasGuard``: in windows
+of 10 batches, a stall with an audited gradient error above 0.05 raises every solve's
+iterations by one; its audits count as training's time), warm (fixed, each solve starting from the previous batch's states
 and so not skipping its first down-cycle), warm1 (warm starts at 1
 forward / 1 adjoint iteration), smooth (fixed, the loss plus 0.1 times the depth-smoothness
 penalty, ``LayerParallelModule.depth_smoothness``), smooth3 (fixed, the penalty at 0.3),
@@ -30,7 +32,7 @@ solve's iterations to the fewest whose probed error is at most the aim, 1e-2 / 2
 or above the aim up within the batch, one iteration at a time, until one more changes the
 gradients by no more than the aim; the tuner's time counts as training's)
 and tuned_warm (tuned with warm starts); the GRU has no warm starts or penalty (its steps share
-their weights), relaxed1, warm1, smooth3 and serial_smooth3 run only when asked (``--only
+their weights), relaxed1, guard, warm1, smooth3 and serial_smooth3 run only when asked (``--only
 EXAMPLE/MODE``), and so do volumes3d's adaptive_warm and tuned_warm (its slowest modes).  "Serial's final accuracy" is always the unpenalized
 serial run's.  The example's default
 mode is marked.  The modes take turns batch by batch (bench/workers/accuracy.py), so each
@@ -64,10 +66,11 @@ FACTOR = 3.0  # an estimate "holds" within this factor of the true error, either
 # the depth-smoothness penalty's weight in each penalized mode; serial_MODE trains plain
 # PyTorch with MODE's penalty
 PENALTIES = {"smooth": 0.1, "smooth3": 0.3}
-MODES = ["serial", "exact", "fixed", "relaxed", "relaxed1", "warm", "warm1", "smooth", "smooth3",
-         "serial_smooth", "serial_smooth3", "adaptive", "adaptive_warm", "tuned", "tuned_warm"]
+MODES = ["serial", "exact", "fixed", "relaxed", "relaxed1", "guard", "warm", "warm1", "smooth",
+         "smooth3", "serial_smooth", "serial_smooth3", "adaptive", "adaptive_warm", "tuned",
+         "tuned_warm"]
 # The variants of other modes (one iteration fewer, a stronger penalty): run with --only.
-VARIANTS = ("relaxed1", "warm1", "smooth3", "serial_smooth3")
+VARIANTS = ("relaxed1", "guard", "warm1", "smooth3", "serial_smooth3")
 # volumes3d's slowest modes, warm starts of the searches (mnist and convchain run them)
 WARM_SEARCHES = ("adaptive_warm", "tuned_warm")
 # Repetitions: the batches below (a run of every mode took 85 minutes at full epochs, 20
