@@ -105,7 +105,10 @@ def measure(only=None):
     run that is not rerun keeps the serial run of its own job as its pairing reference
     (``references``): its batches were timed beside that one, not beside the new serial's."""
     path = raw_path(OUT)  # --only adds to the raw data of the last run here
-    data = json.loads(path.read_text()) if only and path.exists() else {"target": TARGET, "runs": {}}
+    if only and not path.exists():  # else the report would keep the asked runs alone
+        raise SystemExit(f"--only adds to the last full run's raw data, and {path} does not "
+                         "exist here: run python -m bench.accuracy first")
+    data = json.loads(path.read_text()) if only else {"target": TARGET, "runs": {}}
     for example, cfg in RUNS.items():
         modes = cfg.get("modes", MODES)
         if only:  # the variants too, where asked for by name
