@@ -489,9 +489,7 @@ def check_lp_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
         if not _flag(args, "lp_probe_every", None):
             args.lp_probe_every = 20
         if _flag(args, "lp_bias_guard", 0):
-            parser.error(
-                "--lp-tune-error and --lp-bias-guard both set the iterations: give one"
-            )
+            parser.error("--lp-tune-error and --lp-bias-guard both set the iterations: give one")
     _check_depth_flags(parser, args)
 
 
