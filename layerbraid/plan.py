@@ -869,9 +869,13 @@ def choose_microbatches(
     pool = sorted({m for m in candidates if 1 <= m <= min(batch, 254)} | {1})
     if ranks == 1 or len(pool) == 1:
         return MicrobatchChoice(1, {1: 0.0}, 0.0)
-    choice = None
+    choice, error = None, None
     if comm.Get_rank() == 0:
-        choice = _measure_and_choose(model, x, pool, ranks, latency, bandwidth, repeats, torch)
+        try:
+            choice = _measure_and_choose(model, x, pool, ranks, latency, bandwidth, repeats, torch)
+        except Exception as exc:  # raised on every rank below, not waited for
+            error = exc
+    comm.raise_on_every_rank(error, "the microbatch choice's measurement")
     out = comm.bcast_obj(choice, 0, "the microbatch count the first rank chose")
     assert isinstance(out, MicrobatchChoice)
     return out

@@ -82,3 +82,42 @@ def test_a_falling_loss_or_a_small_error_changes_nothing():
 def test_bad_settings_are_refused_naming_them(kw, name):
     with pytest.raises(ValueError, match=name):
         BiasGuard(_model(), **kw)
+
+
+@pytest.mark.parallel([2])
+def test_a_data_group_that_stops_before_the_guards_loss_sum_is_reported(short_timeout):
+    """Two data groups of one rank each: the guard sums their losses; a group that never
+    comes leaves the other waiting no longer than the deadline, naming what it waited for
+    (a job of its own: the stall leaves a collective behind)."""
+    import time
+
+    import layerbraid
+
+    grid = layerbraid.ProcessGrid(WORLD, data_parallel=2)
+    torch.manual_seed(0)
+    model = ODEResNet(grid, num_steps=8, forward_options=CHEAP, backward_options=CHEAP)
+    guard = BiasGuard(model, window=1, log=None)
+    if WORLD.rank == 1:
+        return  # stops before the sum
+    t0 = time.perf_counter()
+    with pytest.raises(layerbraid.StallError, match="the bias guard's loss over the data groups"):
+        guard(1.0, 0, lambda: None)
+    assert time.perf_counter() - t0 < 2 * short_timeout
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+def test_data_groups_decide_on_the_whole_batchs_loss():
+    """Each data group gives its own shard's loss; both see the same mean, so both decide
+    alike (here: a stall, since the mean is flat though each group's loss moves)."""
+    import layerbraid
+
+    grid = layerbraid.ProcessGrid(WORLD, data_parallel=2)
+    torch.manual_seed(0)
+    model = ODEResNet(grid, num_steps=8, forward_options=CHEAP, backward_options=CHEAP)
+    guard = BiasGuard(model, window=1, max_error=1e9, log=None)
+    closure = _batch(model)
+    own = [1.0, 2.0] if WORLD.rank == 0 else [2.0, 1.0]  # the mean is 1.5 at both batches
+    events = [guard(loss, b, closure) for b, loss in enumerate(own)]
+    assert events[0] is None and events[1].action == "kept"
+    assert events[1].before == events[1].now == 1.5

@@ -271,6 +271,44 @@ def test_pipeline_orders_and_messages():
         plan.predict_pipeline(8, 2, 0, plan.Costs(1.0, 1.0))
 
 
+def test_mgrit_in_microbatches_is_a_pipeline_in_the_model():
+    """On 8 ranks with a step's cost linear in its batch, the coarse solve in microbatches
+    overlaps the ranks: faster than the batch at once, and the predicted steps per rank are the
+    batch's times the microbatches."""
+    opts = MGRITOptions(max_levels=2, cfactor=4, max_iters=1)
+    batch_costs = plan.Costs(1e-3, 2e-3, 3e-3)
+    serial = 64 * (1e-3 + 3e-3)
+    one = plan.predict(64, 8, opts, opts, batch_costs, serial_seconds=serial)
+    tenth = plan.Costs(1e-4, 2e-4, 3e-4)
+    ten = plan.predict(64, 8, opts, opts, tenth, microbatches=10, serial_seconds=serial)
+    assert ten.seconds < 0.8 * one.seconds, (ten.seconds, one.seconds)
+    assert ten.steps_per_rank == [10 * n for n in one.steps_per_rank]
+    assert one.speedup == pytest.approx(serial / one.seconds)
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+@pytest.mark.parametrize("levels", [1, 2])
+def test_choose_microbatches_follows_the_cost_of_a_step(monkeypatch, levels):
+    """A step whose cost is all per sample pipelines best in the most microbatches; one whose
+    cost is fixed per call, in one.  Every rank gets the first rank's choice."""
+    opts = MGRITOptions(max_levels=levels, cfactor=2, max_iters=1)
+    model = ODEResNet(WORLD, num_steps=8, forward_options=opts, backward_options=opts)
+    x = batch(n=8, dtype=torch.float32)[0]
+    for per_sample, want in ((True, 8), (False, 1)):
+        def fake(layer, xm, repeats=10, dt=0.1, per_sample=per_sample):
+            t = 1e-2 * (xm.shape[0] / 8 if per_sample else 1.0)
+            return t, 2 * t, 3 * t
+        monkeypatch.setattr(plan, "measure_step", fake)
+        choice = plan.choose_microbatches(model, x, (1, 2, 4, 8, 16))
+        assert set(choice.seconds) == {1, 2, 4, 8}  # at most one sample each
+        assert choice.microbatches == want, choice.summary()
+        assert WORLD.allgather(choice.microbatches) == [want] * WORLD.size
+        assert "microbatches" in choice.summary()
+    one = ODEResNet(WORLD, num_steps=8)
+    assert plan.choose_microbatches(one, x[:1]).microbatches == 1
+
+
 def test_command_line_compares_pipelines_and_names_the_crossover(capsys):
     plan_cli.main(["--steps", "64", "--ranks", "2", "16", "--levels", "2", "--step-seconds",
                    "1e-3", "--vjp-seconds", "2e-3", "--microbatches", "2", "4"])
@@ -278,3 +316,54 @@ def test_command_line_compares_pipelines_and_names_the_crossover(capsys):
     assert "pipelining 1F1B, 4 microbatch(es)" in out and "layerbraid exact, 2" in out
     assert "layerbraid MGRIT, 2 levels, 4 microbatch(es)" in out and "fastest:" in out
     assert "MGRIT beats no pipeline" in out or "beats every pipeline from" in out
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+def test_a_failed_microbatch_choice_raises_on_every_rank(monkeypatch):
+    """The first rank's measurement fails: its error there, a RemoteRankError naming it on the
+    other rank, and no rank waits for the deadline."""
+    import layerbraid
+
+    model = ODEResNet(WORLD, num_steps=8)
+    x = batch(n=8, dtype=torch.float32)[0]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the layer cannot run here")
+
+    monkeypatch.setattr(plan, "measure_step", broken)
+    with pytest.raises(Exception) as info:
+        plan.choose_microbatches(model, x)
+    if WORLD.rank == 0:
+        assert type(info.value) is RuntimeError
+    else:
+        assert isinstance(info.value, layerbraid.RemoteRankError)
+        assert "rank 0" in str(info.value) and "the layer cannot run here" in str(info.value)
+
+
+@pytest.mark.parallel([2])
+def test_a_stalled_microbatch_choice_ends_within_the_timeout(monkeypatch, short_timeout):
+    """The first rank's measurement outlasts the deadline: the other rank stops waiting within
+    it, naming what it waited for (a job of its own: the stall leaves collectives behind)."""
+    import time
+
+    import layerbraid
+
+    model = ODEResNet(WORLD, num_steps=8)
+    x = batch(n=8, dtype=torch.float32)[0]
+
+    def slow(*args, **kwargs):
+        time.sleep(1.5 * short_timeout)
+        return 1e-3, 2e-3, 3e-3
+
+    monkeypatch.setattr(plan, "measure_step", slow)
+    t0 = time.perf_counter()
+    if WORLD.rank == 1:
+        with pytest.raises(layerbraid.StallError, match="the microbatch choice"):
+            plan.choose_microbatches(model, x, (1, 2))
+        assert time.perf_counter() - t0 < 1.5 * short_timeout
+    else:  # its peer has gone: under MPI a root's broadcast may still complete, or time out
+        try:
+            plan.choose_microbatches(model, x, (1, 2))
+        except layerbraid.StallError:
+            pass

@@ -125,7 +125,10 @@ class BiasGuard:
     ) -> Optional[GuardEvent]:
         value = float(loss.item() if isinstance(loss, torch.Tensor) else loss)
         if self._data is not None:  # every data group decides on the whole batch's loss
-            value = self._data.allreduce(value) / self._data.Get_size()
+            (total,) = self._data.allreduce_floats(
+                [value], "sum", "the bias guard's loss over the data groups"
+            )
+            value = total / self._data.Get_size()
         self._losses.append(value)
         w = self.window
         if len(self._losses) < 2 * w:
