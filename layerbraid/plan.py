@@ -821,8 +821,9 @@ def measure_step(
 @dataclass
 class MicrobatchChoice:
     """What :func:`choose_microbatches` chose: the microbatch count predicted fastest, each
-    candidate's predicted seconds per batch, and plain PyTorch's predicted time (one process,
-    the whole batch) at the same measured costs."""
+    candidate's predicted seconds per batch (empty where nothing was measured: one
+    layer-parallel rank, or one sample), and plain PyTorch's predicted time (one process, the
+    whole batch) at the same measured costs."""
 
     microbatches: int
     seconds: dict[int, float]
@@ -830,6 +831,8 @@ class MicrobatchChoice:
 
     def summary(self) -> str:
         """One line: the choice, and every candidate's predicted time and speedup."""
+        if not self.seconds:
+            return "microbatches 1 (nothing to pipeline: one layer-parallel rank, or one sample)"
         rows = ", ".join(
             f"{m}: {1e3 * t:.1f} ms ({self.serial_seconds / t:.2f}x)"
             for m, t in sorted(self.seconds.items())
@@ -867,8 +870,8 @@ def choose_microbatches(
     batch = int(x.shape[0]) if getattr(x, "dim", lambda: 0)() > 0 else 1
     ranks = comm.Get_size()
     pool = sorted({m for m in candidates if 1 <= m <= min(batch, 254)} | {1})
-    if ranks == 1 or len(pool) == 1:
-        return MicrobatchChoice(1, {1: 0.0}, 0.0)
+    if ranks == 1 or len(pool) == 1:  # nothing measured: ``seconds`` is empty
+        return MicrobatchChoice(1, {}, 0.0)
     choice, error = None, None
     if comm.Get_rank() == 0:
         try:

@@ -306,7 +306,9 @@ def test_choose_microbatches_follows_the_cost_of_a_step(monkeypatch, levels):
         assert WORLD.allgather(choice.microbatches) == [want] * WORLD.size
         assert "microbatches" in choice.summary()
     one = ODEResNet(WORLD, num_steps=8)
-    assert plan.choose_microbatches(one, x[:1]).microbatches == 1
+    single = plan.choose_microbatches(one, x[:1])  # one sample: nothing to pipeline
+    assert single.microbatches == 1 and single.seconds == {}
+    assert single.summary().startswith("microbatches 1 (nothing to pipeline")
 
 
 def test_command_line_compares_pipelines_and_names_the_crossover(capsys):
