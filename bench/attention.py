@@ -173,7 +173,7 @@ def _plot(s, path):
         ax.set_ylabel("training loss (5-batch mean)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
