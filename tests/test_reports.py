@@ -554,3 +554,29 @@ def test_the_restart_times_the_faults_page_quotes_are_the_reliability_reports():
         assert f"resumed {resumed.replace('/', ' of ')} runs of each" in page
         median, spread = latency.split(" ")
         assert f"{median} s {spread}" in page, (mode, latency)
+
+
+def test_the_numbers_the_transformer_guide_quotes_are_the_attention_reports():
+    """docs/guide/transformers.md quotes docs/attention.md: the commit, the cheap settings'
+    median gradient errors, serial's final losses, the guard's final loss against the cheap
+    setting's, and the tuner's time against serial's."""
+    report = (ROOT / "docs" / "attention.md").read_text()
+    guide = " ".join((ROOT / "docs" / "guide" / "transformers.md").read_text().split())
+    commit = re.search(r"Measured on commit (\w{7})", report).group(1)
+    assert f"measured at commit {commit}" in guide
+
+    def cell(depth, mode, column):
+        table = report.split(f"## {depth} layers")[1].split("##")[0]
+        row = next(line for line in table.splitlines() if line.startswith(f"| {mode} |"))
+        return row.split("|")[column].split()[0]
+
+    def error(depth, mode):
+        return f"{float(cell(depth, mode, 5)):.2f}"
+
+    assert (f"median true gradient error of {error(16, 'relaxed1')} and "
+            f"{error(32, 'relaxed1')}, and 2 / 1 iterations {error(16, 'fixed')} and "
+            f"{error(32, 'fixed')}") in guide
+    assert f"serial's ({cell(16, 'serial', 2)} and {cell(32, 'serial', 2)})" in guide
+    assert f"({cell(32, 'guard', 2)} against {cell(32, 'relaxed1', 2)})" in guide
+    ratios = [float(cell(d, "tuned", 6)) / float(cell(d, "serial", 6)) for d in (16, 32)]
+    assert f"at {min(ratios):.1f}-{max(ratios):.1f} times serial's training time" in guide
