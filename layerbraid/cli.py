@@ -360,7 +360,7 @@ def add_depth_arguments(
     )
     g.add_argument(
         "--lp-mgopt-line-search",
-        choices=["backtracking", "alphas", "none"],
+        choices=["backtracking", "alphas", "none", "optimizer"],
         default="backtracking",
         help="how MG/Opt scales the coarse correction (default backtracking)",
     )

@@ -160,6 +160,34 @@ def test_backtracking_refuses_a_correction_that_is_not_a_descent_direction():
 
 
 @pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2])
+def test_the_correction_through_the_optimizer_is_its_step_along_the_correction():
+    """line_search="optimizer" (TorchBraid's tb_adam_no_ls) hands -e to the fine optimizer
+    as its gradient: with plain SGD at lr 1 that is x + e, the cycle of line_search="none" at
+    alpha 1, to round-off; with Adam it is one more Adam step per cycle (its step count is
+    pre + 1 + post), and the weights differ from x + e."""
+    def run(search, make):
+        models = hierarchy(WORLD, [8, 4])
+        opts = [make(m) for m in models]
+        mg = MGOpt(models, opts, line_search=search, alpha=1.0, state="reset")
+        for k in range(2):
+            mg.step(loss_on(*batch(seed=k)))
+        return models[0].to_serial().state_dict(), opts[0], mg.stats.alphas
+
+    plain = lambda m: torch.optim.SGD(m.parameters(), lr=1.0)  # noqa: E731
+    (got, _, alphas), (want, _, _) = run("optimizer", plain), run("none", plain)
+    assert alphas == [1.0]
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14, msg=k)
+    adam = lambda m: torch.optim.Adam(m.parameters(), lr=1e-2)  # noqa: E731
+    (got, opt, _), (want, _, _) = run("optimizer", adam), run("none", adam)
+    steps = {float(s["step"]) for s in opt.state.values()}
+    assert steps == {2 * 3.0}, steps  # two cycles of pre, correction, post
+    assert any(not torch.allclose(got[k], want[k]) for k in want)
+
+
+@pytest.mark.shared_job
 @pytest.mark.parallel([1, 2])
 @pytest.mark.parametrize("rule", ["full_weighting", "injection"])
 def test_torchbraids_restrictions_keep_the_coarse_gradient_coherent(rule):

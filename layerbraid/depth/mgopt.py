@@ -42,7 +42,7 @@ __all__ = ["MGOpt", "MGOptStats"]
 Vec = dict[nn.Parameter, torch.Tensor]
 LossFn = Callable[[LayerParallelModule], torch.Tensor]
 Levels = Union[str, Sequence[str]]  # one option for every level, or one per coarse level
-_LINE_SEARCHES = ("backtracking", "alphas", "none")
+_LINE_SEARCHES = ("backtracking", "alphas", "none", "optimizer")
 _STATES = ("restrict", "keep", "reset")
 
 
@@ -88,8 +88,11 @@ class MGOpt:
             times until the Armijo condition holds with ``c1``; no step if it never does, nor
             where the correction is not a descent direction, its slope along the fine
             gradient at least 0),
-            ``"alphas"`` (the best of ``alphas``, or none if none lowers the objective) or
-            ``"none"`` (``alpha`` itself).
+            ``"alphas"`` (the best of ``alphas``, or none if none lowers the objective),
+            ``"none"`` (``alpha`` itself) or ``"optimizer"`` (TorchBraid's ``tb_adam_no_ls``: no
+            search; the fine optimizer takes one step with ``-e`` as the gradient, so its
+            learning rate, momentum and Adam's scaling shape the correction; its ``alpha``
+            in ``stats`` is 1.0).
         state: the coarse optimizers' state each cycle: ``"restrict"`` (default: restricted
             from the finer level's optimizer, as the weights), ``"keep"`` (each keeps its own
             from cycle to cycle) or ``"reset"`` (every cycle starts afresh).  With momentum,
@@ -267,6 +270,9 @@ class MGOpt:
         if search == "none":
             move.to(self.alpha)
             return self.alpha
+        if search == "optimizer":
+            self._step_along(level, e)
+            return 1.0
         if search == "alphas":
             trials = []
             for a in self.alphas:
@@ -286,6 +292,17 @@ class MGOpt:
             alpha /= 2
         move.to(0.0)
         return 0.0
+
+    def _step_along(self, level: int, e: Vec) -> None:
+        """One step of the level's optimizer with ``-e`` as the gradient (``e`` points
+        downhill, as a negative gradient does); the parameters ``e`` leaves out (not counted
+        on this rank) get no gradient, so the optimizer leaves them as they are."""
+        opt = self.optimizers[level]
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, ep in e.items():
+                p.grad = -ep.clone()
+        opt.step()
 
     def _gap(self, coarse: LayerParallelModule, g: Vec, want: Vec) -> float:
         num = sum(float((g[p] - want[p]).double().pow(2).sum()) for p in g)
