@@ -106,10 +106,14 @@ class Depths:
             layerbraid.depth.refine(self.model, finer, self.args.lp_depth_interp,
                                     (optimizer, finer_opt))
             layerbraid.depth.free(self.model)
+            freeze = getattr(self.args, "lp_nested_freeze", False)
+            if freeze:  # the inherited steps of the freed network are gone with it
+                factor = self.schedule[stage][0] // self.schedule[stage - 1][0]
+                layerbraid.depth.freeze_inherited(finer, factor)
             if self.rank == 0:
                 print(f"nested iteration: refined to {self.schedule[stage][0]} steps "
-                      f"({self.args.lp_depth_interp}), for {self.schedule[stage][1]} epoch(s)",
-                      flush=True)
+                      f"({self.args.lp_depth_interp}{', inherited steps frozen' if freeze else ''}"
+                      f"), for {self.schedule[stage][1]} epoch(s)", flush=True)
             self.model, optimizer = finer, finer_opt
         k = getattr(self.args, "lp_mgopt_levels", 1)
         if self.mgopt is None and k > 1 and self.model is self.full:

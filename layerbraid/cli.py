@@ -315,6 +315,13 @@ def add_depth_arguments(
         default="linear",
         help="how step weights go from a depth to the next deeper one (default linear)",
     )
+    g.add_argument(
+        "--lp-nested-freeze",
+        action="store_true",
+        help="nested iteration: after each refinement, keep the inherited steps (those at "
+        "the shallower network's step times) frozen; only the new steps and the layers "
+        "around the chain train (default off)",
+    )
     if splines:
         g.add_argument(
             "--lp-splines",
@@ -407,6 +414,14 @@ def _check_depth_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
         ):
             if bad:
                 parser.error(f"--lp-splines does not go with {flag} (not supported yet)")
+    if _flag(args, "lp_nested_freeze", False) and (
+        nested == 1 or mg > 1 or _flag(args, "lp_splines", 0)
+    ):
+        parser.error(
+            "--lp-nested-freeze needs --lp-nested-levels > 1, and neither --lp-mgopt-levels "
+            "(MG/Opt's corrections move every step) nor --lp-splines (every step shares the "
+            "coefficient sets)"
+        )
     if nested == 1 and mg == 1:
         return
     if _flag(args, "serial", False):

@@ -250,6 +250,81 @@ def test_nested_iteration_equals_the_one_rank_run():
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14, msg=k)
 
 
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([2, 3])
+def test_frozen_inherited_steps_stay_as_refined_and_the_rest_learn():
+    """3 -> 6 steps with freeze=True: training at 6 steps leaves the even steps (the 3-step
+    network's, inherited) exactly as refined and moves the odd ones; the run equals the same
+    run on one rank; afterwards every parameter is trainable again."""
+    from mpi4py import MPI
+
+    seen = {}
+
+    def run(comm):
+        def fit(model, opt, level):
+            if level:
+                seen[comm is WORLD] = serial_steps(model)
+            train(model, opt, steps=2)
+
+        return depth.nested_iteration(
+            lambda n: built(comm, n), [3, 6],
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), fit,
+            freeze=True)
+
+    model, _ = run(WORLD)
+    reference, _ = run(MPI.COMM_SELF)
+    after, refined = serial_steps(model), seen[True]
+    for j in range(6):
+        for k, v in refined[j].items():
+            same = torch.equal(after[j][k], v)
+            assert same == (j % 2 == 0), (j, k)
+    assert all(p.requires_grad for _, layer in model.owned_steps() for p in layer.parameters())
+    got, want = model.to_serial().state_dict(), reference.to_serial().state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14, msg=k)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2])
+def test_nested_hierarchy_keeps_every_depth_for_mg_opt():
+    """nested_hierarchy returns every depth's trained network and optimizer, finest first: the
+    finest equals nested_iteration's, the coarser ones still run, and MG/Opt trains on them."""
+    from layerbraid.depth.mgopt import MGOpt
+
+    def make(m):
+        return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    def fit(model, opt, level):
+        train(model, opt, steps=2)
+
+    models, opts = depth.nested_hierarchy(lambda n: built(WORLD, n), [3, 6, 12], make, fit)
+    single, _ = depth.nested_iteration(lambda n: built(WORLD, n), [3, 6, 12], make, fit)
+    assert [m.num_steps for m in models] == [12, 6, 3] and len(opts) == 3
+    got, want = models[0].to_serial().state_dict(), single.to_serial().state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    x, y = batch(seed=5)
+    mg = MGOpt(models, opts, state="reset")
+    first = mg.step(lambda m: F.cross_entropy(m(x), y))
+    for _ in range(3):
+        last = mg.step(lambda m: F.cross_entropy(m(x), y))
+    assert last < first
+
+
+@pytest.mark.parallel([1])
+def test_freezing_needs_a_refinement_and_plain_steps():
+    model = built(WORLD, 6)
+    with pytest.raises(ValueError, match="factor must be an int >= 2, got 1"):
+        depth.freeze_inherited(model, 1)
+    with pytest.raises(ValueError, match="6 steps are not a refinement by 4"):
+        depth.freeze_inherited(model, 4)
+    frozen = depth.freeze_inherited(model, 3)
+    assert {id(p) for p in frozen} == {
+        id(p) for j, layer in model.owned_steps() if j % 3 == 0 for p in layer.parameters()}
+
+
 @pytest.mark.parallel([1])
 def test_full_weighting_is_the_quarter_half_quarter_stencil():
     sources = depth.restriction("full_weighting", 8, 4)

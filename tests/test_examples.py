@@ -196,14 +196,16 @@ def test_dahlquist_bad_flags_are_one_line_errors(flag, value, words):
 
 
 def test_mnist_trains_over_depths(tmp_path):
-    """Nested iteration (4 then 8 steps) and MG/Opt (8 over 4 steps, two data groups) from the
-    flags, 2 ranks."""
+    """Nested iteration (4 then 8 steps, the inherited steps frozen at 8) and MG/Opt (8 over 4
+    steps, two data groups) from the flags, 2 ranks."""
     proc = run(2, "mnist.py", "--epochs", 2, "--max-batches", 30, "--test-limit", 500,
-               "--compare-batches", 0, "--lp-nested-levels", 2, "--out-dir", tmp_path / "nested")
+               "--compare-batches", 0, "--lp-nested-levels", 2, "--lp-nested-freeze",
+               "--out-dir", tmp_path / "nested")
     hist = metrics(tmp_path / "nested")["history"]
     assert [h["batches"] for h in hist] == [30, 30]
     assert proc.stdout.count("nested iteration: 1 epoch(s) at 4 steps, then 1 epoch(s) at 8") == 1
-    assert proc.stdout.count("nested iteration: refined to 8 steps (linear)") == 1
+    assert proc.stdout.count(
+        "nested iteration: refined to 8 steps (linear, inherited steps frozen)") == 1
     assert hist[1]["train_loss"] < hist[0]["train_loss"]
     # MG/Opt on two data groups (the layer-parallel cycle: tests/test_mgopt.py)
     proc = run(2, "mnist.py", "--epochs", 1, "--max-batches", 20, "--test-limit", 500,
@@ -234,6 +236,7 @@ def test_mnist_trains_over_depths(tmp_path):
     (["--lp-mgopt-levels", 2, "--lp-tune-error", "0.01"], "--lp-tune-error does not go with"),
     (["--lp-splines", 2, "--lp-spline-degree", 2], "--lp-splines 2: degree 2 needs at least 3"),
     (["--lp-splines", 4, "--lp-mgopt-levels", 2], "--lp-splines does not go with --lp-mgopt"),
+    (["--lp-nested-freeze"], "--lp-nested-freeze needs --lp-nested-levels > 1"),
 ])
 def test_depth_flags_are_checked_before_training(flags, words):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "mnist.py"), *map(str, flags)],

@@ -23,8 +23,17 @@ import torch
 
 from .._engine.ownership import fetch, plan_fetch
 from ..module import LayerParallelModule
+from ..parameterization import LinearStepWeights
 
-__all__ = ["depths", "interpolate", "nested_iteration", "refine", "restrict"]
+__all__ = [
+    "depths",
+    "freeze_inherited",
+    "interpolate",
+    "nested_hierarchy",
+    "nested_iteration",
+    "refine",
+    "restrict",
+]
 
 _DEPTH_TAG = 7311
 _RULES = {
@@ -215,6 +224,7 @@ def nested_iteration(
     train: Callable[[torch.nn.Module, torch.optim.Optimizer, int], None],
     rule: str = "linear",
     keep_optimizer_state: bool = True,
+    freeze: bool = False,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Training over a hierarchy of depths: train a shallow network, refine it to a deeper
     one, train that, up to the full depth.
@@ -227,8 +237,48 @@ def nested_iteration(
     trains at depth ``steps[level]``.  Between depths, :func:`refine` moves the weights by
     ``rule`` (``"linear"`` or ``"injection"``) and, with ``keep_optimizer_state``, the
     optimizer's state (SGD's momentum, Adam's moments and step count); each shallower
-    network is freed once refined.  Collective over the layer group.  Returns the full-depth
-    network and its optimizer."""
+    network is freed once refined.  With ``freeze``, each refined network trains with its
+    inherited steps frozen (:func:`freeze_inherited`: only the steps new at its depth, and
+    the layers around them, learn), and every step is trainable again once its ``train``
+    returns.  Collective over the layer group.  Returns the full-depth network and its
+    optimizer; :func:`nested_hierarchy` keeps every depth instead."""
+    models, optimizers = _nested(
+        build, steps, make_optimizer, train, rule, keep_optimizer_state, freeze, keep=False
+    )
+    return models[0], optimizers[0]
+
+
+def nested_hierarchy(
+    build: Callable[[int], torch.nn.Module],
+    steps: Sequence[int],
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    train: Callable[[torch.nn.Module, torch.optim.Optimizer, int], None],
+    rule: str = "linear",
+    keep_optimizer_state: bool = True,
+    freeze: bool = False,
+) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
+    """:func:`nested_iteration` that keeps every depth's trained network and optimizer, as
+    TorchBraid's ``initialize_with_nested_iteration`` builds its MG/Opt hierarchy: returns
+    ``(models, optimizers)``, finest first, ready for
+    ``layerbraid.depth.mgopt.MGOpt(models, optimizers)`` (whose coarse levels then start from
+    the networks trained at their depths).  Nothing is freed."""
+    return _nested(
+        build, steps, make_optimizer, train, rule, keep_optimizer_state, freeze, keep=True
+    )
+
+
+def _nested(
+    build: Callable[[int], torch.nn.Module],
+    steps: Sequence[int],
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    train: Callable[[torch.nn.Module, torch.optim.Optimizer, int], None],
+    rule: str,
+    keep_optimizer_state: bool,
+    freeze: bool,
+    keep: bool,
+) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
+    """Nested iteration; returns the depths' networks and optimizers, finest first (only the
+    finest unless ``keep``: the others are freed as soon as they are refined)."""
     if not steps:
         raise ValueError("nested_iteration needs at least one depth")
     for a, b in zip(steps, steps[1:]):
@@ -236,15 +286,57 @@ def nested_iteration(
     _check_rule(rule, "interpolate")
     model = build(steps[0])
     optimizer = make_optimizer(model)
+    models, optimizers = [model], [optimizer]
     for level, n in enumerate(steps):
+        frozen: list[torch.nn.Parameter] = []
         if level:
             finer = build(n)
             finer_opt = make_optimizer(finer)
             refine(model, finer, rule, (optimizer, finer_opt) if keep_optimizer_state else None)
-            free(model)
+            if not keep:
+                free(model)
             model, optimizer = finer, finer_opt
+            models.insert(0, model)
+            optimizers.insert(0, optimizer)
+            if freeze:
+                frozen = freeze_inherited(model, n // steps[level - 1])
         train(model, optimizer, level)
-    return model, optimizer
+        for p in frozen:
+            p.requires_grad_(True)
+    return (models, optimizers) if keep else (models[:1], optimizers[:1])
+
+
+def freeze_inherited(model: torch.nn.Module, factor: int) -> list[torch.nn.Parameter]:
+    """Freezes the steps that a refinement by ``factor`` inherited from the shallower network:
+    in every layer-parallel module of ``model``, step ``j`` sits at a shallower step's time
+    where ``j % factor == 0`` (its weights are that step's, whichever rule refined them); their
+    parameters stop requiring gradients, so that training moves only the new steps (and the
+    layers around the chain).  Not collective: each rank freezes the steps it owns.  Returns
+    the parameters it froze; ``p.requires_grad_(True)`` on each makes them trainable again.
+    Spline steps are refused: their weights are the coefficient sets, which every step
+    shares."""
+    if not isinstance(factor, int) or factor < 2:
+        raise ValueError(f"freeze_inherited: factor must be an int >= 2, got {factor!r}")
+    frozen = []
+    for part in model.modules():
+        if not isinstance(part, LayerParallelModule):
+            continue
+        if isinstance(part.parameterization, LinearStepWeights):
+            raise ValueError(
+                f"freeze_inherited: {type(part).__name__}'s steps are evaluated from "
+                "coefficient sets that every step shares; there are no inherited steps to freeze"
+            )
+        if part.num_steps % factor:
+            raise ValueError(
+                f"freeze_inherited: {part.num_steps} steps are not a refinement by {factor}"
+            )
+        for j, layer in part.owned_steps():
+            if j % factor == 0:
+                for p in layer.parameters():
+                    if p.requires_grad:
+                        p.requires_grad_(False)
+                        frozen.append(p)
+    return frozen
 
 
 def _factor(fine_steps: int, coarse_steps: int, what: str) -> int:
