@@ -2,6 +2,8 @@
 steps against training the full-depth network from scratch, with plain PyTorch as a row.
 
     python -m bench.depth            (docs/depth.md and .json; about 13 minutes on 2 cores)
+    python -m bench.depth --examples mnist32   (the 32-step network alone; the last run's
+                                                other networks are kept, with their commits)
     python -m bench.depth --examples mnist volumes3d   (both networks; about 15 minutes)
     python -m bench.depth --report   (rewrites the .md from the last run's raw data, runs/reports/)
 
@@ -9,13 +11,16 @@ A network trained in every mode from the same seed on the same batches
 (bench/workers/depth.py): examples/mnist.py's (8 steps of 8 channels, SGD with momentum at
 0.05, batch 64), and when asked examples/volumes3d.py's (16 steps of 4 channels on 16^3
 volumes, Adam at 0.01, batch 16; one epoch of it left every mode near chance, so the default
-run leaves it out).  Modes: serial (plain PyTorch at full depth on one rank), full
+run leaves it out), and the same MNIST network at 32 steps (mnist32: the depths where the
+literature reports MG/Opt and nested iteration paying).  Modes: serial (plain PyTorch at full depth on one rank), full
 (layer-parallel on 2 ranks at full depth from scratch, one MGRIT level: the examples'
 default), nested (half the depth for the first third of the segments, rounded down, then
 refined by linear interpolation with the optimizer's state), mgopt (MG/Opt V-cycles over full and half depth: 1 /
 1 optimizer steps around each coarse correction, 2 on the coarse network, whose optimizer
 state starts afresh each batch, backtracking line search: the examples' defaults), spline (full depth, the step weights B-splines of degree 2 with half as many
-coefficient sets as steps).  Training runs in segments of batches; after each, the test
+coefficient sets as steps; on mnist32 also spline_uniform, the same with TorchBraid's uniform
+knots, and nested_frozen, nested iteration with the inherited steps frozen after the
+refinement).  Training runs in segments of batches; after each, the test
 accuracy (not timed).  The target is full-depth training's lowest final accuracy over the
 seeds less one point; a run's time to it is its training time up to the first segment that
 reaches it, and its batches to it the batches up to there (work, which the machine's load
@@ -31,23 +36,29 @@ are over the seeds (median [min-max]) and over every batch (time per batch).
 import statistics
 import time
 
-from bench.harness import DOCS, generate, launch, parser, pick, provenance, spread, time_to
+from bench.harness import (DOCS, generate, launch, load_raw, parser, pick, provenance, raw_path,
+                           spread, time_to)
 
 OUT = DOCS / "depth.md"
 WORKER = "depth"  # bench/workers/depth.py
-MODES = ["serial", "full", "nested", "mgopt", "spline"]
+MODES = ["serial", "full", "nested", "nested_frozen", "mgopt", "spline", "spline_uniform"]
+SHALLOW = ["serial", "full", "nested", "mgopt", "spline"]
 # example -> (segments, batches per segment, test images, modes)
 # Repetitions: 2 seeds of 320 MNIST batches took about 5 minutes (480 and 32 volumes3d
 # batches took 15); 5 seeds, 13.  volumes3d runs only when asked (--examples): one epoch of 32 batches per
 # seed (8 more minutes) left every mode near chance at commit 411805d, so its times to target
 # said little.
-RUNS = pick({"mnist": (8, 40, 2000, MODES), "volumes3d": (4, 8, 256, MODES)},
-            {"mnist": (2, 3, 200, MODES), "volumes3d": (2, 2, 32, ["serial", "full"])})
-EXAMPLES = pick(["mnist"], ["mnist", "volumes3d"])  # what a run measures by default
+RUNS = pick({"mnist": (8, 40, 2000, SHALLOW), "mnist32": (8, 40, 2000, MODES),
+             "volumes3d": (4, 8, 256, SHALLOW)},
+            {"mnist": (2, 3, 200, SHALLOW), "mnist32": (2, 3, 200, MODES),
+             "volumes3d": (2, 2, 32, ["serial", "full"])})
+EXAMPLES = pick(["mnist"], ["mnist32", "volumes3d"])  # what a run measures by default
 SEEDS = pick([0, 1, 2, 3, 4], [0])
 REFERENCE, FROM_SCRATCH = "serial", "full"
 LABELS = {"serial": "plain PyTorch (1 rank)", "full": "full depth from scratch",
-          "nested": "nested iteration", "mgopt": "MG/Opt", "spline": "spline steps"}
+          "nested": "nested iteration", "nested_frozen": "nested iteration, inherited frozen",
+          "mgopt": "MG/Opt", "spline": "spline steps",
+          "spline_uniform": "spline steps, uniform knots"}
 
 
 def main(argv=None):
@@ -69,8 +80,31 @@ def measure(a):
                 runs.setdefault(f"{example}/{mode}", []).append(rows)
                 print(f"--- {example}/{mode} seed {seed}: {sum(r['seconds'] for r in rows):.1f} s,"
                       f" test accuracy {rows[-1]['test_accuracy']:.4f}", flush=True)
-    return {**provenance(), "seeds": SEEDS, "runs": runs, "seconds": time.time() - t0,
-            "config": {e: list(RUNS[e][:3]) for e in a.examples}}
+    now = {**provenance(), "seconds": time.time() - t0}
+    data = {**now, "seeds": SEEDS, "runs": runs, "config": {e: list(RUNS[e][:3]) for e in a.examples},
+            "measured": {e: now for e in a.examples}}
+    return keep_others(data, a.examples)
+
+
+def keep_others(data, measured):
+    """``data`` with the last run's networks that this run did not measure, each with the
+    commit and date it was measured at (a deeper network costs an hour; the others need not be
+    measured again with it)."""
+    if not raw_path(OUT).exists():
+        print(f"{raw_path(OUT)}: no raw data of a last run here; the report holds only "
+              f"{', '.join(measured)}", flush=True)
+        return data
+    old = load_raw(OUT)
+    for example, config in old.get("config", {}).items():
+        if example in measured:
+            continue
+        data["config"][example] = config
+        data["measured"][example] = old.get("measured", {}).get(example) or {
+            k: old[k] for k in ("commit", "date", "machine", "seconds")}
+        data["runs"].update({k: v for k, v in old["runs"].items()
+                             if k.startswith(example + "/")})
+    data["config"] = {e: data["config"][e] for e in RUNS if e in data["config"]}
+    return data
 
 
 def example_rows(data, example):
@@ -173,12 +207,12 @@ def findings(by_mode, target, tests):
     base_t = [time_to(run, target) for run in base]
     base_b = [batches_to(run, target) for run in base]
     out = []
-    for mode in ("nested", "mgopt", "spline"):
+    for mode in ("nested", "nested_frozen", "mgopt", "spline", "spline_uniform"):
         if mode not in by_mode:
             continue
         runs = by_mode[mode]
         t = _ratios(base_t, [time_to(run, target) for run in runs])
-        load = _load(runs, base) if mode == "nested" else None
+        load = _load(runs, base) if mode.startswith("nested") else None
         if load is not None:  # the separate runs' speeds, taken out (see _load)
             t = [x * f for x, f in zip(t, load)]
         b = _ratios(base_b, [batches_to(run, target) for run in runs])
@@ -195,7 +229,7 @@ def findings(by_mode, target, tests):
         if load is not None:
             text += (f" (Its time ratios are corrected for the runs' load: its full-depth "
                      f"batches took {spread(load)} times full depth's own, per seed.)")
-        if mode == "nested":
+        if mode.startswith("nested"):
             full_steps = max(r["steps"] for r in runs[0])
             half = sum(r["batches"] - (runs[0][k - 1]["batches"] if k else 0)
                        for k, r in enumerate(runs[0]) if r["steps"] < full_steps)
@@ -204,7 +238,25 @@ def findings(by_mode, target, tests):
         if mode == "mgopt":
             text += " " + _equal_work(runs, base)
         out.append(text)
+    if "spline" in by_mode and "spline_uniform" in by_mode:
+        out.append(_knots(by_mode["spline"], by_mode["spline_uniform"], target, tests))
     return out
+
+
+def _knots(clamped, uniform, target, tests):
+    """Which spline knots to default to, from the two spline modes, seed by seed."""
+    b = _ratios([batches_to(r, target) for r in clamped], [batches_to(r, target) for r in uniform])
+    diffs = [u[-1]["test_accuracy"] - c[-1]["test_accuracy"] for c, u in zip(clamped, uniform)]
+    band = noise(statistics.median(c[-1]["test_accuracy"] for c in clamped), tests)
+    mean = statistics.fmean(diffs)
+    text = (f"- Knots: uniform against clamped, per seed: final accuracy "
+            f"{', '.join(f'{100 * d:+.2f}' for d in diffs)} points (mean {100 * mean:+.2f}, the "
+            f"test set's noise +-{100 * band:.2f}); in batches to the target, uniform "
+            f"{_verdict(b, len(clamped), 'batch')}.")
+    if abs(mean) <= band:
+        return text + " Not distinguishable here: the default stays clamped."
+    better = "uniform" if mean > 0 else "clamped"
+    return text + f" {better.capitalize()} knots are better here."
 
 
 def _load(runs, base):
@@ -247,15 +299,18 @@ def _equal_work(runs, base):
 def report(data):
     lines = ["# Training over depths: does it pay?", "",
              (__doc__ or "").split("\n\n", 2)[2].strip(), "",
-             f"Generated by `python -m bench.depth` on commit {data['commit']}, {data['date']}, "
-             f"{data['machine']} ({len(data['seeds'])} seed(s), {data['seconds']:.0f} s); raw "
-             "data in runs/reports/ where it ran, their summary in docs/depth.json.  Each job "
-             "binds its ranks to cores of their own."]
+             f"Generated by `python -m bench.depth` ({len(data['seeds'])} seed(s)); each "
+             "network's section names the commit and date it was measured at.  Raw data in "
+             "runs/reports/ where it ran, their summary in docs/depth.json.  Each job binds its "
+             "ranks to cores of their own."]
     for example, (segments, batches, tests) in data["config"].items():
         by_mode = example_rows(data, example)
         target = target_of(by_mode)
+        at = data.get("measured", {}).get(example) or data
         lines += ["", f"## {example} ({segments} segments of {batches} batches, {tests} test "
-                  f"images; target {100 * target:.2f}%)", ""]
+                  f"images; target {100 * target:.2f}%)", "",
+                  f"Measured on commit {at['commit']}, {at['date']}, {at['machine']} "
+                  f"({at['seconds']:.0f} s).", ""]
         lines += table(by_mode, target)
         lines += ["", f"### {example}: what the run shows", ""]
         lines += findings(by_mode, target, tests)

@@ -4,14 +4,16 @@ bench/depth.py, run under mpiexec; prints JSON lines).
     depth.py EXAMPLE MODE SEGMENTS BATCHES TEST SEED
 
 EXAMPLE: mnist (examples/mnist.py's network: 8 steps of 8 channels, SGD with momentum at 0.05,
-batch 64) or volumes3d (examples/volumes3d.py's: 16 steps of 4 channels on 16^3 volumes, Adam at
+batch 64), mnist32 (the same network at 32 steps) or volumes3d (examples/volumes3d.py's: 16 steps of 4 channels on 16^3 volumes, Adam at
 0.01, batch 16).  MODE: serial (plain PyTorch at full depth, on one rank), full (layer-parallel
 at full depth from scratch, one MGRIT level: the examples' default), nested (half the depth for
 the first SEGMENTS // 3 segments, then refined by linear interpolation, the optimizer's state
 carried over), mgopt (MG/Opt V-cycles over full and half depth: 1 / 1 optimizer steps around
 each coarse correction, 2 on the coarse network, its optimizer's state reset each batch,
 backtracking line search), spline (full depth,
-the step weights B-splines of degree 2 with half as many coefficient sets as steps).
+the step weights B-splines of degree 2 with half as many coefficient sets as steps, clamped
+knots), spline_uniform (the same with TorchBraid's uniform knots), nested_frozen (nested, the
+inherited steps frozen after the refinement: layerbraid.depth.freeze_inherited).
 
 Every mode starts from the same seed and trains on the same batches (the loader's shuffle of
 SEED): SEGMENTS segments of BATCHES batches, the first TEST test images evaluated after each
@@ -34,29 +36,30 @@ def setup(example, comm):
     import layerbraid
 
     one = layerbraid.MGRITOptions(max_levels=1)
-    if example == "mnist":
+    if example in ("mnist", "mnist32"):
         mnist = harness.example("mnist")
         from layerbraid.data import load_mnist
 
         data = load_mnist(None)
         train, test = (data["train_x"], data["train_y"]), (data["test_x"], data["test_y"])
 
-        def build(steps, spline):
+        def build(steps, spline, knots="clamped"):
             if spline:
                 return mnist.MNISTSplineNet(comm, steps, 8, 1.0, one, one, False, None,
-                                            nsplines=spline, degree=SPLINE_DEGREE)
+                                            nsplines=spline, degree=SPLINE_DEGREE, knots=knots)
             return mnist.MNISTNet(comm, steps, 8, 1.0, one, one, False)
 
         return (build, train, test, 64,
-                lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 8)
+                lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                32 if example == "mnist32" else 8)
     volumes3d = harness.example("volumes3d")
     train = volumes3d.make_volumes(1024, 16, 0)
     test = volumes3d.make_volumes(256, 16, 1)
 
-    def build(steps, spline):
+    def build(steps, spline, knots="clamped"):
         if spline:
             return volumes3d.VolumeSplineNet(comm, steps, 4, one, one, None, False,
-                                             nsplines=spline, degree=SPLINE_DEGREE)
+                                             nsplines=spline, degree=SPLINE_DEGREE, knots=knots)
         return volumes3d.VolumeNet(comm, steps, 4, one, one, None, False)
 
     return build, train, test, 16, lambda p: torch.optim.Adam(p, lr=0.01), 16
@@ -93,8 +96,10 @@ def main():
     build, train, test, batch, make_opt, steps = setup(example, comm)
     tests = min(tests, len(test[1]))
     torch.manual_seed(seed)
-    spline = steps // 2 if mode == "spline" else 0
-    model = build(steps // 2 if mode == "nested" else steps, spline)
+    spline = steps // 2 if mode.startswith("spline") else 0
+    nested = mode.startswith("nested")
+    knots = "uniform" if mode == "spline_uniform" else "clamped"
+    model = build(steps // 2 if nested else steps, spline, knots)
     if mode == "serial":
         model = model.to_serial()
     opt = make_opt(model.parameters())
@@ -106,7 +111,7 @@ def main():
                    post_relax=1, coarse_relax=2, line_search="backtracking", state="reset")
     loader = LayerParallelLoader(TensorDataset(train[0].float(), train[1]), batch, comm=comm,
                                  seed=seed)
-    refine_at = segments // 3 if mode == "nested" else -1
+    refine_at = segments // 3 if nested else -1
     batches_seen, epoch, it = 0, 0, iter(loader)
     for s in range(segments):
         if s == refine_at:
@@ -114,6 +119,8 @@ def main():
             finer_opt = make_opt(finer.parameters())
             depth.refine(model, finer, "linear", (opt, finer_opt))
             depth.free(model)
+            if mode == "nested_frozen":
+                depth.freeze_inherited(finer, 2)
             model, opt = finer, finer_opt
         times, losses, alphas = [], [], []
         for _ in range(batches):
