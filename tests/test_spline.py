@@ -51,8 +51,7 @@ class SerialSplineNet(nn.Module):
             nn.Flatten(), nn.Linear(4 * 8 * 8, 3))
         self.open.load_state_dict({k[5:]: v for k, v in state.items() if k.startswith("open.")})
         self.close.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("close.")})
-        self.coefficients = nn.ModuleList(ConvBlock(4) for _ in range(model.nsplines))
-        self.coefficients.load_state_dict(model.coefficients.state_dict())
+        self.coefficients = model.parameterization.all_sets(model)  # collective
         self.basis = bspline_basis(model.nsplines, model.degree,
                                    np.arange(model.num_steps) * model.dt, 1.0, model.knots)
         self.dt, self.template = model.dt, ConvBlock(4)
@@ -68,6 +67,18 @@ class SerialSplineNet(nn.Module):
 
 def grads(module):
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def stored_sets(named):
+    """The sets among ``{"k.name": ...}`` keys, in order."""
+    return sorted({int(n.split(".")[0]) for n in named})
+
+
+def model_uses(model, k):
+    """Whether some step of the network has a nonzero weight on set ``k``."""
+    basis = bspline_basis(model.nsplines, model.degree, np.arange(model.num_steps) * model.dt,
+                          1.0, model.knots)
+    return bool((basis[:, k] != 0).any())
 
 
 @pytest.mark.parallel([1])
@@ -131,8 +142,8 @@ def test_uniform_knot_splines_equal_the_serial_network_with_that_basis(degree, n
     F.cross_entropy(out, y).backward()
     F.cross_entropy(want, y).backward()
     got, ref = grads(model.coefficients), grads(serial.coefficients)
-    assert set(got) == set(ref)
-    for k in ref:
+    assert stored_sets(got) == model.parameterization.stored(model)
+    for k in got:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-12, atol=1e-14, msg=k)
 
 
@@ -153,9 +164,12 @@ def test_equals_the_serial_spline_network(degree, nsplines, levels):
     F.cross_entropy(out, y).backward()
     F.cross_entropy(want, y).backward()
     got, ref = grads(model.coefficients), grads(serial.coefficients)
-    assert set(got) == set(ref)
-    for k in ref:  # every rank holds every set's whole gradient
+    assert stored_sets(got) == model.parameterization.stored(model)
+    for k in got:  # every rank holds each set it stores' whole gradient
         torch.testing.assert_close(got[k], ref[k], rtol=1e-12, atol=1e-14, msg=k)
+    used = {k for k in range(nsplines) if model_uses(model, k)}
+    everyone = WORLD.allgather_obj(model.parameterization.stored(model), "the stored sets")
+    assert set().union(*map(set, everyone)) == used  # each set a step uses, stored somewhere
     for name in ("open", "close"):
         mine, theirs = grads(getattr(model, name)), grads(getattr(serial, name))
         for k in mine:  # on the rank that runs it
@@ -183,10 +197,11 @@ def test_training_keeps_the_replicas_equal_and_the_serial_trajectory():
             opt.step()
     mine = {k: v.clone() for k, v in model.coefficients.state_dict().items()}
     for theirs in WORLD.allgather_obj(mine, "the coefficients"):
-        for k in mine:
+        for k in set(mine) & set(theirs):
             assert torch.equal(theirs[k], mine[k]), k  # bit for bit on every rank
-    for k, v in serial.coefficients.state_dict().items():
-        torch.testing.assert_close(mine[k], v, rtol=1e-11, atol=1e-13, msg=k)
+    want = serial.coefficients.state_dict()
+    for k, v in mine.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-11, atol=1e-13, msg=k)
     x, _ = batch(seed=9)
     torch.testing.assert_close(model(x), serial(x), rtol=1e-11, atol=1e-12)
     torch.testing.assert_close(model.to_serial()(x), serial(x), rtol=1e-11, atol=1e-12)
@@ -207,11 +222,19 @@ def test_refining_the_depth_keeps_the_coefficients(tmp_path):
     F.cross_entropy(coarse(x), y).backward()
     opt_c.step()
     depth.refine(coarse, fine, "linear", (opt_c, opt_f))
-    for (k, a), b in zip(coarse.coefficients.state_dict().items(),
-                         fine.coefficients.state_dict().values()):
-        assert torch.equal(a, b), k
-    for p, q in zip(coarse.coefficients.parameters(), fine.coefficients.parameters()):
-        assert torch.equal(opt_c.state[p]["momentum_buffer"], opt_f.state[q]["momentum_buffer"])
+    sets_c = coarse.parameterization.all_sets(coarse)
+    for k, c in fine.coefficients.items():  # a set this rank stores at 12 steps, maybe not at 4
+        for (n, a), b in zip(sets_c[int(k)].state_dict().items(), c.state_dict().values()):
+            assert torch.equal(a, b), (k, n)
+    momentum = {}  # every set's momentum at 4 steps, from the ranks that store it
+    for part in WORLD.allgather_obj(
+            {(k, n): opt_c.state[p]["momentum_buffer"].clone()
+             for k, c in coarse.coefficients.items() for n, p in c.named_parameters()},
+            "the momenta"):
+        momentum.update(part)
+    for k, c in fine.coefficients.items():
+        for n, q in c.named_parameters():
+            assert torch.equal(opt_f.state[q]["momentum_buffer"], momentum[(k, n)]), (k, n)
     # the same weight function, finer steps: the output changes by the time step's error only
     assert (fine(x) - coarse(x)).abs().max() < 0.05 * coarse(x).abs().max()
     # a checkpoint of the fine network resumes on one rank
@@ -224,6 +247,38 @@ def test_refining_the_depth_keeps_the_coefficients(tmp_path):
     alone = Net(MPI.COMM_SELF, steps=12, nsplines=4, degree=2)
     layerbraid.load_checkpoint(alone, path)
     torch.testing.assert_close(alone(x), fine(x), rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([1, 2, 3])
+def test_each_rank_stores_only_the_sets_its_steps_use(tmp_path):
+    """24 steps on 12 cubic splines: a rank stores the sets nonzero at its steps' times
+    (fewer than all of them on several ranks) and their bytes alone; a checkpoint written on
+    one rank loads here, each rank keeping its sets."""
+    from mpi4py import MPI
+
+    torch.manual_seed(7)
+    model = Net(WORLD, steps=24, nsplines=12, degree=3)
+    how = model.parameterization
+    basis = bspline_basis(12, 3, np.arange(24) * model.dt, 1.0)
+    owned = [i for i, _ in model.owned_steps()]
+    want = sorted({k for i in owned for k in range(12) if basis[i, k] != 0})
+    assert how.stored(model) == want
+    per_set = sum(p.numel() * p.element_size() for p in ConvBlock(4).double().parameters())
+    assert how.stored_bytes(model) == len(want) * per_set
+    if WORLD.size > 1:
+        assert len(want) < 12
+    torch.manual_seed(8)
+    alone = Net(MPI.COMM_SELF, steps=24, nsplines=12, degree=3)
+    path = str(tmp_path / "alone.pt")
+    path = WORLD.allgather_obj(path, "the path")[0]
+    if WORLD.rank == 0:
+        layerbraid.save_checkpoint(alone, path)
+    WORLD.allgather_obj(None, "the checkpoint is written")
+    layerbraid.load_checkpoint(model, path)
+    x, _ = batch(seed=2)
+    torch.testing.assert_close(model(x), alone(x), rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parallel([1])
@@ -258,15 +313,15 @@ def test_a_rank_late_for_the_gradient_sum_is_reported(short_timeout, monkeypatch
     x, y = batch(seed=0)
     reached = []
     if WORLD.rank == 1:
-        real = model.comm.allreduce_sum
+        real = model.comm.exchange
 
-        def late(tensors, what):
+        def late(sends, recvs, tag, what):
             if what == "the coefficient sets' gradients":
                 reached.append(True)
                 time.sleep(short_timeout + 3)
-            return real(tensors, what)
+            return real(sends, recvs, tag, what)
 
-        monkeypatch.setattr(model.comm, "allreduce_sum", late)
+        monkeypatch.setattr(model.comm, "exchange", late)
     loss = F.cross_entropy(model(x), y)
     if WORLD.rank == 0:
         with pytest.raises(layerbraid.StallError, match="the coefficient sets' gradients"):

@@ -110,15 +110,20 @@ class ShardedState(ShardedPart, nn.Module):
             m = _LAYER_KEY.match(k)
             if m and owned is not None and int(m.group(1)) not in owned:
                 continue
+            if self._built and not self.parameterization.loads(self, k):
+                continue  # e.g. a coefficient set that no step of this rank uses
             keep[k] = v
         return super().load_state_dict(keep, strict=strict, assign=assign)
 
     def _holds_key(self, key: str) -> bool:
         """Whether this rank holds the state_dict entry ``key``: a step layer's on its owner,
-        the open layer's on the first rank, the close layer's on the last, the rest on the
-        first."""
+        the open layer's on the first rank, the close layer's on the last, what the
+        parameterization registered where it says, the rest on the first."""
         if _LAYER_KEY.match(key):
             return True  # only the owned layers exist here
+        held = self.parameterization.holds(self, key)
+        if held is not None:
+            return held
         if key.startswith("close."):
             return self._rank == self._size - 1
         return self._rank == 0

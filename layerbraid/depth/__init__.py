@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 _DEPTH_TAG = 7311
+_SETS_TAG = 7313  # the exchange uses it and the next
 _RULES = {
     "interpolate": ("injection", "linear"),
     "restrict": ("injection", "average", "full_weighting"),
@@ -140,6 +141,7 @@ def refine(
     pairs = _parts(coarse, fine)
     for c, f in pairs:
         interpolate(c, f, rule, optimizers)
+        _move_sets(c, f, optimizers)
     src, dst = _rest(coarse, pairs, 0), _rest(fine, pairs, 1)
     if [(k, v.shape) for k, v in src.items()] != [(k, v.shape) for k, v in dst.items()]:
         raise ValueError(
@@ -178,9 +180,50 @@ def _parts(
     return list(zip(a, b))
 
 
+def _move_sets(
+    src: LayerParallelModule,
+    dst: LayerParallelModule,
+    optimizers: Optional[tuple[torch.optim.Optimizer, torch.optim.Optimizer]],
+) -> None:
+    """The coefficient sets of linear step weights (spline steps), which do not depend on the
+    depth: each set ``dst`` stores on a rank gets the values of a rank that stores it in
+    ``src`` (a rank's sets change with its steps' times), with its optimizer state.
+    Collective over the layer group; nothing for other parameterizations."""
+    how, dst_how = src.parameterization, dst.parameterization
+    if not isinstance(how, LinearStepWeights):
+        return
+    if not isinstance(dst_how, LinearStepWeights) or dst_how.sets != how.sets:
+        raise ValueError("refine: the two networks' steps are not the same coefficient sets")
+    mine = dict(how.coefficients(src).items())
+    targets = [(int(k), c) for k, c in dst_how.coefficients(dst).items()]
+    src_opt, dst_opt = optimizers if optimizers is not None else (None, None)
+    # each set from one rank that stores it (the first), to the ranks that lack it
+    rank = src.comm.Get_rank()
+    provides = [int(k) for k in mine if how._holders[int(k)][0] == rank]
+    lacks = [k for k, _ in targets if str(k) not in mine]
+    plan = plan_fetch(src.comm, provides, lacks, "refine")
+    template = dict(targets)
+    got = fetch(
+        src.comm,
+        plan,
+        lambda k: _step_state(mine[str(k)], src_opt),
+        lambda k: _step_state(template[k], dst_opt, like=src_opt),
+        _SETS_TAG,
+        "the coefficient sets of refine",
+    )
+    for k, c in targets:
+        values = got[k] if k in got else _step_state(mine[str(k)], src_opt)
+        _set_step_state(c, dst_opt, values, like=src_opt)
+
+
 def _rest(model: torch.nn.Module, pairs: list, side: int) -> dict[str, torch.Tensor]:
-    """{name: tensor} of ``model``'s parameters and buffers outside its step layers."""
+    """{name: tensor} of ``model``'s parameters and buffers outside its step layers (and
+    outside the coefficient sets of linear step weights, which :func:`_move_sets` moves)."""
     steps = {id(t) for pair in pairs for t in _tensors(pair[side].layers)}
+    for pair in pairs:
+        how = pair[side].parameterization
+        if isinstance(how, LinearStepWeights):
+            steps |= {id(t) for t in _tensors(how.coefficients(pair[side]))}
     return {
         name: t
         for name, t in [*model.named_parameters(), *model.named_buffers()]

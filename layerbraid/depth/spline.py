@@ -3,13 +3,14 @@ step at time ``t`` are a B-spline combination of ``nsplines`` coefficient sets,
 ``theta(t) = sum_k B_k(t) c_k``, so the network's parameters do not depend on its depth.
 
 A :class:`SplineModule` is a :class:`LayerParallelModule` whose trainable step parameters are
-the coefficient sets (``model.coefficients``, every set on every rank of the layer group: their
-number does not grow with the depth): its parameterization is :class:`SplineWeights`, the
-linear step weights (:class:`layerbraid.LinearStepWeights`) whose matrix is the basis.  Each
-forward first evaluates the weights of the steps this rank owns; the steps then run as any
+the coefficient sets (``model.coefficients``; a rank stores the few sets whose splines are
+nonzero at its steps' times): its parameterization is :class:`SplineWeights`, the linear step
+weights (:class:`layerbraid.LinearStepWeights`) whose matrix is the basis.  Each forward
+first evaluates the weights of the steps this rank owns; the steps then run as any
 layer-parallel network's (the MGRIT solves, the copies coarse levels inject), and the
 adjoint's gradients of those weights go back to the coefficients through the basis
-(``dc_k = sum_i B_k(t_i) dtheta_i`` over the owned steps), summed over the layer group once.
+(``dc_k = sum_i B_k(t_i) dtheta_i`` over the owned steps), summed over the ranks that store
+each set.
 """
 
 from __future__ import annotations
@@ -114,9 +115,12 @@ class SplineModule(LayerParallelModule):
         knots: ``"clamped"`` (default) or ``"uniform"``, TorchBraid's SpliNet's
             (:func:`bspline_basis`); the two agree at degree 1.
 
-    ``model.coefficients`` (an ``nn.ModuleList``) holds the trainable step parameters; the step
-    layers' own parameters (``model.layers``) hold the evaluated weights, refreshed at every
-    forward, and never get a gradient (an optimizer over ``model.parameters()`` skips them).
+    ``model.coefficients`` (an ``nn.ModuleDict`` keyed by ``str(k)``) holds the trainable step
+    parameters this rank stores: the sets whose splines are nonzero at its steps' times
+    (``model.parameterization.stored(model)``, ``stored_bytes(model)``; ``all_sets(model)``
+    gathers every set); the step layers' own parameters (``model.layers``) hold the evaluated
+    weights, refreshed at every forward, and never get a gradient (an optimizer over
+    ``model.parameters()`` skips them).
     ``to_serial()`` returns the plain network of the evaluated weights; changing the depth
     (``layerbraid.depth.refine``, nested iteration) keeps the coefficients.  Under data
     parallelism (a ``ProcessGrid`` with several data groups) it is not supported yet.
