@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -582,3 +583,23 @@ def test_the_numbers_the_transformer_guide_quotes_are_the_attention_reports():
     assert f"({cell(32, 'guard', 2)} against {cell(32, 'relaxed1', 2)})" in guide
     ratios = [float(cell(d, "tuned", 6)) / float(cell(d, "serial", 6)) for d in (16, 32)]
     assert f"at {min(ratios):.1f}-{max(ratios):.1f} times serial's training time" in guide
+
+
+def test_the_gpu_check_names_its_device_and_refuses_without_one():
+    """bench.gpu's section names the device and gives each row's speedup over plain PyTorch of
+    its own job (from a run's data); without CUDA it refuses, saying why."""
+    from bench import gpu
+
+    job = {"times": {"plain": [0.2, 0.4], "lp-2": [0.1, 0.2]}, "errors": {"plain": 0.0,
+                                                                       "lp-2": 1e-8},
+           "failed": {"1f1b-2": "RuntimeError: no CUDA send"}}
+    data = {"commit": "abc", "date": "today", "machine": "m", "device": "NVIDIA H100",
+            "gpus": 1, "seconds": 300, "tests": [("one process", "12 passed", 0)],
+            "jobs": {"MPI": job}}
+    text = "\n".join(gpu.section(data))
+    assert "NVIDIA H100 (1 GPU(s))" in text and "| one process | 12 passed | 0 |" in text
+    assert "| MPI | lp-2 | 150.0 [100.0-200.0] | 2.00 [2.00-2.00] | 1.0e-08 |" in text
+    assert "| MPI | 1f1b-2 | not run: RuntimeError: no CUDA send | - | - |" in text
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            gpu.measure()

@@ -107,6 +107,9 @@ def main() -> None:
     p.add_argument("--systems", nargs="+",
                    default=["plain", "gpipe", "1f1b", "lp", "lp-mgrit"],
                    help="families to run: plain gpipe 1f1b lp lp-mgrit")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the networks run: cuda puts rank r on GPU r %% count (every "
+                        "rank on the one GPU of a one-GPU machine); default cpu")
     a = p.parse_args()
     bind_self()
     steady_allocator()
@@ -114,34 +117,42 @@ def main() -> None:
     comm = layerbraid.launch.world()
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
     rank, size = comm.Get_rank(), comm.Get_size()
+    device = torch.device("cpu")
+    if a.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(a.batch, 1, SIZE, SIZE, generator=g)
-    y = torch.randn(a.batch, CLASSES, generator=g)
+    x = torch.randn(a.batch, 1, SIZE, SIZE, generator=g).to(device)
+    y = torch.randn(a.batch, CLASSES, generator=g).to(device)
 
     systems: dict[str, Callable[[], None]] = {}
     errors: dict[str, float] = {}
-    serial = serial_network(a.steps)
+    failed: dict[str, str] = {}  # systems that could not run here, and why
+    serial = serial_network(a.steps).to(device)
     reference = _serial_grads(serial, x, y)
     if "plain" in a.systems:
-        systems["plain"] = _plain(serial_network(a.steps), x, y, rank)
+        systems["plain"] = _plain(serial_network(a.steps).to(device), x, y, rank)
         errors["plain"] = 0.0
     lo, hi = stage_bounds(a.steps, comm)
     for family in ("gpipe", "1f1b"):
         if family in a.systems and torchrun and size > 1:
             for m in a.microbatches:
                 name = f"{family}-{m}"
-                systems[name], errors[name] = _pipelining(family, m, a.steps, lo, hi, x, y,
-                                                          reference, comm)
+                try:
+                    systems[name], errors[name] = _pipelining(family, m, a.steps, lo, hi, x, y,
+                                                              reference, comm, device)
+                except Exception as exc:  # e.g. no transport for its device here: say so
+                    failed[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
     if "lp" in a.systems:
         for m in [1, *a.microbatches]:
             systems[f"lp-{m}"], errors[f"lp-{m}"] = _layerbraid(a.steps, x, y, reference, comm,
-                                                                 microbatches=m)
+                                                                 device, microbatches=m)
     if "lp-mgrit" in a.systems:
         opts = layerbraid.MGRITOptions(max_levels=2, cfactor=4, max_iters=1)
         for m in [1, *a.microbatches]:
             systems[f"lp-mgrit-{m}"], errors[f"lp-mgrit-{m}"] = _layerbraid(
-                a.steps, x, y, reference, comm, forward_options=opts, backward_options=opts,
-                microbatches=m)
+                a.steps, x, y, reference, comm, device, forward_options=opts,
+                backward_options=opts, microbatches=m)
 
     names = list(systems)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -154,17 +165,22 @@ def main() -> None:
             t0 = time.perf_counter()
             with peak.hooks():
                 systems[name]()
+            if device.type == "cuda":  # the batch's kernels, not only their launches
+                torch.cuda.synchronize(device)
             comm.barrier("the end of a timed batch")
             if r >= a.warmup:
                 times[name].append(time.perf_counter() - t0)
             peaks[name] = max(peaks.get(name, 0), peak.peak)
-    costs = _costs(a.batch, [1, *a.microbatches], comm)
+    costs = _costs(a.batch, [1, *a.microbatches], comm) if device.type == "cpu" else None
     per_rank = comm.gather_obj(peaks, 0, "every rank's peaks")
     if rank == 0:
         assert per_rank is not None
         print(json.dumps({
             "ranks": size, "batch": a.batch, "steps": a.steps,
             "transport": "torch.distributed (gloo)" if torchrun else "MPI",
+            "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                       else "cpu"),
+            "failed": failed,
             "times": times, "errors": errors,
             "peak_bytes": {n: [pr[n] for pr in per_rank] for n in names},
             "medians": {n: statistics.median(t) for n, t in times.items()},
@@ -221,17 +237,17 @@ def _plain(net: nn.Module, x, y, rank: int) -> Callable[[], None]:
     return batch
 
 
-def _pipelining(family, m, steps, lo, hi, x, y, reference, comm):
+def _pipelining(family, m, steps, lo, hi, x, y, reference, comm, device):
     """A pipeline stage of this rank's steps under torch.distributed.pipelining."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    full = serial_network(steps)
+    full = serial_network(steps).to(device)
     rank, size = comm.Get_rank(), comm.Get_size()
     stage = Euler(list(full.blocks[lo:hi]), full.dt, full.open if rank == 0 else None,
                   full.close if rank == size - 1 else None)
     names = {id(q): n for n, q in full.named_parameters()}
-    pipe = PipelineStage(stage, rank, size, torch.device("cpu"), group=dist.group.WORLD)
+    pipe = PipelineStage(stage, rank, size, device, group=dist.group.WORLD)
     kind = ScheduleGPipe if family == "gpipe" else Schedule1F1B
     schedule = kind(pipe, m, loss_fn=F.mse_loss)
     opt = torch.optim.SGD(stage.parameters(), lr=1e-3)
@@ -259,8 +275,8 @@ def _from_serial(full: Euler, comm, **options) -> layerbraid.LayerParallelModule
                                   dt=full.dt, comm=comm, **options)
 
 
-def _layerbraid(steps, x, y, reference, comm, **options):
-    model = _from_serial(serial_network(steps), comm, **options)
+def _layerbraid(steps, x, y, reference, comm, device, **options):
+    model = _from_serial(serial_network(steps).to(device), comm, **options)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     F.mse_loss(model(x), y).backward()
     pairs = []
