@@ -547,6 +547,66 @@ def test_the_numbers_quoted_from_the_depth_report_are_its_own():
     assert f"final accuracy {lower} points lower" in guide
 
 
+def test_the_numbers_quoted_from_the_32_step_depth_report_are_its_own():
+    """The guide's and README's lines on the 32-step network quote its section of
+    docs/depth.md, at the commit it names; seed counts are recounted from the per-seed lists."""
+    meta = json.loads((ROOT / "docs" / "depth.json").read_text())
+    commit = meta["measured"]["mnist32"]["commit"][:7]
+    report = _flat("docs/depth.md").split("## mnist32", 1)[1]
+    guide, readme = _flat("docs/guide/depth.md"), _flat("README.md")
+    assert f"measured at commit {commit}" in guide and f"(commit {commit})" in readme
+    lines = {m.group(1): m.group(2) for m in re.finditer(
+        r"- (nested iteration|nested iteration, inherited frozen|MG/Opt|spline steps|Knots): "
+        r"(.*?)(?= - |$)", report)}
+
+    def ratio(text, what):
+        m = re.search(what + r" ratio ([\d.]+) \[([\d.]+)-([\d.]+)\]", text)
+        return m.group(1), m.group(2), m.group(3)
+
+    nested = lines["nested iteration"]
+    t, b = ratio(nested, "time"), ratio(nested, "batch")
+    assert "It pays here" in nested and "sooner to the target in every seed" in guide
+    assert f"(time ratio {t[0]}, {t[1]}-{t[2]})" in guide and f"(ratio {b[0]})" in guide
+    assert f"(time ratio {t[0]})" in readme
+    lower = re.search(r"final accuracy -([\d.]+) points .*?noise of \+-([\d.]+)", nested)
+    assert f"final accuracy {lower.group(1)} points lower, inside the noise " \
+           f"({lower.group(2)} points)" in guide
+    half = re.search(r"trained (\d+) of its", nested).group(1)
+    row = re.search(r"\| nested iteration \| 16 -> 32 \|(.*?)\| (\d+) \[[\d-]+\] \| [\d.]+ \[",
+                    report)
+    assert f"{half} of the {row.group(2)} batches to the target" in guide
+    frozen = lines["nested iteration, inherited frozen"]
+    t = ratio(frozen, "time")
+    assert "It pays here" in frozen and f"(time ratio {t[0]}, {t[1]}-{t[2]})" in guide
+    assert re.search(r"final accuracy -([\d.]+)", frozen).group(1) in guide
+    mgopt = lines["MG/Opt"]
+    assert f"fewer batches (ratio {ratio(mgopt, 'batch')[0]})" in guide
+    gain = re.search(r"final accuracy \+([\d.]+) points", mgopt).group(1)
+    t = ratio(mgopt, "time")
+    assert "later in every seed" in mgopt and f"ends {gain} points higher" in guide
+    assert f"(time ratio {t[0]})" in guide and f"MG/Opt was later again ({t[0]})" in readme
+    steps = re.search(r"at equal fine optimizer steps .*? it had (.*?)% against full depth's "
+                      r"(.*?)%", mgopt)
+    wall = re.search(r"at equal training time .*? it had (.*?)% against full depth's (.*?)%",
+                     mgopt)
+    pairs = list(zip(_floats(steps.group(1)), _floats(steps.group(2))))
+    above, below = sum(a > f for a, f in pairs), sum(a < f for a, f in pairs)
+    assert f"above full depth in {above} of 5 seeds and below in {below}" in guide
+    assert all(a < f for a, f in zip(_floats(wall.group(1)), _floats(wall.group(2))))
+    assert "at equal training time below in all 5" in guide
+    spline = lines["spline steps"]
+    assert "Not distinguishable" in spline
+    lower = re.search(r"final accuracy -([\d.]+) points", spline).group(1)
+    assert f"final accuracy {lower} points lower" in guide
+    knots = lines["Knots"]
+    mean = re.search(r"\(mean ([-+][\d.]+),", knots).group(1)
+    per_seed = _floats(re.search(r"final accuracy (.*?) points", knots).group(1))
+    assert f"final accuracy {mean} points on average (per seed within " \
+           f"{max(abs(d) for d in per_seed):.2f})" in guide
+    assert "as soon in every seed" in knots and "the default stays clamped" in knots
+    assert 'so the default stays `knots="clamped"`' in guide
+
+
 def test_the_restart_times_the_faults_page_quotes_are_the_reliability_reports():
     commit = json.loads((ROOT / "docs" / "reliability.json").read_text())["commit"][:7]
     page, report = _flat("docs/guide/faults.md"), (ROOT / "docs" / "reliability.md").read_text()
