@@ -77,7 +77,7 @@ def measure(a):
             for mode in modes:
                 rows = launch(WORKER, 1 if mode == "serial" else 2, example, mode, segments,
                               batches, tests, seed, echo=False, cores_per_rank=1)
-                runs.setdefault(f"{example}/{mode}", []).append(rows)
+                runs.setdefault(f"{example}/{mode}", []).extend(rows)  # rows name their seed
                 print(f"--- {example}/{mode} seed {seed}: {sum(r['seconds'] for r in rows):.1f} s,"
                       f" test accuracy {rows[-1]['test_accuracy']:.4f}", flush=True)
     now = {**provenance(), "seconds": time.time() - t0}
@@ -108,8 +108,22 @@ def keep_others(data, measured):
 
 
 def example_rows(data, example):
-    """{mode: [runs]} of one example, in MODES order."""
-    return {m: data["runs"][f"{example}/{m}"] for m in MODES if f"{example}/{m}" in data["runs"]}
+    """{mode: [runs]} of one example, in MODES order, a run being one seed's rows.  The raw
+    data keep each mode's rows in one list (each row names its seed), so that their summary
+    (docs/depth.json) takes quartiles over them instead of every row."""
+    return {m: by_seed(data["runs"][f"{example}/{m}"]) for m in MODES
+            if f"{example}/{m}" in data["runs"]}
+
+
+def by_seed(rows):
+    """A mode's rows as one list per seed, in the order the seeds ran (rows already grouped,
+    as older runs kept them, stay as they are)."""
+    if rows and isinstance(rows[0], list):
+        return rows
+    out: dict[int, list] = {}
+    for r in rows:
+        out.setdefault(r["seed"], []).append(r)
+    return list(out.values())
 
 
 def target_of(by_mode):

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from bench.harness import (DOCS, ROOT, launch, load_raw, parser, provenance, raw_path, save_data,
+from bench.harness import (DOCS, launch, load_raw, mpiexec, parser, provenance, save_data,
                            write_section)
 
 OUT = DOCS / "vs_pipelining.md"
@@ -61,17 +61,15 @@ def measure():
 
 
 def run_tests():
-    """[(what ran, its summary line, exit code)]: the CUDA tests as ``make test`` runs them."""
+    """[(what ran, its summary line, exit code)]: the CUDA tests as ``make test`` runs them
+    (each job through harness.mpiexec; one process first, as a singleton job)."""
     py = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"]
-    runs = [("one process", py + ["-m", "not shared_job or parallel[1]"], [])]
-    for n in (2, 3, 4):
-        runs.append((f"{n} ranks, mpiexec", ["mpiexec", "-n", str(n), *py, "-m",
-                                             f"shared_job and parallel[{n}]"], []))
+    runs = [("one process", 1, "not shared_job or parallel[1]")]
+    runs += [(f"{n} ranks, mpiexec", n, f"shared_job and parallel[{n}]") for n in (2, 3, 4)]
     out = []
-    for what, cmd, _ in runs:
+    for what, ranks, marks in runs:
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                                  timeout=TEST_LIMIT)
+            proc = mpiexec(ranks, [*py, "-m", marks], timeout=TEST_LIMIT, check=False)
             text, code = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired:
             text, code = f"timed out after {TEST_LIMIT} s", -1
