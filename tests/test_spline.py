@@ -332,3 +332,51 @@ def test_a_rank_late_for_the_gradient_sum_is_reported(short_timeout, monkeypatch
         except Exception:
             pass
         assert reached == [True]
+
+
+@pytest.mark.parallel([2])
+def test_a_rank_late_for_the_stored_sets_agreement_is_reported(short_timeout, monkeypatch):
+    """Rank 1 stalls while choosing its coefficient sets, just before the allgather in which
+    the ranks agree who stores which: rank 0 raises StallError naming it."""
+    from layerbraid.depth.spline import SplineWeights
+
+    if WORLD.rank == 1:
+        real = SplineWeights.weights
+
+        def late(self, model, index):
+            time.sleep(short_timeout + 3)
+            monkeypatch.setattr(SplineWeights, "weights", real)
+            return real(self, model, index)
+
+        monkeypatch.setattr(SplineWeights, "weights", late)
+        try:
+            Net(WORLD, steps=4)
+        except Exception:
+            pass  # late: whether it then fails is MPI's
+        return
+    with pytest.raises(layerbraid.StallError, match="the coefficient sets each rank uses"):
+        Net(WORLD, steps=4)
+
+
+@pytest.mark.parallel([2])
+def test_a_rank_late_for_refines_set_transfer_is_reported(short_timeout, monkeypatch):
+    """Rank 1 stalls just before refine hands the coefficient sets to their new ranks: rank 0
+    raises StallError naming the transfer."""
+    torch.manual_seed(4)
+    coarse = Net(WORLD, steps=4, nsplines=4, degree=2)
+    fine = Net(WORLD, steps=12, nsplines=4, degree=2)
+    if WORLD.rank == 1:
+        real = depth._move_sets
+
+        def late(*args):
+            time.sleep(short_timeout + 3)
+            return real(*args)
+
+        monkeypatch.setattr(depth, "_move_sets", late)
+        try:
+            depth.refine(coarse, fine)
+        except Exception:
+            pass  # late: whether it then fails is MPI's
+        return
+    with pytest.raises(layerbraid.StallError, match="refine"):
+        depth.refine(coarse, fine)
