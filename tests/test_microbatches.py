@@ -25,6 +25,29 @@ def _compare(model, x, y):
 
 @pytest.mark.shared_job
 @pytest.mark.both_transports
+@pytest.mark.parallel([2, 3])
+def test_every_rank_but_the_first_defers_its_weight_gradients(monkeypatch):
+    """Past the first rank, each microbatch's VJP is split: the input's gradient sent first,
+    the weights' computed later (zero-bubble's B/W split), with serial's gradients."""
+    from layerbraid._engine import pipeline
+
+    calls = []
+
+    def counted(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    real = pipeline.split_vjp
+    monkeypatch.setattr(pipeline, "split_vjp", counted)
+    torch.manual_seed(0)
+    model = ODEResNet(WORLD, num_steps=6, microbatches=3)
+    _compare(model, *batch(n=6))
+    assert calls == ([] if WORLD.rank == 0 else [True] * 3)
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
 @pytest.mark.parallel([1, 2, 3, 4])
 def test_microbatches_equal_serial_to_roundoff():
     # 7 samples in 3 microbatches of 3, 2, 2; more microbatches than samples; 9 steps that do

@@ -61,3 +61,64 @@ def test_without_the_private_apis_the_fallbacks_run(monkeypatch):
     ts = [torch.ones(2), torch.zeros(3)]
     assert torch.equal(tp.flatten_dense(ts), torch.tensor([1.0, 1, 0, 0, 0]))
     assert tp.cudnn_flatten_rnn_weights([params], "GRU", 4, 5) is False
+    x = torch.randn(2, 3, requires_grad=True)
+    w = torch.randn(3, 3, requires_grad=True)
+    assert tp.split_vjp(x @ w, torch.ones(2, 3), x, [w]) is None  # the fused VJP then
+
+
+def _chain(x, layers, twice):
+    """Residual steps of ``layers``; with ``twice``, each layer called twice per step (the
+    midpoint rule), so that a weight joins the path from ``x`` at two nodes."""
+    for f in layers:
+        x = x + 0.1 * f(x + 0.05 * f(x)) if twice else x + 0.1 * f(x)
+    return x
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_the_split_vjp_equals_the_fused_one(twice):
+    """split_vjp (zero-bubble's B/W split over torch's parameter groups): the input's gradient
+    first, the parameters' later, equal to one autograd.grad of both, on convolution steps
+    with biases, a layer norm and an unused parameter."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.ReLU(), nn.GroupNorm(1, 3))
+              for _ in range(3)]
+    unused = nn.Parameter(torch.ones(2))
+    params = [p for f in layers for p in f.parameters()] + [unused]
+    x = torch.randn(4, 3, 6, 6, requires_grad=True)
+    g = torch.randn(4, 3, 6, 6)
+    want = torch.autograd.grad(_chain(x, layers, twice), [x, *params], g, allow_unused=True)
+    split = tp.split_vjp(_chain(x, layers, twice), g, x, params)
+    assert split is not None
+    gx, weights = split
+    torch.testing.assert_close(gx, want[0], rtol=1e-6, atol=1e-6)
+    got = weights(False)
+    assert got[-1] is None and want[-1] is None
+    for a, b in zip(got[:-1], want[1:-1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_custom_function_in_the_graph_takes_the_fused_vjp():
+    """A custom autograd Function's backward computes every gradient in one call: splitting
+    around it would call it twice, so split_vjp declines and the caller fuses."""
+    calls = []
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            calls.append(1)
+            x, w = ctx.saved_tensors
+            return g * w, (g * x).sum(0)
+
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    y = Scale.apply(x, w) + b
+    assert tp.split_vjp(y, torch.ones(4, 3), x, [w, b]) is None
+    assert calls == []  # declined before any backward ran

@@ -554,6 +554,13 @@ class Message:
         self.comm, self.work, self.buf, self.what = comm, work, buf, what
         self.template, self.device = template, device
 
+    def arrived(self) -> bool:
+        """Whether the message is complete (a test, no waiting): :meth:`wait` then returns
+        at once."""
+        if self.work is not None and self.comm._done(self.work, self.what):
+            self.work = None
+        return self.work is None
+
     def wait(self) -> Optional[torch.Tensor]:
         """Finishes the message: None for a send, the tensor for a receive."""
         if self.work is not None:

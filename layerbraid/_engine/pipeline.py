@@ -11,6 +11,18 @@ gradient left as soon as it has it.  Steps act on each sample alone (batch stati
 refused, see :func:`check_independent`), so the output is the batched one and each parameter's
 gradient is the sum of the microbatches' gradients, equal to the batched one to round-off.
 
+Note [deferred W]: a rank's VJP of a microbatch is two kinds of work, the input's gradient
+(which the rank to its left waits for) and the parameters' gradients (which nobody waits for
+until the pass ends).  Zero-bubble pipeline schedules split them; so does this backward on every
+rank but the first (torch_private.split_vjp): it computes the input's gradient, sends it at
+once, and leaves the parameters' gradients for when the next microbatch's gradient has not
+arrived yet (and for the end), so the left rank starts about half a microbatch's VJP sooner.
+The sums over microbatches are the same; only their order of addition may differ.  On 2 ranks
+the first rank's VJPs are then the backward's critical path, and the last rank's weight
+gradients fill the time it would otherwise idle at the end.  A step graph that holds a custom
+autograd Function keeps the fused VJP: the Function's one backward computes every gradient, so
+the split would run it twice.
+
 Every message carries, after the state, one int64: -1, or the rank whose step raised.  A rank
 whose step raises sends that mark in place of each state it still owes, so that its neighbour
 never waits for a state that will not come; each rank receives exactly the messages the other
@@ -30,6 +42,7 @@ from torch import nn
 
 from .chain import BACKWARD_TWICE, _solve_state
 from .serial import _exact_stats
+from .torch_private import split_vjp
 
 __all__ = ["Pipeline", "check_independent", "microbatch_sizes"]
 
@@ -163,17 +176,20 @@ class Pipeline:
         totals: list[torch.Tensor | None] = [None] * len(self.params)
         gxs: list[torch.Tensor] = []
         outbox, error, mark = [], None, _OK
+        deferred: list[Any] = []  # weight gradients left for the waits (Note [deferred W])
         for m in order:
             x, y = self.xs[m], self.ys[m]
             if self.last:
                 g, got = (chunks[m] if chunks else torch.zeros_like(y)), _OK
             else:
+                while deferred and mark == _OK and not inbox[m][0].arrived():
+                    error, mark = self._weights(deferred.pop(0), totals, error, mark)
                 g, got = _receive(inbox[m])
             mark = got if got != _OK else mark
             gx = None
             if mark == _OK:
                 try:
-                    gx = self._vjp(x, y, g, totals, want_x)
+                    gx = self._vjp(x, y, g, totals, want_x, deferred)
                 except Exception as exc:  # sent on as a mark, raised on every rank below
                     error, mark = exc, self.rank
             if gx is None or mark != _OK:
@@ -182,6 +198,8 @@ class Pipeline:
                 gxs.insert(0, gx)
             else:
                 outbox.append(self._send(gx, mark, self.rank - 1, _ADJOINT_TAG, m, "gradient"))
+        while deferred and mark == _OK:
+            error, mark = self._weights(deferred.pop(0), totals, error, mark)
         for msg in outbox:
             msg.wait()
         self.comm.raise_on_every_rank(error, "the microbatched backward")
@@ -215,18 +233,34 @@ class Pipeline:
         g: torch.Tensor,
         totals: list[torch.Tensor | None],
         want_x: bool,
+        deferred: list[Any],
     ) -> torch.Tensor | None:
         """One microbatch's VJP: its input's gradient (when wanted); the parameters'
-        gradients are added to ``totals``."""
+        gradients are added to ``totals``, or, where a rank to the left waits for the input's
+        gradient, left in ``deferred`` to compute later (Note [deferred W])."""
         inputs = ([x] if want_x else []) + self.params
         if not y.requires_grad or not inputs:
             return None
+        if not self.first and self.params and x.requires_grad:
+            split = split_vjp(y, g, x, self.params)
+            if split is not None:
+                gx, weights = split
+                deferred.append(weights)
+                return gx
         got = torch.autograd.grad(y, inputs, g, retain_graph=self.retain, allow_unused=True)
-        for k, dp in enumerate(got[1:] if want_x else got):
-            if dp is not None:
-                total = totals[k]
-                totals[k] = dp if total is None else total.add_(dp)
+        _add(totals, got[1:] if want_x else got)
         return got[0] if want_x else None
+
+    def _weights(
+        self, weights: Any, totals: list[torch.Tensor | None], error: Any, mark: int
+    ) -> tuple[Any, int]:
+        """Computes one microbatch's deferred weight gradients into ``totals``; a failure
+        becomes this rank's mark, as a step's does."""
+        try:
+            _add(totals, weights(self.retain))
+        except Exception as exc:  # raised on every rank at the end of the backward
+            return exc, self.rank
+        return error, mark
 
     def _post(
         self,
@@ -262,6 +296,14 @@ class Pipeline:
 
 
 _MARK_BYTES = 8
+
+
+def _add(totals: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
+    """Adds a microbatch's parameter gradients to the sums over microbatches."""
+    for k, dp in enumerate(grads):
+        if dp is not None:
+            total = totals[k]
+            totals[k] = dp if total is None else total.add_(dp)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,9 @@ private API                            public fallback
 ``torch._cudnn_rnn_flatten_weight``    at every call, as for an ``nn.GRU`` that was never
 ``torch.backends.cudnn.rnn``           flattened)
 ``.get_cudnn_mode``
+``torch.distributed.pipelining``       the fused VJP: the input's and the parameters'
+``._backward.construct_reverse_graph`` gradients in one pass (no weight gradients deferred
+``._backward.get_param_groups``        to fill a pipeline's bubble)
 =====================================  ===================================================
 """
 
@@ -33,6 +36,7 @@ __all__ = [
     "cudnn_flatten_rnn_weights",
     "flatten_dense",
     "gru_kernel",
+    "split_vjp",
     "lstm_kernel",
 ]
 
@@ -60,6 +64,8 @@ PRIVATE_APIS = (
     "torch._use_cudnn_rnn_flatten_weight",
     "torch._cudnn_rnn_flatten_weight",
     "torch.backends.cudnn.rnn.get_cudnn_mode",
+    "torch.distributed.pipelining._backward.construct_reverse_graph",
+    "torch.distributed.pipelining._backward.get_param_groups",
 )
 _FOUND = {path: _lookup(path) for path in PRIVATE_APIS}
 MISSING = tuple(path for path, obj in _FOUND.items() if obj is None)
@@ -154,3 +160,92 @@ def cudnn_flatten_rnn_weights(
         size = input_size if k == 0 else hidden_size
         flatten(layer, len(layer), size, mode, hidden_size, 0, 1, True, False)
     return True
+
+
+# ---------------------------------------------------------------- deferred weight gradients
+WeightGrads = Callable[[bool], list]
+
+
+def split_vjp(
+    y: torch.Tensor, g: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, WeightGrads] | None:
+    """The VJP of ``y`` (a function of the leaf ``x`` and ``params``) with output gradient
+    ``g``, in two parts, as zero-bubble pipeline schedules split it: ``x``'s gradient now,
+    and a function ``weights(retain)`` that computes the parameters' gradients later (in
+    ``params``' order, None for a parameter ``y`` does not use), from the gradients the first
+    part saw flow into the nodes where each parameter joins the path from ``x`` (torch's own
+    parameter groups, torch.distributed.pipelining's B/W split), so no work is done twice.
+    The graph is kept until ``weights(retain=False)``.  Returns None where torch lacks the
+    helpers, where some parameter joins ``y`` by no path from ``x``, or where the graph holds a
+    custom autograd Function (its one backward computes every gradient at once, so the second
+    part would run it again: twice the work); the caller then takes the fused VJP."""
+    reverse_graph = _FOUND["torch.distributed.pipelining._backward.construct_reverse_graph"]
+    param_groups = _FOUND["torch.distributed.pipelining._backward.get_param_groups"]
+    if reverse_graph is None or param_groups is None or y.grad_fn is None:
+        return None
+    from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+    x_node = get_gradient_edge(x).node
+    weight_nodes = [get_gradient_edge(p).node for p in params]
+    reverse = reverse_graph([y.grad_fn])
+    # before the groups: torch's reverse graph is a defaultdict, which their search grows
+    in_graph = set(reverse) | {n for children in reverse.values() for n in children}
+    if any(isinstance(n, torch.autograd.function.BackwardCFunction) for n in in_graph):
+        return None
+    groups = param_groups([x_node], weight_nodes, reverse)
+    covered = {n for group in groups for n in group["params"]}
+    if any(n in in_graph and n not in covered for n in weight_nodes):
+        return None
+    handles = []
+    for group in groups:
+        nodes = list(group["intermediates"])
+        group["intermediates"], group["grads"] = nodes, [None] * len(nodes)
+        for i, node in enumerate(nodes):
+
+            def keep(grad_outputs: Any, group: Any = group, i: int = i) -> None:
+                group["grads"][i] = grad_outputs
+
+            handles.append(node.register_prehook(keep))
+    try:
+        (gx,) = torch.autograd.grad([y], [x], [g], retain_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def weights(retain: bool) -> list:
+        out: dict[Any, torch.Tensor] = {}
+        for k, group in enumerate(groups):
+            nodes, grads = group["intermediates"], group["grads"]
+            edges = [
+                (GradientEdge(node, i), gi)
+                for node, got in zip(nodes, grads)
+                if got is not None
+                for i, gi in enumerate(got)
+                if gi is not None
+            ]
+            if not edges:
+                continue
+            # a node below another of the group takes the gradient it saw, not a second one
+            clamps = [
+                node.register_prehook(lambda _go, saved=got: saved)
+                for node, got in zip(nodes, grads)
+                if len(nodes) > 1 and got is not None
+            ]
+            try:
+                owners = list(group["params"])
+                found = torch.autograd.grad(
+                    [e for e, _ in edges],
+                    [GradientEdge(n, 0) for n in owners],
+                    [gi for _, gi in edges],
+                    # groups may share nodes (a layer called twice in a step): keep the
+                    # graph until the last group has passed
+                    retain_graph=retain or k < len(groups) - 1,
+                    allow_unused=True,
+                )
+            finally:
+                for handle in clamps:
+                    handle.remove()
+            out.update(zip(owners, found))
+        return [out.get(n) for n in weight_nodes]
+
+    return gx, weights
