@@ -12,7 +12,7 @@ a linear layer out, float32, MSE loss, SGD, one thread per process.
 Then more ranks than this machine has cores: bench/workers/emulated.py trains 64 emulated layers
 (each sleeps its share of 20 ms per step and 40 ms per VJP for a batch of 10, as a layer on an
 accelerator leaves its CPU idle) on 2-16 ranks under mpiexec, layerbraid's exact path (GPipe's
-schedule) and MGRIT (2 levels, cfactor 4, 2 forward / 1 adjoint iterations) each in 1, 2, 5
+schedule: a sleeping layer is a custom autograd Function, whose VJP is never split) and MGRIT (2 levels, cfactor 4, 2 forward / 1 adjoint iterations) each in 1, 2, 5
 and 10 microbatches, beside the planner's prediction of each (layerbraid.plan.predict_pipeline,
 layerbraid.plan.predict with microbatches).  1F1B's schedule has GPipe's bubble, so the exact
 rows stand for pipelining there: where MGRIT's fastest row beats the exact path's fastest is
@@ -43,9 +43,13 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=pick(20, 2), help="interleaved rounds per job")
     p.add_argument("--batches", type=int, nargs="+", default=pick([50, 10], [10]))
     p.add_argument("--microbatches", type=int, nargs="+", default=pick([2, 5, 10], [2]))
-    p.add_argument("--emulated-only", action="store_true",
-                   help="measure the emulated section again, keeping the last run's 2-process "
-                        "jobs (its raw data)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--emulated-only", action="store_true",
+                      help="measure the emulated section again, keeping the last run's "
+                           "2-process jobs (its raw data)")
+    only.add_argument("--processes-only", action="store_true",
+                      help="measure the 2-process jobs again, keeping the last run's emulated "
+                           "section (with the commit it measured)")
     generate(OUT, measure, report, p, argv)
 
 
@@ -54,6 +58,14 @@ def measure(a):
         data = load_raw(OUT)
         data["emulated"] = measure_emulated()
         return data
+    if a.processes_only:
+        emulated = load_raw(OUT)["emulated"]
+        return {**measure_processes(a), "emulated": emulated}
+    return {**measure_processes(a), "emulated": measure_emulated()}
+
+
+def measure_processes(a):
+    """The 2-process jobs: each batch under torchrun, then under mpiexec."""
     t0 = time.time()
     jobs = []
     for batch in a.batches:
@@ -64,9 +76,7 @@ def measure(a):
             if not torchrun:  # pipelining needs torch.distributed
                 args += ["--systems", "plain", "lp", "lp-mgrit"]
             jobs.append(launch(WORKER, 2, *args, cores_per_rank=1, **kind)[-1])
-    emulated = measure_emulated()
-    return {**provenance(), "rounds": a.rounds, "seconds": time.time() - t0, "jobs": jobs,
-            "emulated": emulated}
+    return {**provenance(), "rounds": a.rounds, "seconds": time.time() - t0, "jobs": jobs}
 
 
 # The emulated section: N layers, a batch of ROWS rows of FLOATS float32 numbers in all, each
@@ -110,7 +120,8 @@ def emulated_prediction(emu, run):
                        share * emu["vjp_ms"] / 1e3 + late, message_bytes=4 * emu["floats"] * share,
                        latency=EMU_LATENCY, bandwidth=EMU_BANDWIDTH, overhead_seconds=over)
     serial = n * (emu["step_ms"] + emu["vjp_ms"]) / 1e3
-    if run["levels"] == 1:
+    if run["levels"] == 1:  # a sleeping layer is a custom autograd Function: its VJP is
+        # never split (the split would run it twice), so the exact path runs GPipe's schedule
         return plan.predict_pipeline(n, run["ranks"], m, costs, "gpipe", serial)
     fwd = MGRITOptions(max_levels=2, cfactor=4, max_iters=2, tol=0.0, nrelax=0,
                        skip_first_downcycle=True)
@@ -139,13 +150,15 @@ def predicted(job, name):
         measured = (measured[0], measured[1] / 1.5, measured[1])
     step, vjp, vjp_param = measured
     alone = c["alone"]
+    part_x, part_w = c.get("split", {}).get(m, (None, None))  # runs before the split: none
     costs = plan.Costs(step, vjp, vjp_param, message_bytes=c["message_bytes"] * job["batch"]
-                       / int(m), latency=50e-6, bandwidth=1e9)
+                       / int(m), latency=50e-6, bandwidth=1e9, split_input_seconds=part_x,
+                       split_weights_seconds=part_w)
     serial = job["steps"] * (alone[0] + alone[-1])
     if family == "lp-mgrit":
         return plan.predict(job["steps"], job["ranks"], MGRIT_ROWS, MGRIT_ROWS, costs,
                             microbatches=int(m), serial_seconds=serial).seconds
-    schedule = "1f1b" if family == "1f1b" else "gpipe"
+    schedule = {"1f1b": "1f1b", "gpipe": "gpipe"}.get(family, "exact")
     return plan.predict_pipeline(job["steps"], job["ranks"], int(m), costs, schedule,
                                  serial).seconds
 
@@ -154,14 +167,15 @@ def report(data):
     lines = ["# layerbraid against pipeline parallelism", "",
              (__doc__ or "").split("\n\n", 1)[1].strip(), "",
              f"Measured on commit {data['commit']}, {data['date']}, {data['machine']} "
-             f"({data['rounds']} rounds per job, {data['seconds']:.0f} s in all).", "",
+             f"({data['rounds']} rounds per job, {data['seconds']:.0f} s for the 2-process jobs).", "",
              "Speedup = plain PyTorch's time / the system's time of the same round (> 1 is "
              "faster), median [min-max] over the rounds; ms per batch likewise (the slowest "
              "process's).  Gradient error: relative, against the serial network's at the "
              "initial weights.  Peak saved MiB: the most bytes the autograd graphs held for the "
              "backward at once, per process (rank 0 / rank 1).  Predicted: the planner's "
-             "time (`layerbraid.plan.predict_pipeline`, the bubble model of GPipe and 1F1B "
-             "schedules) from a step's forward and VJP seconds that the job measured at the "
+             "time (`layerbraid.plan.predict_pipeline`: the bubble model of GPipe and 1F1B "
+             "schedules, and of layerbraid's exact path, GPipe's order with the weight "
+             "gradients deferred past the first rank) from a step's forward and VJP seconds that the job measured at the "
              "row's microbatch size with both processes measuring at once; measured / "
              "predicted compares it with the row's median.  " + SAME_LEGEND, ""]
     ratios = []

@@ -45,6 +45,7 @@ __all__ = [
     "SharedCores",
     "pipeline_orders",
     "predict_pipeline",
+    "measure_split",
     "MicrobatchChoice",
     "choose_microbatches",
 ]
@@ -75,6 +76,11 @@ class Costs:
             sums and norms around it), added to every step and VJP: small next to real layers,
             but it is what remains of a step whose layer runs elsewhere (an accelerator, or the
             sleeping layers of bench/scaling_measured.py).
+        split_input_seconds, split_weights_seconds: the two parts of a VJP with parameter
+            gradients split as the exact path's microbatched backward splits it (Note
+            [pipeline model]; :func:`measure_split`): the input's gradient, with the search for
+            where the parameters join, and the parameters' gradients afterwards (defaults:
+            ``vjp_seconds`` and ``vjp_param_seconds - vjp_seconds``, the split for free).
     """
 
     step_seconds: float
@@ -87,6 +93,8 @@ class Costs:
     level_scale: Optional[tuple] = None
     message_scale: Optional[tuple] = None
     overhead_seconds: float = 0.0
+    split_input_seconds: Optional[float] = None
+    split_weights_seconds: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("level_scale", "message_scale"):
@@ -122,11 +130,27 @@ class Costs:
             raise ValueError(
                 f"Costs.vjp_param_seconds must be >= 0, got {self.vjp_param_seconds!r}"
             )
+        defaults = {
+            "split_input_seconds": self.vjp_seconds,
+            "split_weights_seconds": max(self.vjp_param() - self.vjp_seconds, 0.0),
+        }
+        for name, default in defaults.items():
+            v = getattr(self, name)
+            if v is None:
+                object.__setattr__(self, name, default)
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"Costs.{name} must be a finite number >= 0, got {v!r}")
 
     def vjp_param(self) -> float:
         """Seconds of a VJP with parameter gradients (filled in by ``__post_init__``)."""
         assert self.vjp_param_seconds is not None
         return self.vjp_param_seconds
+
+    def split(self) -> tuple[float, float]:
+        """(the input's part, the parameters' part) of a split VJP (``__post_init__`` fills
+        them in)."""
+        assert self.split_input_seconds is not None and self.split_weights_seconds is not None
+        return self.split_input_seconds, self.split_weights_seconds
 
     def message_seconds(self) -> float:
         return self.latency + self.message_bytes / self.bandwidth
@@ -605,22 +629,27 @@ def predict(
 # (plus a message), its backward after rank r + 1's backward of m (plus a message) and its own
 # forward of m.  A rank's forward of a microbatch costs its owned steps times a step's seconds,
 # its backward its owned steps times a VJP with parameter gradients, both at the microbatch's
-# size (a step's cost is not linear in its batch on a CPU: measure it there).  The close layer
-# and the loss are not modelled, nor is the contention of ranks that share a node's memory.
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+# size (a step's cost is not linear in its batch on a CPU: measure it there).  Schedule "exact"
+# is layerbraid's exact path: GPipe's order, and past the first rank each backward split as
+# zero-bubble schedules split it (Note [deferred W] in _engine/pipeline.py): the input's
+# gradient (a VJP without parameter gradients) first, sent at once, and the parameters' (the
+# difference) deferred, run while the rank waits for the next microbatch's gradient and at the
+# end.  The close layer and the loss are not modelled, nor is the contention of ranks that
+# share a node's memory.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "exact")
 
 
 def pipeline_orders(ranks: int, microbatches: int, schedule: str) -> list[list[tuple[str, int]]]:
-    """Each rank's actions, ("F" or "B", microbatch), in the order it runs them: "gpipe" (every
-    forward, then every backward, the last microbatch first, as layerbraid's exact path runs
-    them) or "1f1b" (as many forwards as stages ahead, then one backward and one forward in
-    turn)."""
+    """Each rank's actions, ("F" or "B", microbatch), in the order it runs them: "gpipe" and
+    "exact" (every forward, then every backward, the last microbatch first, as layerbraid's
+    exact path runs them) or "1f1b" (as many forwards as stages ahead, then one backward and
+    one forward in turn)."""
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}")
     m = microbatches
     orders = []
     for r in range(ranks):
-        if schedule == "gpipe":
+        if schedule in ("gpipe", "exact"):
             orders.append([("F", k) for k in range(m)] + [("B", k) for k in reversed(range(m))])
             continue
         warmup = min(m, ranks - r)
@@ -637,23 +666,28 @@ def predict_pipeline(
     ranks: int,
     microbatches: int,
     costs: Costs,
-    schedule: str = "gpipe",
+    schedule: str = "exact",
     serial_seconds: Optional[float] = None,
 ) -> Prediction:
     """Predicted seconds per batch of a pipeline of ``microbatches`` microbatches over ``ranks``
     ranks (Note [pipeline model]), each rank the steps the core's block distribution gives it;
-    ``costs`` measured at the microbatch's size.  ``serial_seconds``: plain PyTorch's time for
-    the whole batch (default: the microbatches' steps one after another at these costs).  The
-    prediction's ``forward_seconds`` is when the last forward ends (under 1F1B, after some
-    backwards)."""
+    ``costs`` measured at the microbatch's size.  ``schedule``: "exact" (layerbraid's exact
+    path), "gpipe" or "1f1b" (torch.distributed.pipelining's).  ``serial_seconds``: plain
+    PyTorch's time for the whole batch (default: the microbatches' steps one after another at
+    these costs).  The prediction's ``forward_seconds`` is when the last forward ends (under
+    1F1B, after some backwards)."""
     _check(num_steps, ranks)
     check_int("microbatches", microbatches)
     owned = [sum(c.values()) for c in step_counts(schedule_of_exact(num_steps, ranks))]
     over = costs.overhead_seconds
+    split = [schedule == "exact" and r > 0 for r in range(ranks)]
+    part_x, part_w = costs.split()
     cost = {
         "F": [n * (costs.step_seconds + over) for n in owned],
-        "B": [n * (costs.vjp_param() + over) for n in owned],
+        "B": [n * ((part_x if s else costs.vjp_param()) + over) for n, s in zip(owned, split)],
     }
+    weights = [n * part_w for n in owned]
+    deferred: list[int] = [0] * ranks  # weight gradients each rank still owes
     msg = costs.message_seconds()
     orders = pipeline_orders(ranks, microbatches, schedule)
     done: dict[tuple[str, int, int], float] = {}
@@ -666,11 +700,18 @@ def predict_pipeline(
                 deps = _pipeline_deps(kind, r, k, ranks, msg)
                 if any(d not in done for d, _ in deps):
                     break
-                start = max([clock[r]] + [done[d] + wait for d, wait in deps])
+                ready = max([0.0] + [done[d] + wait for d, wait in deps])
+                while deferred[r] and clock[r] < ready:  # the wait filled (Note [deferred W])
+                    clock[r] += weights[r]
+                    deferred[r] -= 1
+                start = max(clock[r], ready)
                 done[(kind, r, k)] = clock[r] = start + cost[kind][r]
+                deferred[r] += kind == "B" and split[r]
                 at[r] += 1
                 moved = True
         assert moved, "a pipeline schedule whose ranks wait for each other"
+    for r in range(ranks):
+        clock[r] += deferred[r] * weights[r]
     forward = max(t for (kind, _, _), t in done.items() if kind == "F")
     total = max(clock)
     if serial_seconds is None:
@@ -818,6 +859,34 @@ def measure_step(
     return med(fwd), med(vjp), med(vjp_p)
 
 
+def measure_split(layer: Any, x: Any, repeats: int = 20, dt: float = 0.1) -> tuple[float, float]:
+    """(split_input_seconds, split_weights_seconds) of ``x + dt * layer(x)`` on this machine
+    (medians of ``repeats`` runs): the two parts of its VJP as the exact path's microbatched
+    backward splits it past the first rank.  Where the VJP is not split (torch lacks the
+    helpers, or the layer is a custom autograd Function): the fused VJP and nothing."""
+    import torch
+
+    from ._engine.step_rule import combine
+    from ._engine.torch_private import split_vjp
+
+    first, second = [], []
+    params = [p for p in layer.parameters() if p.requires_grad]
+    for _ in range(repeats + 1):
+        xx = x.detach().clone().requires_grad_(True)
+        y = combine(xx, dt, layer(xx))
+        g = torch.ones_like(y)
+        t0 = time.perf_counter()
+        parts = split_vjp(y, g, xx, params)
+        if parts is None:
+            torch.autograd.grad(y, [xx] + params, g)
+        t1 = time.perf_counter()
+        if parts is not None:
+            parts[1](False)
+        first.append(t1 - t0)
+        second.append(time.perf_counter() - t1 if parts is not None else 0.0)
+    return float(np.median(first[1:])), float(np.median(second[1:]))
+
+
 @dataclass
 class MicrobatchChoice:
     """What :func:`choose_microbatches` chose: the microbatch count predicted fastest, each
@@ -860,7 +929,7 @@ def choose_microbatches(
     of its first step layer, on its input state (the open layer's output for ``x``), at each
     candidate's microbatch size (a step's cost is not linear in its batch); the other ranks'
     layers are taken to cost the same.  With exact solves each candidate is the microbatched
-    exact path (:func:`predict_pipeline`, GPipe order); with MGRIT, the model's solves in that
+    exact path (:func:`predict_pipeline`, schedule "exact"); with MGRIT, the model's solves in that
     many microbatches (:func:`predict`).  ``latency`` and ``bandwidth``: the messages' (the
     defaults are this machine's processes on one node, roughly).  One layer-parallel rank, or a
     batch of one sample, needs no measurement: 1."""
@@ -907,6 +976,7 @@ def _measure_and_choose(
         rows = -(-int(h.shape[0]) // m)  # the largest microbatch
         xm = h[:rows].detach()
         step, vjp, vjp_p = measure_step(layer, xm, repeats, dt)
+        part_x, part_w = measure_split(layer, xm, repeats, dt) if exact and m > 1 else (None, None)
         costs = Costs(
             step,
             vjp,
@@ -914,12 +984,14 @@ def _measure_and_choose(
             message_bytes=xm.numel() * xm.element_size(),
             latency=latency,
             bandwidth=bandwidth,
+            split_input_seconds=part_x,
+            split_weights_seconds=part_w,
         )
         if m == 1:
             serial = n * (step + vjp_p)
         assert serial is not None  # pool starts at 1
         if exact:
-            seconds[m] = predict_pipeline(n, ranks, m, costs, "gpipe", serial).seconds
+            seconds[m] = predict_pipeline(n, ranks, m, costs, "exact", serial).seconds
         else:
             seconds[m] = predict(
                 n,

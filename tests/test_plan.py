@@ -245,13 +245,80 @@ def test_pipelines_in_microbatches_have_the_bubble_of_gpipe(ranks, m):
     costs = plan.Costs(1.0, 1.0, 2.0, latency=0.0)
     steps = 12 * ranks
     stage = steps // ranks
-    for schedule in plan.PIPELINE_SCHEDULES:
+    for schedule in ("gpipe", "1f1b"):
         p = plan.predict_pipeline(steps, ranks, m, costs, schedule)
         assert p.steps_per_rank == [stage] * ranks
         if schedule == "gpipe":
             assert p.forward_seconds == pytest.approx((m + ranks - 1) * stage * 1.0)
         assert p.seconds == pytest.approx((m + ranks - 1) * stage * 3.0)
         assert p.serial_seconds == pytest.approx(m * steps * 3.0)
+
+
+def test_the_exact_path_defers_weight_gradients_past_the_first_rank():
+    """Schedule "exact": GPipe's order, and past the first rank the input's gradient (a VJP
+    without parameters) first, the parameters' (the rest of a VJP with them) in the waits and
+    at the end.  By hand, one step a rank, step 1, VJP 1, with parameters 2, free messages:
+    forwards end at 3; rank 1's input gradients take [3, 4] and [4, 5], rank 0's VJPs
+    [4, 6] and [6, 8], rank 1's two deferred weight gradients end at 7: 8 in all, against
+    GPipe's 9."""
+    costs = plan.Costs(1.0, 1.0, 2.0, latency=0.0)
+    exact = plan.predict_pipeline(2, 2, 2, costs, "exact")
+    assert exact.forward_seconds == pytest.approx(3.0)
+    assert exact.seconds == pytest.approx(8.0)
+    assert plan.predict_pipeline(2, 2, 2, costs, "gpipe").seconds == pytest.approx(9.0)
+    assert plan.pipeline_orders(3, 2, "exact") == plan.pipeline_orders(3, 2, "gpipe")
+    # a middle rank fills its waits: never slower than GPipe, one rank the same
+    for ranks, m in [(3, 2), (4, 5), (1, 3)]:
+        split = plan.predict_pipeline(4 * ranks, ranks, m, costs, "exact").seconds
+        fused = plan.predict_pipeline(4 * ranks, ranks, m, costs, "gpipe").seconds
+        assert split <= fused + 1e-12
+        assert (split == pytest.approx(fused)) == (ranks == 1)
+
+
+def test_the_split_costs_default_to_a_free_split_and_are_checked():
+    c = plan.Costs(1.0, 0.5, 2.0)
+    assert c.split() == (0.5, 1.5)
+    # measured parts that cost more than the fused VJP (the split's own search and calls)
+    # lengthen the exact path where they lie on its critical path: rank 1's input gradients
+    # take 1.5 each ([3, 4.5], [4.5, 6]), rank 0's VJPs [4.5, 6.5] and [6.5, 8.5]
+    dear = plan.Costs(1.0, 1.0, 2.0, latency=0.0, split_input_seconds=1.5,
+                      split_weights_seconds=1.0)
+    assert plan.predict_pipeline(2, 2, 2, dear, "exact").seconds == pytest.approx(8.5)
+    for bad in (-1.0, float("inf"), True, "1"):
+        with pytest.raises(ValueError, match=r"Costs.split_weights_seconds must be a finite"):
+            plan.Costs(1.0, 1.0, split_weights_seconds=bad)
+
+
+def test_measure_split_times_both_parts_and_fuses_a_custom_function():
+    from torch import nn
+
+    from layerbraid.nn import ConvBlock
+
+    x = torch.randn(4, 3, 6, 6)
+    part_x, part_w = plan.measure_split(ConvBlock(3), x, repeats=3)
+    assert part_x > 0 and part_w > 0
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return 2 * x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return 2 * g * w, (2 * g * x).sum()
+
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return Twice.apply(x, self.w)
+
+    fused, rest = plan.measure_split(Custom(), x, repeats=3)
+    assert fused > 0 and rest == 0.0
 
 
 def test_pipeline_orders_and_messages():

@@ -190,26 +190,32 @@ def main() -> None:
 
 def _costs(batch: int, counts: list[int], comm) -> dict[str, Any]:
     """What the planner needs (layerbraid.plan.predict_pipeline and predict): a step's
-    seconds, forward, VJP and VJP with parameter gradients, at each microbatch count's largest
-    microbatch, measured
+    seconds, forward, VJP and VJP with parameter gradients, and the two parts of the split VJP
+    (layerbraid.plan.measure_split), at each microbatch count's largest microbatch, measured
     on every rank at once (the ranks of a pipeline step side by side and share the node), and
     at the whole batch on rank 0 alone (plain PyTorch has the node to itself)."""
-    from layerbraid.plan import measure_step
+    from layerbraid.plan import measure_split, measure_step
 
     def measure(n: int) -> tuple[float, float, float]:
         torch.manual_seed(0)
         return measure_step(ConvBlock(CHANNELS), torch.randn(n, CHANNELS, SIZE, SIZE))
 
-    busy = {}
+    def measure_parts(n: int) -> tuple[float, float]:
+        torch.manual_seed(0)
+        return measure_split(ConvBlock(CHANNELS), torch.randn(n, CHANNELS, SIZE, SIZE))
+
+    busy, split = {}, {}
     for m in counts:
         comm.barrier("the start of a cost measurement")
         busy[m] = measure(-(-batch // m))
+        split[m] = measure_parts(-(-batch // m))
     alone = None
     comm.barrier("the start of the serial cost measurement")
     if comm.Get_rank() == 0:
         alone = measure(batch)
     comm.barrier("the end of the serial cost measurement")
-    return {"busy": busy, "alone": alone, "message_bytes": 4 * CHANNELS * SIZE * SIZE}
+    return {"busy": busy, "split": split, "alone": alone,
+            "message_bytes": 4 * CHANNELS * SIZE * SIZE}
 
 
 def _serial_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from .. import plan as _plan
 from ..options import MGRITOptions
-from ..plan import Costs, measure_step, recommend, settings_table, sweep
+from ..plan import Costs, measure_split, measure_step, recommend, settings_table, sweep
 
 
 def _parse(
@@ -130,21 +130,28 @@ def _microbatch_costs(args: argparse.Namespace, costs: Any) -> dict[int, Any]:
 
             b, c, h, w = (int(v) for v in args.measure_conv.split(","))
             x = torch.randn(-(-b // m), c, h, w)
-            step, vjp, vjp_p = measure_step(ConvBlock(c), x)
+            layer = ConvBlock(c)
+            step, vjp, vjp_p = measure_step(layer, x)
+            part_x, part_w = measure_split(layer, x)
             out[m] = replace(
                 costs,
                 step_seconds=step,
                 vjp_seconds=vjp,
                 vjp_param_seconds=vjp_p,
                 message_bytes=x.numel() * 4,
+                split_input_seconds=part_x,
+                split_weights_seconds=part_w,
             )
         else:
+            part_x, part_w = costs.split()
             out[m] = replace(
                 costs,
                 step_seconds=costs.step_seconds / m,
                 vjp_seconds=costs.vjp_seconds / m,
                 vjp_param_seconds=costs.vjp_param() / m,
                 message_bytes=costs.message_bytes / m,
+                split_input_seconds=part_x / m,
+                split_weights_seconds=part_w / m,
             )
     return out
 
@@ -166,18 +173,13 @@ def _print_pipelines(
     for p in [r for r in args.ranks if r <= args.steps]:
         pipes, mgrits = [], []
         for m, c in per_m.items():
-            pipes.append(
-                (
-                    f"layerbraid exact, {m} microbatch(es)",
-                    predict_pipeline(args.steps, p, m, c, "gpipe", serial).seconds,
-                )
-            )
-            pipes.append(
-                (
-                    f"pipelining 1F1B, {m} microbatch(es)",
-                    predict_pipeline(args.steps, p, m, c, "1f1b", serial).seconds,
-                )
-            )
+            for schedule, name in (
+                ("exact", "layerbraid exact"),
+                ("gpipe", "pipelining GPipe"),
+                ("1f1b", "pipelining 1F1B"),
+            ):
+                seconds = predict_pipeline(args.steps, p, m, c, schedule, serial).seconds
+                pipes.append((f"{name}, {m} microbatch(es)", seconds))
             mg = predict(args.steps, p, fwd, bwd, c, microbatches=m, serial_seconds=serial)
             mgrits.append((f"{mgrit_name}, {m} microbatch(es)", mg.seconds))
         for name, t in pipes + mgrits:
