@@ -73,6 +73,9 @@ def test_mnist_layer_parallel_on_two_ranks_learns(tmp_path):
     # after training: 10 batches timed layer-parallel and on the serial copy, in this job
     comparison = metrics(tmp_path)["serial_comparison"]
     assert len(comparison["layer_parallel_seconds"]) == len(comparison["serial_seconds"]) == 10
+    pairs = zip(comparison["serial_seconds"], comparison["layer_parallel_seconds"])
+    assert comparison["pair_speedups"] == [s / p for s, p in pairs]  # each pair's own ratio
+    assert sorted(comparison["pair_speedups"])[5] == comparison["speedup"]
     assert proc.stdout.count("serial PyTorch on one rank") == 1
     # resume on one rank from the two-rank checkpoint, for one more epoch
     run(1, "mnist.py", "--epochs", 2, "--max-batches", 10, "--test-limit", 500, "--steps", 8,

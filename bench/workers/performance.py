@@ -63,6 +63,8 @@ def worker(argv):
     p.add_argument("--iters", type=int, nargs=2, default=[2, 1])
     p.add_argument("--relax-first", action="store_true",
                    help="relax the first down-cycle instead of skipping it")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="lp: pipeline each batch's exact path in this many microbatches")
     p.add_argument("--batches", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--paired", action="store_true",
@@ -86,7 +88,7 @@ def worker(argv):
     grid = layerbraid.ProcessGrid(comm, data_parallel=dp)  # DDP: only for the loader's shards
     torch.manual_seed(0)
     model = ex.MNISTNet(grid if a.mode in ("dp", "lp") else MPI.COMM_SELF, 8, 8, 1.0, fwd, bwd,
-                        False)
+                        False, microbatches=a.microbatches if a.mode == "lp" else 1)
     serial = model.to_serial()
     if a.mode == "plain":
         model = serial
