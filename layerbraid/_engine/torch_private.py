@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "MISSING",
+    "missing",
     "PRIVATE_APIS",
     "cudnn_flatten_rnn_weights",
     "flatten_dense",
@@ -67,8 +67,26 @@ PRIVATE_APIS = (
     "torch.distributed.pipelining._backward.construct_reverse_graph",
     "torch.distributed.pipelining._backward.get_param_groups",
 )
-_FOUND = {path: _lookup(path) for path in PRIVATE_APIS}
-MISSING = tuple(path for path, obj in _FOUND.items() if obj is None)
+
+
+class _Found(dict):
+    """Each private API's object (None where torch lacks it), looked up on first use: importing
+    ``torch.distributed.pipelining`` registers exit handlers, which importing layerbraid must
+    not do (layerbraid changes process state only in launch.install_process_hooks)."""
+
+    def __missing__(self, path: str) -> Callable[..., Any] | None:
+        if path not in PRIVATE_APIS:
+            raise KeyError(path)
+        found = self[path] = _lookup(path)
+        return found
+
+
+_FOUND = _Found()
+
+
+def missing() -> tuple[str, ...]:
+    """The private APIs the installed torch lacks (looks every one up)."""
+    return tuple(path for path in PRIVATE_APIS if _FOUND[path] is None)
 
 
 # ---------------------------------------------------------------- multi-step RNN kernels
