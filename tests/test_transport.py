@@ -115,3 +115,29 @@ def test_the_step_weights_fetch_moves_tensors_only(monkeypatch):
     for i, copy in steps.copies.items():
         for got, want in zip(copy.state_dict().values(), serial.layers[i].state_dict().values()):
             assert torch.equal(got, want), i
+
+
+def test_a_wait_that_gives_up_keeps_its_posted_receive_and_buffer(short_timeout):
+    """A receive whose message never came stalls the wait; its request (which holds its
+    buffer) is kept, so that a late sender's message lands in live memory instead of freed
+    memory (in a 2-rank stall test, freed memory crashed the process at exit about every
+    other run)."""
+    from layerbraid._comm import base
+    from layerbraid._comm.mpi import MPIComm
+
+    comm = MPIComm(MPI.COMM_SELF.Dup(), owned=True)
+    try:
+        buf = torch.zeros(4, dtype=torch.uint8)
+        work = comm._start_p2p(False, buf, 0, 7777)
+        kept = len(base._ABANDONED)
+        with pytest.raises(layerbraid.StallError, match="a message nobody sends"):
+            comm.wait([work], "a message nobody sends")
+        assert base._ABANDONED[kept:] == [work]
+        # the late message still lands, in the buffer kept alive
+        comm.comm.Send([torch.full((4,), 9, dtype=torch.uint8).numpy(), MPI.BYTE], dest=0,
+                       tag=7777)
+        work.request.Wait()
+        assert buf.tolist() == [9] * 4
+        base._ABANDONED.remove(work)
+    finally:
+        comm.Free()

@@ -42,6 +42,10 @@ _GATHER_TAG = 7603
 _INT_MAX = 2**31 - 1
 
 
+# The requests of waits that gave up (stalled, interrupted) while messages were in flight.
+_ABANDONED: list[Any] = []
+
+
 class Transport(StateStream, ABC):
     """A communicator: ranks 0..size-1, in the order this object gives them.
 
@@ -135,7 +139,15 @@ class Transport(StateStream, ABC):
             pending[:] = [w for w in pending if not self._done(w, what)]
             return not pending
 
-        poll(done, lambda: self.check_exits(what), what, self.rank)
+        try:
+            poll(done, lambda: self.check_exits(what), what, self.rank)
+        except BaseException:
+            # A receive still posted writes into its buffer whenever its message comes (a late
+            # rank sends it after this one gave up): freeing the request now would free the
+            # buffer under it and corrupt this process's memory.  Each request holds its
+            # buffer, so keeping the requests keeps both for the rest of the process.
+            _ABANDONED.extend(pending)
+            raise
 
     def barrier(self, what: str) -> None:
         """Waits until every rank has reached this point; after the timeout,
