@@ -203,28 +203,40 @@ def test_more_microbatches_than_mgrit_takes_are_refused_naming_the_count():
 _FAULT = {"where": None}  # where _Failing's step 5 raises: "forward", "backward" or None
 
 
+def _raise(text):
+    def hook(grad):
+        raise RuntimeError(text)
+    return hook
+
+
 class _Failing(ODEResNet):
-    """Step 5 raises in the forward, or in its VJP, as _FAULT says (the serial copy, which
-    calls this rule with itself as ``self``, too)."""
+    """Step 5 raises in the forward, in its VJP, or only where its parameters' gradients are
+    computed (past the first rank the exact path defers those: Note [deferred W]), as _FAULT
+    says (the serial copy, which calls this rule with itself as ``self``, too)."""
 
     def step_rule(self, layer, x, dt, index):
         if index == 5 and _FAULT["where"] == "forward":
             raise RuntimeError("step 5 failed")
         y = x + dt * layer(x)
         if index == 5 and _FAULT["where"] == "backward":
-            y.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("step 5's VJP failed")))
+            y.register_hook(_raise("step 5's VJP failed"))
+        if index == 5 and _FAULT["where"] == "weights":
+            q = next(layer.parameters()) * 1.0  # on the parameter's path alone
+            q.register_hook(_raise("step 5's weight gradient failed"))
+            y = y + 0.0 * q.sum()
         return y
 
 
 @pytest.mark.shared_job
 @pytest.mark.both_transports
 @pytest.mark.parallel([3])
-@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("where", ["forward", "backward", "weights"])
 @pytest.mark.parametrize("levels", [1, 2])
 def test_a_step_that_raises_in_a_microbatch_raises_on_every_rank(where, levels):
     """Step 5 of 9 runs on rank 1 of 3: rank 1 raises its own error, the ranks before and
     after it a RemoteRankError naming rank 1 and the message, none waits for the deadline;
-    on the exact path and in MGRIT's microbatched solves."""
+    on the exact path (a failing weight gradient too, which rank 1 computes after it sent the
+    input's gradient on) and in MGRIT's microbatched solves."""
     torch.manual_seed(0)
     opts = MGRITOptions(max_levels=levels, cfactor=3, max_iters=1)
     model = _Failing(WORLD, num_steps=9, microbatches=3, forward_options=opts,
