@@ -671,3 +671,28 @@ def test_the_gpu_check_names_its_device_and_refuses_without_one():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA device"):
             gpu.measure()
+
+
+def test_the_numbers_quoted_from_the_performance_report_are_its_own():
+    """The README's and the tuning guide's demo speedups (exact, and in 2 microbatches) and the
+    guide's N=64 2-level row are what docs/performance.md says, at the commit they name."""
+    report = (ROOT / "docs" / "performance.md").read_text()
+    commit = re.search(r"on commit ([0-9a-f]{7})", report).group(1)
+    readme, guide = _flat("README.md"), _flat("docs/guide/tuning.md")
+
+    def speedup(label):
+        row = next(line for line in report.splitlines() if line.startswith(f"| {label} |"))
+        cells = [c.strip() for c in row.split("|")]
+        m = re.match(r"([\d.]+) \[([\d.]+)-([\d.]+)\]", cells[3 if "N=" not in label else 4])
+        return m.group(1), m.group(2), m.group(3)
+
+    exact = speedup("layer parallel, 2 ranks, 1 level (exact)")
+    micro = speedup("layer parallel, 2 ranks, 1 level (exact), 2 microbatches")
+    deep = speedup("N=64, 2 ranks, 2 levels, 2/1 iterations")
+    assert f"at {exact[0]}x plain PyTorch's speed" in readme and f"({exact[1]}-{exact[2]})" in readme
+    assert f"2 microbatches at {micro[0]}x ({micro[1]}-{micro[2]}; docs/performance.md, " \
+           f"commit {commit})" in readme
+    assert f"docs/performance.md at commit {commit}" in guide
+    for said in (f"{exact[0]} [{exact[1]}-{exact[2]}]", f"{micro[0]} [{micro[1]}-{micro[2]}]",
+                 f"at {deep[0]} [{deep[1]}-{deep[2]}] (N = 64)"):
+        assert said in guide, said
