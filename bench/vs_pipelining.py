@@ -138,20 +138,28 @@ MGRIT_ROWS = MGRITOptions(max_levels=2, cfactor=4, max_iters=1)  # the worker's 
 
 
 def predicted(job, name):
-    """The planner's seconds per batch for a row, from the step costs the job measured at the
-    row's microbatch size (a pipeline: layerbraid.plan.predict_pipeline; MGRIT in microbatches:
-    layerbraid.plan.predict), or None for plain PyTorch."""
+    """The planner's seconds per batch for a row in each round, from the step costs the job
+    measured in that round at the row's microbatch size (a pipeline:
+    layerbraid.plan.predict_pipeline; MGRIT in microbatches: layerbraid.plan.predict), or None
+    for plain PyTorch.  Runs that measured the costs once, after the rounds, give one
+    prediction."""
     family, _, m = name.rpartition("-")
     if name == "plain" or family not in ("gpipe", "1f1b", "lp", "lp-mgrit"):
         return None
     c = job["costs"]
-    measured = c["busy"][m]
-    if len(measured) == 2:  # runs before the plain VJP was measured: VJP = 2/3 of the other
-        measured = (measured[0], measured[1] / 1.5, measured[1])
-    step, vjp, vjp_param = measured
-    alone = c["alone"]
-    part_x, part_w = c.get("split", {}).get(m, (None, None))  # runs before the split: none
-    costs = plan.Costs(step, vjp, vjp_param, message_bytes=c["message_bytes"] * job["batch"]
+    return [_predict(job, family, m, r, c["message_bytes"]) for r in c.get("rounds", [c])]
+
+
+def _predict(job, family, m, measured, message_bytes):
+    """The planner's seconds per batch for ``family`` in ``m`` microbatches from one
+    measurement of the costs."""
+    busy = measured["busy"][m]
+    if len(busy) == 2:  # runs before the plain VJP was measured: VJP = 2/3 of the other
+        busy = (busy[0], busy[1] / 1.5, busy[1])
+    step, vjp, vjp_param = busy
+    alone = measured["alone"]
+    part_x, part_w = measured.get("split", {}).get(m, (None, None))  # runs before the split
+    costs = plan.Costs(step, vjp, vjp_param, message_bytes=message_bytes * job["batch"]
                        / int(m), latency=50e-6, bandwidth=1e9, split_input_seconds=part_x,
                        split_weights_seconds=part_w)
     serial = job["steps"] * (alone[0] + alone[-1])
@@ -161,6 +169,19 @@ def predicted(job, name):
     schedule = {"1f1b": "1f1b", "gpipe": "gpipe"}.get(family, "exact")
     return plan.predict_pipeline(job["steps"], job["ranks"], int(m), costs, schedule,
                                  serial).seconds
+
+
+def model_cells(times, guesses):
+    """The predicted ms and measured / predicted cells of a row, and the ratio to judge it by:
+    with a prediction per round, the median over the rounds of each round's ratio, with its
+    spread; with one, the median's."""
+    if len(guesses) == len(times) > 1:
+        ratios = sorted(t / g for t, g in zip(times, guesses))
+        med = statistics.median(ratios)
+        return (f"{1e3 * statistics.median(guesses):.0f} | "
+                f"{med:.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]", med)
+    med = statistics.median(times) / guesses[0]
+    return f"{1e3 * guesses[0]:.0f} | {med:.2f}", med
 
 
 def report(data):
@@ -175,9 +196,12 @@ def report(data):
              "backward at once, per process (rank 0 / rank 1).  Predicted: the planner's "
              "time (`layerbraid.plan.predict_pipeline`: the bubble model of GPipe and 1F1B "
              "schedules, and of layerbraid's exact path, GPipe's order with the weight "
-             "gradients deferred past the first rank) from a step's forward and VJP seconds that the job measured at the "
-             "row's microbatch size with both processes measuring at once; measured / "
-             "predicted compares it with the row's median.  " + SAME_LEGEND, ""]
+             "gradients deferred past the first rank) from a step's forward and VJP "
+             "seconds measured at the row's microbatch size with both processes measuring at "
+             "once, in every round among the systems (the machine's quiet and busy stretches "
+             "differ by more than the model's errors): predicted ms is the median of the "
+             "rounds' predictions, measured / predicted the median [min-max] of each round's "
+             "time over its own prediction.  " + SAME_LEGEND, ""]
     ratios = []
     best = {}
     for job in data["jobs"]:
@@ -191,11 +215,11 @@ def report(data):
             med = statistics.median(times)
             cell = speedup(plain, times)[3] if name != "plain" else "1.00"
             peaks = " / ".join(f"{b / 2**20:.0f}" for b in job["peak_bytes"][name])
-            guess = predicted(job, name)
+            guesses = predicted(job, name)
             model = "- | -"
-            if guess is not None:
-                model = f"{1e3 * guess:.0f} | {med / guess:.2f}"
-                ratios.append(med / guess)
+            if guesses is not None:
+                model, ratio = model_cells(times, guesses)
+                ratios.append(ratio)
             lines.append(f"| {_label(name)} | {spread(times)} | {cell} | "
                          f"{job['errors'][name]:.1e} | {peaks} | {model} |")
             exact = name.startswith("lp-") and not name.startswith("lp-mgrit")

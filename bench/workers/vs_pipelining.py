@@ -21,7 +21,9 @@ Each round runs one training batch of every system, in an order that rotates fro
 round; a system's time is the slowest rank's.  Beside each system: its gradient's relative
 error against the serial network's at the initial weights, and the peak bytes its autograd
 graph held for the backward on each rank (what ``saved_tensors_hooks`` saw live at once: the
-activation memory, which is what microbatching schedules trade).
+activation memory, which is what microbatching schedules trade).  The planner's costs (a
+step's forward and VJP at each microbatch size) are measured in every round too, in the same
+rotation, so that each round's prediction has the machine in the state its timings had.
 """
 
 import argparse
@@ -40,6 +42,8 @@ from bench.harness import bind_self, steady_allocator
 from layerbraid.nn import ConvBlock
 
 CHANNELS, SIZE, CLASSES = 8, 28, 10
+COSTS = "costs"  # the planner's cost measurement, a pseudo-system of every round
+COST_REPEATS = 5  # runs of each measured part a round (their median)
 
 
 class Euler(nn.Module):
@@ -157,9 +161,19 @@ def main() -> None:
     names = list(systems)
     times: dict[str, list[float]] = {n: [] for n in names}
     peaks: dict[str, int] = {}
+    counts = [1, *a.microbatches]
+    # the planner's costs, measured in every round among the systems, so that each round's
+    # prediction and measurement see the same stretch of a noisy machine
+    costs: list[dict[str, Any]] = []
+    order = [*names, COSTS] if device.type == "cpu" else names
     for r in range(a.warmup + a.rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
+        k = r % len(order)
+        for name in order[k:] + order[:k]:
+            if name == COSTS:
+                measured = _costs(a.batch, counts, comm)
+                if r >= a.warmup:
+                    costs.append(measured)
+                continue
             peak = Peak()
             comm.barrier("the start of a timed batch")
             t0 = time.perf_counter()
@@ -171,7 +185,6 @@ def main() -> None:
             if r >= a.warmup:
                 times[name].append(time.perf_counter() - t0)
             peaks[name] = max(peaks.get(name, 0), peak.peak)
-    costs = _costs(a.batch, [1, *a.microbatches], comm) if device.type == "cpu" else None
     per_rank = comm.gather_obj(peaks, 0, "every rank's peaks")
     if rank == 0:
         assert per_rank is not None
@@ -184,38 +197,34 @@ def main() -> None:
             "times": times, "errors": errors,
             "peak_bytes": {n: [pr[n] for pr in per_rank] for n in names},
             "medians": {n: statistics.median(t) for n, t in times.items()},
-            "costs": costs,
+            "costs": {"rounds": costs, "message_bytes": 4 * CHANNELS * SIZE * SIZE}
+            if costs else None,
         }))
 
 
-def _costs(batch: int, counts: list[int], comm) -> dict[str, Any]:
-    """What the planner needs (layerbraid.plan.predict_pipeline and predict): a step's
-    seconds, forward, VJP and VJP with parameter gradients, and the two parts of the split VJP
-    (layerbraid.plan.measure_split), at each microbatch count's largest microbatch, measured
-    on every rank at once (the ranks of a pipeline step side by side and share the node), and
-    at the whole batch on rank 0 alone (plain PyTorch has the node to itself)."""
+def _costs(batch: int, counts: list[int], comm, repeats: int = COST_REPEATS) -> dict[str, Any]:
+    """One round's costs for the planner (layerbraid.plan.predict_pipeline and predict): a
+    step's seconds, forward, VJP and VJP with parameter gradients, and the two parts of the
+    split VJP (layerbraid.plan.measure_split), at each microbatch count's largest microbatch,
+    measured on every rank at once (the ranks of a pipeline step side by side and share the
+    node), and at the whole batch on rank 0 alone (plain PyTorch has the node to itself)."""
     from layerbraid.plan import measure_split, measure_step
 
-    def measure(n: int) -> tuple[float, float, float]:
+    def layer_and_input(n: int) -> tuple[nn.Module, torch.Tensor]:
         torch.manual_seed(0)
-        return measure_step(ConvBlock(CHANNELS), torch.randn(n, CHANNELS, SIZE, SIZE))
-
-    def measure_parts(n: int) -> tuple[float, float]:
-        torch.manual_seed(0)
-        return measure_split(ConvBlock(CHANNELS), torch.randn(n, CHANNELS, SIZE, SIZE))
+        return ConvBlock(CHANNELS), torch.randn(n, CHANNELS, SIZE, SIZE)
 
     busy, split = {}, {}
     for m in counts:
         comm.barrier("the start of a cost measurement")
-        busy[m] = measure(-(-batch // m))
-        split[m] = measure_parts(-(-batch // m))
+        busy[m] = measure_step(*layer_and_input(-(-batch // m)), repeats=repeats)
+        split[m] = measure_split(*layer_and_input(-(-batch // m)), repeats=repeats)
     alone = None
     comm.barrier("the start of the serial cost measurement")
     if comm.Get_rank() == 0:
-        alone = measure(batch)
+        alone = measure_step(*layer_and_input(batch), repeats=repeats)
     comm.barrier("the end of the serial cost measurement")
-    return {"busy": busy, "split": split, "alone": alone,
-            "message_bytes": 4 * CHANNELS * SIZE * SIZE}
+    return {"busy": busy, "split": split, "alone": alone}
 
 
 def _serial_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
