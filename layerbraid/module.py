@@ -29,6 +29,7 @@ from ._engine.layer_steps import _LayerSteps
 from ._engine.ownership import _StepLayers, draw_seed
 from ._engine.parts import ExactSolve, FreedOnExit
 from ._engine.pipeline import Pipeline, PipelineFn, check_independent, microbatch_sizes
+from ._engine.pipeline_model import SplitPlanner
 from ._engine.schedule import lib
 from ._engine.serial import parallel_penalty, serial_forward, time_points
 from ._engine.sharded_state import ShardedState
@@ -262,6 +263,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         )
         self._averager = replicate(self, self._grid)
         self._anchor = torch.zeros((), requires_grad=True)
+        self._split_planner = SplitPlanner()  # the microbatched backward's (Note [split count])
         try:
             self.parameterization.attach(self)
         except BaseException:
@@ -384,6 +386,7 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
                 record=record,
                 retain=retain,
                 check_finite=self.check_finite,
+                planner=self._split_planner,
             )
             inputs = self.parameterization.inputs(self, params)
             return PipelineFn.apply(pipe, meta.shape, meta.dtype, anchor, h0, *inputs)

@@ -25,6 +25,7 @@ from typing import Any, Literal, Optional, Union, overload
 
 import numpy as np
 
+from ._engine import pipeline_model
 from ._engine.schedule import OPS, virtual_schedule
 from .options import MGRITOptions, check_int
 
@@ -630,35 +631,17 @@ def predict(
 # forward of m.  A rank's forward of a microbatch costs its owned steps times a step's seconds,
 # its backward its owned steps times a VJP with parameter gradients, both at the microbatch's
 # size (a step's cost is not linear in its batch on a CPU: measure it there).  Schedule "exact"
-# is layerbraid's exact path: GPipe's order, and past the first rank each backward split as
-# zero-bubble schedules split it (Note [deferred W] in _engine/pipeline.py): the input's
-# gradient (a VJP without parameter gradients) first, sent at once, and the parameters' (the
-# difference) deferred, run while the rank waits for the next microbatch's gradient and at the
-# end.  The close layer and the loss are not modelled, nor is the contention of ranks that
-# share a node's memory.
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "exact")
+# is layerbraid's exact path: GPipe's order, and past the first rank the first VJPs of each
+# backward split as zero-bubble schedules split them (Note [deferred W] in _engine/pipeline.py):
+# the input's gradient (a VJP without parameter gradients) first, sent at once, and the
+# parameters' (the difference) deferred, run while the rank waits for the next microbatch's
+# gradient and at the end; how many are split is the simulation's fastest count (Note [split
+# count] in _engine/pipeline_model.py).  The close layer and the loss are not modelled, nor is
+# the contention of ranks that share a node's memory.
+PIPELINE_SCHEDULES = pipeline_model.PIPELINE_SCHEDULES
 
 
-def pipeline_orders(ranks: int, microbatches: int, schedule: str) -> list[list[tuple[str, int]]]:
-    """Each rank's actions, ("F" or "B", microbatch), in the order it runs them: "gpipe" and
-    "exact" (every forward, then every backward, the last microbatch first, as layerbraid's
-    exact path runs them) or "1f1b" (as many forwards as stages ahead, then one backward and
-    one forward in turn)."""
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}")
-    m = microbatches
-    orders = []
-    for r in range(ranks):
-        if schedule in ("gpipe", "exact"):
-            orders.append([("F", k) for k in range(m)] + [("B", k) for k in reversed(range(m))])
-            continue
-        warmup = min(m, ranks - r)
-        order = [("F", k) for k in range(warmup)]
-        for k in range(m - warmup):
-            order += [("B", k), ("F", warmup + k)]
-        order += [("B", k) for k in range(m - warmup, m)]
-        orders.append(order)
-    return orders
+pipeline_orders = pipeline_model.orders
 
 
 def predict_pipeline(
@@ -668,67 +651,36 @@ def predict_pipeline(
     costs: Costs,
     schedule: str = "exact",
     serial_seconds: Optional[float] = None,
+    split_first: Optional[int] = None,
 ) -> Prediction:
     """Predicted seconds per batch of a pipeline of ``microbatches`` microbatches over ``ranks``
     ranks (Note [pipeline model]), each rank the steps the core's block distribution gives it;
     ``costs`` measured at the microbatch's size.  ``schedule``: "exact" (layerbraid's exact
     path), "gpipe" or "1f1b" (torch.distributed.pipelining's).  ``serial_seconds``: plain
     PyTorch's time for the whole batch (default: the microbatches' steps one after another at
-    these costs).  The prediction's ``forward_seconds`` is when the last forward ends (under
-    1F1B, after some backwards)."""
+    these costs).  ``split_first``: under "exact", how many leading VJPs of each backward the
+    ranks past the first split (default: the fastest count, as the exact path chooses it).  The
+    prediction's ``forward_seconds`` is when the last forward ends (under 1F1B, after some
+    backwards)."""
     _check(num_steps, ranks)
     check_int("microbatches", microbatches)
+    pipeline_orders(ranks, microbatches, schedule)  # a clear error for an unknown schedule
     owned = [sum(c.values()) for c in step_counts(schedule_of_exact(num_steps, ranks))]
     over = costs.overhead_seconds
-    split = [schedule == "exact" and r > 0 for r in range(ranks)]
     part_x, part_w = costs.split()
-    cost = {
-        "F": [n * (costs.step_seconds + over) for n in owned],
-        "B": [n * ((part_x if s else costs.vjp_param()) + over) for n, s in zip(owned, split)],
-    }
-    weights = [n * part_w for n in owned]
-    deferred: list[int] = [0] * ranks  # weight gradients each rank still owes
-    msg = costs.message_seconds()
-    orders = pipeline_orders(ranks, microbatches, schedule)
-    done: dict[tuple[str, int, int], float] = {}
-    clock, at = [0.0] * ranks, [0] * ranks
-    while any(at[r] < len(orders[r]) for r in range(ranks)):
-        moved = False
-        for r in range(ranks):
-            while at[r] < len(orders[r]):
-                kind, k = orders[r][at[r]]
-                deps = _pipeline_deps(kind, r, k, ranks, msg)
-                if any(d not in done for d, _ in deps):
-                    break
-                ready = max([0.0] + [done[d] + wait for d, wait in deps])
-                while deferred[r] and clock[r] < ready:  # the wait filled (Note [deferred W])
-                    clock[r] += weights[r]
-                    deferred[r] -= 1
-                start = max(clock[r], ready)
-                done[(kind, r, k)] = clock[r] = start + cost[kind][r]
-                deferred[r] += kind == "B" and split[r]
-                at[r] += 1
-                moved = True
-        assert moved, "a pipeline schedule whose ranks wait for each other"
-    for r in range(ranks):
-        clock[r] += deferred[r] * weights[r]
-    forward = max(t for (kind, _, _), t in done.items() if kind == "F")
-    total = max(clock)
+    stages = pipeline_model.StageCosts(
+        forward=[n * (costs.step_seconds + over) for n in owned],
+        vjp=[n * (costs.vjp_param() + over) for n in owned],
+        split_input=[n * (part_x + over) for n in owned],
+        split_weights=[n * part_w for n in owned],
+        message=costs.message_seconds(),
+    )
+    if split_first is None:
+        split_first = pipeline_model.best_split_count(stages, microbatches)
+    forward, total = pipeline_model.simulate(stages, microbatches, schedule, split_first)
     if serial_seconds is None:
         serial_seconds = microbatches * num_steps * (costs.step_seconds + costs.vjp_param())
     return Prediction(ranks, 1, total, serial_seconds, forward, total - forward, owned)
-
-
-def _pipeline_deps(
-    kind: str, r: int, k: int, ranks: int, msg: float
-) -> list[tuple[tuple[str, int, int], float]]:
-    """What action (kind, r, k) waits for, and the message time after each."""
-    if kind == "F":
-        return [(("F", r - 1, k), msg)] if r > 0 else []
-    deps = [(("F", r, k), 0.0)]
-    if r < ranks - 1:
-        deps.append((("B", r + 1, k), msg))
-    return deps
 
 
 def schedule_of_exact(num_steps: int, ranks: int) -> list[np.ndarray]:

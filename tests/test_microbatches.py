@@ -26,9 +26,12 @@ def _compare(model, x, y):
 @pytest.mark.shared_job
 @pytest.mark.both_transports
 @pytest.mark.parallel([2, 3])
-def test_every_rank_but_the_first_defers_its_weight_gradients(monkeypatch):
-    """Past the first rank, each microbatch's VJP is split: the input's gradient sent first,
-    the weights' computed later (zero-bubble's B/W split), with serial's gradients."""
+@pytest.mark.parametrize("chosen", [None, 2, 3])
+def test_ranks_past_the_first_split_their_first_vjps(monkeypatch, chosen):
+    """Past the first rank, the first VJPs of a backward are split (the input's gradient sent
+    first, the weights' computed later: zero-bubble's B/W split), the rest fused: one until
+    the rank has timed a few passes, then as many as its planner chooses (here forced: 2, or
+    all 3); with serial's gradients either way."""
     from layerbraid._engine import pipeline
 
     calls = []
@@ -42,8 +45,10 @@ def test_every_rank_but_the_first_defers_its_weight_gradients(monkeypatch):
     monkeypatch.setattr(pipeline, "split_vjp", counted)
     torch.manual_seed(0)
     model = ODEResNet(WORLD, num_steps=6, microbatches=3)
+    if chosen is not None:
+        monkeypatch.setattr(model._split_planner, "split_first", lambda ranks, m: chosen)
     _compare(model, *batch(n=6))
-    assert calls == ([] if WORLD.rank == 0 else [True] * 3)
+    assert calls == ([] if WORLD.rank == 0 else [True] * (chosen or 1))
 
 
 @pytest.mark.shared_job

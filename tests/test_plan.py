@@ -258,13 +258,15 @@ def test_the_exact_path_defers_weight_gradients_past_the_first_rank():
     """Schedule "exact": GPipe's order, and past the first rank the input's gradient (a VJP
     without parameters) first, the parameters' (the rest of a VJP with them) in the waits and
     at the end.  By hand, one step a rank, step 1, VJP 1, with parameters 2, free messages:
-    forwards end at 3; rank 1's input gradients take [3, 4] and [4, 5], rank 0's VJPs
-    [4, 6] and [6, 8], rank 1's two deferred weight gradients end at 7: 8 in all, against
-    GPipe's 9."""
+    forwards end at 3; rank 1's first input gradient takes [3, 4], its fused second VJP
+    [4, 6] and the deferred weights [6, 7], rank 0's VJPs [4, 6] and [6, 8]: 8 in all,
+    against GPipe's 9 (splitting both: rank 1's parts [3, 4], [4, 5] and [5, 7], the same 8,
+    with more work)."""
     costs = plan.Costs(1.0, 1.0, 2.0, latency=0.0)
     exact = plan.predict_pipeline(2, 2, 2, costs, "exact")
     assert exact.forward_seconds == pytest.approx(3.0)
     assert exact.seconds == pytest.approx(8.0)
+    assert plan.predict_pipeline(2, 2, 2, costs, "exact", split_first=2).seconds == 8.0
     assert plan.predict_pipeline(2, 2, 2, costs, "gpipe").seconds == pytest.approx(9.0)
     assert plan.pipeline_orders(3, 2, "exact") == plan.pipeline_orders(3, 2, "gpipe")
     # a middle rank fills its waits: never slower than GPipe, one rank the same
@@ -273,6 +275,43 @@ def test_the_exact_path_defers_weight_gradients_past_the_first_rank():
         fused = plan.predict_pipeline(4 * ranks, ranks, m, costs, "gpipe").seconds
         assert split <= fused + 1e-12
         assert (split == pytest.approx(fused)) == (ranks == 1)
+
+
+def test_the_split_count_is_the_fastest_from_one_up():
+    """Splitting every VJP piles the last rank's weight gradients up at its end: on 2 ranks,
+    step 1, VJP 2, split parts 1.4 and 1.4 (dearer than the fused VJP, as on a CPU), 5
+    microbatches: forwards end at 6, the last rank's input gradients take [6, 7.4] ...
+    [11.6, 13], then five weight parts to 20; splitting the first only, rank 0's VJPs run
+    [7.4, 17.4] and rank 1's fused ones keep up (its end: 16.8).  On 3 ranks with a free split (1 + 1 against 2) and 2 microbatches,
+    splitting both is faster: 10 against 11 (worked out in the Note [split count]'s terms:
+    the middle rank would wait for a fused second VJP)."""
+    from layerbraid._engine.pipeline_model import StageCosts, best_split_count, simulate
+
+    dear = plan.Costs(1.0, 1.0, 2.0, latency=0.0, split_input_seconds=1.4,
+                      split_weights_seconds=1.4)
+    assert plan.predict_pipeline(2, 2, 5, dear, "exact", split_first=5).seconds == \
+        pytest.approx(20.0)
+    assert plan.predict_pipeline(2, 2, 5, dear, "exact").seconds == pytest.approx(17.4)
+    free = StageCosts([1.0] * 3, [2.0] * 3, [1.0] * 3, [1.0] * 3)
+    assert simulate(free, 2, "exact", 1)[1] == 11.0 and simulate(free, 2, "exact", 2)[1] == 10.0
+    assert best_split_count(free, 2) == 2
+    assert best_split_count(StageCosts(*[[1.0, 1.0]] * 2, [1.4] * 2, [1.4] * 2), 5) == 1
+
+
+def test_the_split_planner_chooses_from_the_passes_it_timed():
+    """The runtime's choice (Note [split count]): one split until it has timed a few passes
+    (the first, cold, not counted), then the simulation's count at its averaged timings."""
+    from layerbraid._engine.pipeline_model import SplitPlanner
+
+    planner = SplitPlanner()
+    timings = {"forward": [1.0], "vjp": [2.0], "split_input": [1.0], "split_weights": [1.0]}
+    for passes in range(SplitPlanner.SAMPLES + 1):
+        assert planner.split_first(3, 2) == 1
+        for kind, seconds in timings.items():
+            planner.note(kind, [100.0 * t for t in seconds] if passes == 0 else seconds)
+        planner.finished_pass()
+    assert planner.seconds == {k: v[0] for k, v in timings.items()}  # pass 0 left out
+    assert planner.split_first(3, 2) == 2 and planner.split_first(2, 5) == 1
 
 
 def test_the_split_costs_default_to_a_free_split_and_are_checked():

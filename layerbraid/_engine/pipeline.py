@@ -14,14 +14,14 @@ gradient is the sum of the microbatches' gradients, equal to the batched one to 
 Note [deferred W]: a rank's VJP of a microbatch is two kinds of work, the input's gradient
 (which the rank to its left waits for) and the parameters' gradients (which nobody waits for
 until the pass ends).  Zero-bubble pipeline schedules split them; so does this backward on every
-rank but the first (torch_private.split_vjp): it computes the input's gradient, sends it at
-once, and leaves the parameters' gradients for when the next microbatch's gradient has not
-arrived yet (and for the end), so the left rank starts about half a microbatch's VJP sooner.
-The sums over microbatches are the same; only their order of addition may differ.  On 2 ranks
-the first rank's VJPs are then the backward's critical path, and the last rank's weight
-gradients fill the time it would otherwise idle at the end.  A step graph that holds a custom
-autograd Function keeps the fused VJP: the Function's one backward computes every gradient, so
-the split would run it twice.
+rank but the first (torch_private.split_vjp), for the first VJPs of each pass (how many: Note
+[split count] in _engine/pipeline_model.py, from this rank's timings of the passes before): it
+computes the input's gradient, sends it at once, and leaves the parameters' gradients for when
+the next microbatch's gradient has not arrived yet (and for the end), so the left rank starts
+about half a microbatch's VJP sooner.  The rest of the pass runs fused VJPs, which cost less
+work than the two parts.  The sums over microbatches are the same; only their order of addition
+may differ.  A step graph that holds a custom autograd Function keeps the fused VJP: the
+Function's one backward computes every gradient, so the split would run it twice.
 
 Every message carries, after the state, one int64: -1, or the rank whose step raised.  A rank
 whose step raises sends that mark in place of each state it still owes, so that its neighbour
@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .chain import BACKWARD_TWICE, _solve_state
+from .pipeline_model import SplitPlanner
 from .serial import _exact_stats
 from .torch_private import split_vjp
 
@@ -87,6 +88,8 @@ class Pipeline:
         record: record the graphs for a backward.
         retain: keep them after a backward (``retain_graphs``).
         check_finite: check the gradients for NaN/Inf after the backward (collective).
+        planner: how many VJPs a backward splits (Note [split count]); it is handed this
+            pass's timings.
     """
 
     def __init__(
@@ -102,8 +105,11 @@ class Pipeline:
         record: bool,
         retain: bool,
         check_finite: bool,
+        planner: SplitPlanner | None = None,
     ) -> None:
         self.comm, self.steps, self.chain = comm, steps, chain
+        self.planner = planner if planner is not None else SplitPlanner()
+        self.timings: dict[str, list[float]] = {k: [] for k in SplitPlanner.KINDS}
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.first, self.last = self.rank == 0, self.rank == self.size - 1
         layers = steps.layers.layers
@@ -137,7 +143,9 @@ class Pipeline:
                     try:
                         x = x.detach().requires_grad_(self.record)
                         with torch.set_grad_enabled(self.record):
+                            begun = time.perf_counter()
                             y = self._steps(x)
+                            self.timings["forward"].append(time.perf_counter() - begun)
                     except Exception as exc:  # sent on as a mark, raised on every rank below
                         error, mark = exc, self.rank
                 if mark != _OK:
@@ -177,7 +185,8 @@ class Pipeline:
         gxs: list[torch.Tensor] = []
         outbox, error, mark = [], None, _OK
         deferred: list[Any] = []  # weight gradients left for the waits (Note [deferred W])
-        for m in order:
+        split_first = 0 if self.first else self.planner.split_first(self.size, len(order))
+        for i, m in enumerate(order):
             x, y = self.xs[m], self.ys[m]
             if self.last:
                 g, got = (chunks[m] if chunks else torch.zeros_like(y)), _OK
@@ -189,7 +198,7 @@ class Pipeline:
             gx = None
             if mark == _OK:
                 try:
-                    gx = self._vjp(x, y, g, totals, want_x, deferred)
+                    gx = self._vjp(x, y, g, totals, want_x, deferred if i < split_first else None)
                 except Exception as exc:  # sent on as a mark, raised on every rank below
                     error, mark = exc, self.rank
             if gx is None or mark != _OK:
@@ -203,6 +212,10 @@ class Pipeline:
         for msg in outbox:
             msg.wait()
         self.comm.raise_on_every_rank(error, "the microbatched backward")
+        for kind, seconds in self.timings.items():
+            self.planner.note(kind, seconds)
+            seconds.clear()
+        self.planner.finished_pass()
         if not self.retain:
             self.xs, self.ys = [], []
         grad_h0 = None
@@ -233,22 +246,25 @@ class Pipeline:
         g: torch.Tensor,
         totals: list[torch.Tensor | None],
         want_x: bool,
-        deferred: list[Any],
+        deferred: list[Any] | None,
     ) -> torch.Tensor | None:
         """One microbatch's VJP: its input's gradient (when wanted); the parameters'
-        gradients are added to ``totals``, or, where a rank to the left waits for the input's
-        gradient, left in ``deferred`` to compute later (Note [deferred W])."""
+        gradients are added to ``totals``, or, given ``deferred`` (where a rank to the left
+        waits for the input's gradient), left there to compute later (Note [deferred W])."""
         inputs = ([x] if want_x else []) + self.params
         if not y.requires_grad or not inputs:
             return None
-        if not self.first and self.params and x.requires_grad:
+        begun = time.perf_counter()
+        if deferred is not None and self.params and x.requires_grad:
             split = split_vjp(y, g, x, self.params)
             if split is not None:
                 gx, weights = split
                 deferred.append(weights)
+                self.timings["split_input"].append(time.perf_counter() - begun)
                 return gx
         got = torch.autograd.grad(y, inputs, g, retain_graph=self.retain, allow_unused=True)
         _add(totals, got[1:] if want_x else got)
+        self.timings["vjp"].append(time.perf_counter() - begun)
         return got[0] if want_x else None
 
     def _weights(
@@ -257,7 +273,9 @@ class Pipeline:
         """Computes one microbatch's deferred weight gradients into ``totals``; a failure
         becomes this rank's mark, as a step's does."""
         try:
+            begun = time.perf_counter()
             _add(totals, weights(self.retain))
+            self.timings["split_weights"].append(time.perf_counter() - begun)
         except Exception as exc:  # raised on every rank at the end of the backward
             return exc, self.rank
         return error, mark
