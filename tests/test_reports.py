@@ -484,6 +484,10 @@ def test_the_numbers_quoted_from_the_pipelining_report_are_its_own():
     assert said in " ".join(readme.split()) and said in " ".join(guide.split()), said
     within = re.search(r"Emulated rows: .* over (\d+) rows \((\d+) within 15%\)", report)
     assert f"({within.group(2)} of {within.group(1)})" in guide
+    within = re.search(r"2-process rows: .* over the (\d+) modelled rows \((\d+) within 15%\)",
+                       report)
+    assert f"predicted {within.group(2)} of the {within.group(1)} 2-process rows within 15%" \
+        in guide
     batch50 = report.split("## Batch 50, 2 processes, torch")[1].split("##")[0]
     flat = guide
     for m, said in ((2, "2 microbatches ran at {}x"), (5, "5 at {}x"), (1, "1 microbatch: {}x")):
