@@ -141,3 +141,61 @@ def test_a_wait_that_gives_up_keeps_its_posted_receive_and_buffer(short_timeout)
         base._ABANDONED.remove(work)
     finally:
         comm.Free()
+
+
+def test_a_wait_that_can_block_sleeps_on_the_event_and_keeps_its_deadline(short_timeout):
+    """The poll's ``block`` (gloo's point-to-point waits, whose completion a thread reports):
+    the poll waits on it instead of spinning, in slices no longer than its 50 ms check, still
+    reads the exit notices and still stalls at the deadline."""
+    import threading
+    import time
+
+    from layerbraid._comm.waits import poll
+    from layerbraid.errors import StallError
+
+    ended, checks, slices = threading.Event(), [], []
+
+    def block(seconds):
+        slices.append(seconds)
+        return ended.wait(seconds) or True
+
+    threading.Timer(0.3, ended.set).start()
+    t0 = time.perf_counter()
+    poll(ended.is_set, lambda: checks.append(1), "a message", 0, block)
+    assert 0.25 < time.perf_counter() - t0 < 1.0
+    assert max(slices) <= 0.05 + 1e-9 and 3 <= len(checks) <= 8
+    never = threading.Event()
+    with pytest.raises(StallError, match="stalled: rank 0 waited 2 s for a message"):
+        poll(never.is_set, lambda: None, "a message", 0, lambda s: never.wait(s) or True)
+
+
+def test_gloo_waiter_threads_are_reused_and_grow_with_the_waits():
+    """Each gloo point-to-point Work is waited on by a daemon thread that a finished wait
+    hands back: as many threads as works waited on at once, none per message after that."""
+    import threading
+    import time
+
+    from layerbraid._comm import dist
+
+    class Work:
+        def __init__(self):
+            self.go = threading.Event()
+
+        def wait(self):
+            self.go.wait()
+
+    pool = dist._Waiters()
+    before = threading.active_count()
+    works = [Work() for _ in range(3)]
+    tasks = [dist._Threaded(w, pool) for w in works]
+    assert threading.active_count() == before + 3  # three waits at once: three threads
+    for w, t in zip(works, tasks):
+        w.go.set()
+        assert t.ended.wait(5)
+    deadline = time.monotonic() + 5
+    while pool.idle < 3 and time.monotonic() < deadline:  # each hands itself back
+        time.sleep(0.01)
+    again = Work()
+    task = dist._Threaded(again, pool)
+    again.go.set()
+    assert task.ended.wait(5) and threading.active_count() == before + 3  # reused

@@ -100,6 +100,12 @@ class Transport(StateStream, ABC):
         """Whether ``work`` finished; raises the transport's failure of it (a peer that
         crashed, or a message of another size than its buffer) as RemoteRankError."""
 
+    def _block(self, pending: Sequence[Any], seconds: float) -> bool:
+        """Waits up to ``seconds`` for one of ``pending`` to complete with the interpreter's
+        lock released, where a thread reports its completion; False where none does (the
+        poll then spins and naps)."""
+        return False
+
     @abstractmethod
     def check_exits(self, what: str, real: Optional[Sequence[int]] = None) -> None:
         """Raises RemoteRankError when a rank of this communicator has said that it exited
@@ -140,7 +146,13 @@ class Transport(StateStream, ABC):
             return not pending
 
         try:
-            poll(done, lambda: self.check_exits(what), what, self.rank)
+            poll(
+                done,
+                lambda: self.check_exits(what),
+                what,
+                self.rank,
+                lambda seconds: self._block(pending, seconds),
+            )
         except BaseException:
             # A receive still posted writes into its buffer whenever its message comes (a late
             # rank sends it after this one gave up): freeing the request now would free the

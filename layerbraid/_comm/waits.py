@@ -12,14 +12,23 @@ from .timeouts import timeout, wait_sleep
 __all__ = ["exited", "missing_ranks", "poll"]
 
 
-def poll(done: Callable[[], bool], check: Callable[[], None], what: str, rank: int) -> None:
+def poll(
+    done: Callable[[], bool],
+    check: Callable[[], None],
+    what: str,
+    rank: int,
+    block: Optional[Callable[[float], bool]] = None,
+) -> None:
     """Calls ``done()`` until it is true: a short spin, then, between tests, a yield of the
     core when every rank of this node has a core of its own (a nap would wake late by up to
     its length, on every wait of a pipeline), else a nap of a tenth of the time waited so far,
     between ``wait_sleep()`` and 1 ms; several tests per wake (MPI's progress can need more
     than one call to finish what arrived during a nap); ``check()`` (the exit notices) and the
-    timeout about every 50 ms.  Every wait of either transport goes through here (Note
-    [deadlines] in _comm/base.py)."""
+    timeout about every 50 ms.  ``block(seconds)``, where given, replaces the spin and the
+    naps whenever it can: it waits for a completion that a thread reports, at most that long,
+    with the interpreter's lock released (a spinning main thread would keep the reporting
+    thread from running), and says whether it could.  Every wait of either transport goes
+    through here (Note [deadlines] in _comm/base.py)."""
     limit = timeout()
     t0 = time.perf_counter()
     spins, sleep, next_check = 0, None, t0 + 0.05
@@ -27,16 +36,19 @@ def poll(done: Callable[[], bool], check: Callable[[], None], what: str, rank: i
         for _ in range(4):
             if done():
                 return
-        spins += 1
-        if spins <= 100:
-            continue
         now = time.perf_counter()
-        if sleep is None:
-            sleep = wait_sleep()
-        if sleep > 0:
-            time.sleep(min(max((now - t0) / 10, sleep), 1e-3))
+        if block is not None and block(max(next_check - now, 1e-4)):
+            now = time.perf_counter()
         else:
-            os.sched_yield()
+            spins += 1
+            if spins <= 100:
+                continue
+            if sleep is None:
+                sleep = wait_sleep()
+            if sleep > 0:
+                time.sleep(min(max((now - t0) / 10, sleep), 1e-3))
+            else:
+                os.sched_yield()
         if now < next_check:
             continue
         next_check = now + 0.05
