@@ -21,6 +21,7 @@ where MGRIT overtakes pipelining.
 import os
 import statistics
 import time
+from dataclasses import replace
 
 from bench.harness import (DOCS, SAME_LEGEND, generate, launch, load_raw, parser, pick,
                            provenance, speedup)
@@ -159,11 +160,18 @@ def _predict(job, family, m, measured, message_bytes):
     step, vjp, vjp_param = busy
     alone = measured["alone"]
     part_x, part_w = measured.get("split", {}).get(m, (None, None))  # runs before the split
-    costs = plan.Costs(step, vjp, vjp_param, message_bytes=message_bytes * job["batch"]
-                       / int(m), latency=50e-6, bandwidth=1e9, split_input_seconds=part_x,
+    state_bytes = message_bytes * job["batch"] / int(m)
+    latency, bandwidth = 50e-6, 1e9  # runs before messages were timed: assumed
+    if "message" in measured:  # the timed messages: a float's, and the state's
+        latency = measured["latency"]
+        bandwidth = state_bytes / max(measured["message"][m] - latency, 1e-7)
+    costs = plan.Costs(step, vjp, vjp_param, message_bytes=state_bytes, latency=latency,
+                       bandwidth=bandwidth, split_input_seconds=part_x,
                        split_weights_seconds=part_w)
     serial = job["steps"] * (alone[0] + alone[-1])
-    if family == "lp-mgrit":
+    if family == "lp-mgrit":  # the core's own time per step action, where the run measured it
+        over = measured.get("overhead", {}).get(m, 0.0)
+        costs = replace(costs, overhead_seconds=over)
         return plan.predict(job["steps"], job["ranks"], MGRIT_ROWS, MGRIT_ROWS, costs,
                             microbatches=int(m), serial_seconds=serial).seconds
     schedule = {"1f1b": "1f1b", "gpipe": "gpipe"}.get(family, "exact")
@@ -199,7 +207,9 @@ def report(data):
              "of each backward split past the first rank, as many as its simulation finds "
              "fastest) from a step's forward and VJP "
              "seconds measured at the row's microbatch size with both processes measuring at "
-             "once, in every round among the systems (the machine's quiet and busy stretches "
+             "once, a message's seconds through the job's transport, and for the MGRIT rows "
+             "layerbraid's own seconds per step action (a one-rank solve's time beyond its "
+             "steps' work), in every round among the systems (the machine's quiet and busy stretches "
              "differ by more than the model's errors): predicted ms is the median of the "
              "rounds' predictions, measured / predicted the median [min-max] of each round's "
              "time over its own prediction.  " + SAME_LEGEND, ""]

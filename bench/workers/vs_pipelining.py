@@ -22,8 +22,10 @@ round; a system's time is the slowest rank's.  Beside each system: its gradient'
 error against the serial network's at the initial weights, and the peak bytes its autograd
 graph held for the backward on each rank (what ``saved_tensors_hooks`` saw live at once: the
 activation memory, which is what microbatching schedules trade).  The planner's costs (a
-step's forward and VJP at each microbatch size) are measured in every round too, in the same
-rotation, so that each round's prediction has the machine in the state its timings had.
+step's forward and VJP at each microbatch size, a message through the job's transport, and
+layerbraid's own time per step action of an MGRIT solve) are measured in every round too, in
+the same rotation, so that each round's prediction has the machine in the state its timings
+had.
 """
 
 import argparse
@@ -44,6 +46,8 @@ from layerbraid.nn import ConvBlock
 CHANNELS, SIZE, CLASSES = 8, 28, 10
 COSTS = "costs"  # the planner's cost measurement, a pseudo-system of every round
 COST_REPEATS = 5  # runs of each measured part a round (their median)
+OVERHEAD_STEPS = 16  # the chain that layerbraid's own time per step action is measured on
+PING_TAG = 7499  # the timed messages' tag
 
 
 class Euler(nn.Module):
@@ -166,11 +170,12 @@ def main() -> None:
     # prediction and measurement see the same stretch of a noisy machine
     costs: list[dict[str, Any]] = []
     order = [*names, COSTS] if device.type == "cpu" else names
+    alone = _Alone(a.batch, counts, comm) if COSTS in order and "lp-mgrit" in a.systems else None
     for r in range(a.warmup + a.rounds):
         k = r % len(order)
         for name in order[k:] + order[:k]:
             if name == COSTS:
-                measured = _costs(a.batch, counts, comm)
+                measured = _costs(a.batch, counts, comm, alone)
                 if r >= a.warmup:
                     costs.append(measured)
                 continue
@@ -202,29 +207,108 @@ def main() -> None:
         }))
 
 
-def _costs(batch: int, counts: list[int], comm, repeats: int = COST_REPEATS) -> dict[str, Any]:
+def _layer_and_input(n: int) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return ConvBlock(CHANNELS), torch.randn(n, CHANNELS, SIZE, SIZE)
+
+
+def _costs(batch: int, counts: list[int], comm, alone_solves: "_Alone | None" = None,
+           repeats: int = COST_REPEATS) -> dict[str, Any]:
     """One round's costs for the planner (layerbraid.plan.predict_pipeline and predict): a
     step's seconds, forward, VJP and VJP with parameter gradients, and the two parts of the
     split VJP (layerbraid.plan.measure_split), at each microbatch count's largest microbatch,
     measured on every rank at once (the ranks of a pipeline step side by side and share the
-    node), and at the whole batch on rank 0 alone (plain PyTorch has the node to itself)."""
+    node), and at the whole batch on rank 0 alone (plain PyTorch has the node to itself); a
+    message's seconds, one float's and a microbatch's state's at each count (the transport's
+    latency and bandwidth as the job sees them); and, given ``alone_solves``, layerbraid's own
+    seconds per step action of an MGRIT solve at each count (:class:`_Alone`)."""
     from layerbraid.plan import measure_split, measure_step
-
-    def layer_and_input(n: int) -> tuple[nn.Module, torch.Tensor]:
-        torch.manual_seed(0)
-        return ConvBlock(CHANNELS), torch.randn(n, CHANNELS, SIZE, SIZE)
 
     busy, split = {}, {}
     for m in counts:
         comm.barrier("the start of a cost measurement")
-        busy[m] = measure_step(*layer_and_input(-(-batch // m)), repeats=repeats)
-        split[m] = measure_split(*layer_and_input(-(-batch // m)), repeats=repeats)
+        busy[m] = measure_step(*_layer_and_input(-(-batch // m)), repeats=repeats)
+        split[m] = measure_split(*_layer_and_input(-(-batch // m)), repeats=repeats)
     alone = None
     comm.barrier("the start of the serial cost measurement")
     if comm.Get_rank() == 0:
-        alone = measure_step(*layer_and_input(batch), repeats=repeats)
+        alone = measure_step(*_layer_and_input(batch), repeats=repeats)
     comm.barrier("the end of the serial cost measurement")
-    return {"busy": busy, "split": split, "alone": alone}
+    out = {"busy": busy, "split": split, "alone": alone, "latency": _one_way(comm, 1),
+           "message": {m: _one_way(comm, -(-batch // m) * CHANNELS * SIZE * SIZE)
+                       for m in counts}}
+    if alone_solves is not None:
+        comm.barrier("the start of the overhead measurement")
+        out["overhead"] = alone_solves.overhead(busy)
+        comm.barrier("the end of the overhead measurement")
+    return out
+
+
+def _one_way(comm, floats: int, repeats: int = COST_REPEATS) -> float:
+    """Seconds of one message of ``floats`` float32 numbers between ranks 0 and 1 through the
+    job's transport: the median of ``repeats`` round trips, halved (0 on one rank)."""
+    rank, t = comm.Get_rank(), torch.zeros(floats)
+    if comm.Get_size() < 2 or rank > 1:
+        comm.barrier("the message timing")
+        return 0.0
+    peer, took = 1 - rank, []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for send in ((True, False) if rank == 0 else (False, True)):
+            if send:
+                comm.start_send(t, peer, PING_TAG, "a timed message").wait()
+            else:
+                comm.start_recv((floats,), torch.float32, t.device, peer, PING_TAG,
+                                "a timed message").wait()
+        took.append(time.perf_counter() - t0)
+    comm.barrier("the message timing")
+    return statistics.median(took) / 2
+
+
+class _Alone:
+    """layerbraid's own seconds per step action of the MGRIT rows' solves (the planner's
+    ``Costs.overhead_seconds``: the callbacks and the vector sums and norms around each step),
+    at each microbatch count: every rank trains a chain of OVERHEAD_STEPS conv steps alone
+    (its own one-rank group, the ranks at once as in the rows), with the rows' MGRIT options,
+    and the time of a training batch beyond its steps' and VJPs' work at the round's measured
+    costs is spread over the step actions the core's schedule gives it."""
+
+    def __init__(self, batch: int, counts: list[int], comm) -> None:
+        from layerbraid import plan
+
+        self.comm = comm.Split(comm.Get_rank(), 0, "the one-rank groups of the overhead")
+        opts = layerbraid.MGRITOptions(max_levels=2, cfactor=4, max_iters=1)
+        self.models, self.actions = {}, {}
+        g = torch.Generator().manual_seed(2)
+        self.x = torch.randn(batch, 1, SIZE, SIZE, generator=g)
+        self.y = torch.randn(batch, CLASSES, generator=g)
+        for m in counts:
+            net = serial_network(OVERHEAD_STEPS)
+            self.models[m] = _from_serial(net, self.comm, forward_options=opts,
+                                          backward_options=opts, microbatches=m)
+            fwd = plan.schedule(OVERHEAD_STEPS, 1, opts, microbatches=m)
+            bwd = plan.schedule(OVERHEAD_STEPS, 1, opts, adjoint=True, microbatches=m)
+            self.actions[m] = (sum(plan.step_counts(fwd)[0].values()),
+                               sum(plan.step_counts(bwd)[0].values()))
+            self._batch(m)  # warm
+
+    def _batch(self, m: int) -> float:
+        model = self.models[m]
+        t0 = time.perf_counter()
+        F.mse_loss(model(self.x), self.y).backward()
+        took = time.perf_counter() - t0
+        model.zero_grad()
+        return took
+
+    def overhead(self, busy: dict[int, tuple[float, float, float]]) -> dict[int, float]:
+        out = {}
+        for m, model in self.models.items():
+            took = min(self._batch(m) for _ in range(2))
+            step, _, vjp_param = busy[m]
+            forward, backward = self.actions[m]
+            work = forward * step + backward * vjp_param
+            out[m] = max(took - work, 0.0) / (forward + backward)
+        return out
 
 
 def _serial_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
