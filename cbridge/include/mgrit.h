@@ -126,6 +126,14 @@ typedef struct mgrit_callbacks {
    * on microbatch `part` until the next call; init's state at fine point 0 is that part's
    * initial value, and its idle callback comes once per part. */
   int (*part)(void *app, int part);
+  /* Optional, with the application's transport (NULL: the core spins, then yields or naps,
+   * between tests).  Waits at most `seconds` for the message from rank src (src >= 0) or for
+   * the send or allreduce `handle` (src -1) to progress, sleeping on what the transport's
+   * completion signals; *blocked 0 where the transport has nothing to sleep on (the core then
+   * spins and naps as without it).  Returning early is harmless: the core tests again.  Where
+   * a thread reports the transport's completions (gloo), a core that spins through Python
+   * callbacks keeps that thread from running, and each message waits for it. */
+  int (*block)(void *app, int src, int64_t handle, double seconds, int *blocked);
 } mgrit_callbacks;
 
 typedef struct mgrit_core mgrit_core; /* opaque */

@@ -77,12 +77,29 @@ static int transport_error(mgrit_core *core, const char *call) {
  * progress can need more than one call to complete what arrived during a nap (the first pulls
  * the message in, a later one matches or completes it); with one test per wake, messages and
  * the status allreduce that ends a solve were seen late by about a nap each on an
- * oversubscribed node (bench/shared_cores.py models these naps). */
+ * oversubscribed node (bench/scaling_measured.py models these naps).
+ *
+ * With the application's transport, a wait first offers to sleep in the application's block
+ * callback (block_app) and, where it slept, neither spins nor naps: gloo reports completions
+ * from a thread of Python's, which a core spinning through Python callbacks starves. */
 #define TESTS_PER_WAKE 4
-static int keep_waiting(mgrit_core *core, double t0, double *next, long *spins,
+
+/* The application's block callback, where it has one (mgrit_callbacks.block): sleeps until the
+ * message from src (src >= 0) or the operation `handle` progresses, at most until the next
+ * check.  Returns 1 where it slept, 0 where the caller spins instead, -1 where it failed. */
+static int block_app(mgrit_core *core, int src, int64_t handle, double next) {
+  if (!core->c.ext || !core->cb.block) return 0;
+  double left = next - MPI_Wtime();
+  int blocked = 0;
+  if (core->cb.block(core->app, src, handle, left > 1e-4 ? left : 1e-4, &blocked)) return -1;
+  return blocked != 0;
+}
+
+/* `slept`: the wait already slept in the application's block callback (no spin or nap). */
+static int keep_waiting(mgrit_core *core, double t0, double *next, long *spins, int slept,
                         const char *what, int peer, int l, int64_t i) {
   double now = MPI_Wtime();
-  if (++*spins > 200) {
+  if (!slept && ++*spins > 200) {
     if (core->o.wait_sleep > 0) {
       /* a tenth of the time waited so far, at least wait_sleep, at most a millisecond: a
        * test costs CPU that many waiting ranks add up, and a long wait is late by little */
@@ -136,7 +153,9 @@ int mgrit_i_poll_wait(mgrit_core *core, mgrit_i_req *req, const char *what) {
     for (int k = 1; k < TESTS_PER_WAKE && !done; k++)
       if ((rc = test_req(core, req, &done))) return rc;
     if (done) return MGRIT_OK;
-    if ((rc = keep_waiting(core, t0, &next, &spins, what, -1, -1, -1))) return rc;
+    int slept = core->c.ext ? block_app(core, -1, req->app, next) : 0;
+    if (slept < 0) return transport_error(core, "block");
+    if ((rc = keep_waiting(core, t0, &next, &spins, slept, what, -1, -1, -1))) return rc;
   }
 }
 
@@ -206,7 +225,9 @@ static int recv_app(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_
       if (core->cb.try_recv(core->app, src, tag, &found, &flag, out))
         return transport_error(core, "try_recv");
     if (found) break;
-    if ((rc = keep_waiting(core, t0, &next, &spins, "a state", src, l, i))) return rc;
+    int slept = block_app(core, src, -1, next);
+    if (slept < 0) return transport_error(core, "block");
+    if ((rc = keep_waiting(core, t0, &next, &spins, slept, "a state", src, l, i))) return rc;
   }
   core->comm_seconds += MPI_Wtime() - t0;
   mgrit_i_trace(core, l, MGRIT_OP_RECV, i, src, 0);
@@ -239,7 +260,7 @@ int mgrit_i_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec
     for (int k = 1; k < TESTS_PER_WAKE && !found; k++)
       MGRIT_I_MPI(core, MPI_Iprobe(src, tag, core->c.comm, &found, &st));
     if (found) break;
-    if ((rc = keep_waiting(core, t0, &next, &spins, "a state", src, l, i))) return rc;
+    if ((rc = keep_waiting(core, t0, &next, &spins, 0, "a state", src, l, i))) return rc;
   }
   MGRIT_I_MPI(core, MPI_Get_count(&st, MPI_BYTE, &count));
   char *buf = malloc((size_t)count);

@@ -432,7 +432,7 @@ class DistComm(Transport):
 
     def _block(self, pending: Sequence[Any], seconds: float) -> bool:
         for work in pending:
-            if isinstance(work, _Threaded):
+            if isinstance(work, _Threaded) and not work.ended.is_set():
                 work.ended.wait(seconds)
                 return True
         return False

@@ -115,6 +115,14 @@ class StateStream:
         self._mail.setdefault((src, r["tag"]), []).append(message)
         return True
 
+    def waited_on(self, src: int, handle: int) -> list:
+        """The works that the MGRIT core waits on: the reader of ``src``'s stream (``src`` >=
+        0; what try_recv_state posted) or the send or allreduce ``handle``."""
+        if src >= 0:
+            return list(self._readers.get(src, {}).get("works", []))
+        entry = self._pending.get(handle)
+        return [] if entry is None else list(entry[1])
+
     def test(self, handle: int) -> Optional[Any]:
         """None while the send or allreduce ``handle`` is pending; then True (a send) or the
         reduced values (a numpy array)."""

@@ -47,6 +47,7 @@ def _callback_table(
     if app_transport:
         cbs.isend, cbs.try_recv = lib._lb_isend, lib._lb_try_recv
         cbs.iallreduce, cbs.test = lib._lb_iallreduce, lib._lb_test
+        cbs.block = lib._lb_block
     cbs.init, cbs.clone, cbs.free = lib._lb_init, lib._lb_clone, lib._lb_free
     cbs.sum, cbs.norm, cbs.step = lib._lb_sum, lib._lb_norm, lib._lb_step
     cbs.bufsize, cbs.pack, cbs.unpack = lib._lb_bufsize, lib._lb_pack, lib._lb_unpack
@@ -658,4 +659,13 @@ def _test_cb(self: _Core, handle: Any, done: Any) -> int:
     if result is not None and handle in self._reductions:
         out, n = self._reductions.pop(handle)
         ffi.buffer(out, 8 * n)[:] = np.ascontiguousarray(result, dtype=np.float64).tobytes()
+    return 0
+
+
+@_callback("_lb_block", "block")
+def _block_cb(self: _Core, src: int, handle: int, seconds: float, blocked: Any) -> int:
+    """Sleeps until what the core waits on progresses, where the transport can (gloo's waiter
+    threads report completions; the core would starve them by spinning through ``test``)."""
+    works = self.messages.waited_on(src, handle)
+    blocked[0] = 1 if works and self.messages._block(works, seconds) else 0
     return 0
