@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from bench.harness import (DOCS, SAME_LEGEND, generate, launch, load_raw, parser, pick,
                            provenance, speedup)
+from bench.workers.vs_pipelining import planner_costs
 from layerbraid import MGRITOptions, plan
 
 OUT = DOCS / "vs_pipelining.md"
@@ -148,35 +149,41 @@ def predicted(job, name):
     if name == "plain" or family not in ("gpipe", "1f1b", "lp", "lp-mgrit"):
         return None
     c = job["costs"]
-    return [_predict(job, family, m, r, c["message_bytes"]) for r in c.get("rounds", [c])]
+    rounds = c.get("rounds", [c])
+    # layerbraid's own time per step action is the code's and the transport's, not the
+    # stretch's: the median of the rounds' fits (each is a difference of two short timings)
+    over = statistics.median(r.get("overhead", {}).get(m, 0.0) for r in rounds)
+    return [_predict(job, family, m, r, c["message_bytes"], over) for r in rounds]
 
 
-def _predict(job, family, m, measured, message_bytes):
+def _predict(job, family, m, measured, message_bytes, overhead):
     """The planner's seconds per batch for ``family`` in ``m`` microbatches from one
-    measurement of the costs."""
-    busy = measured["busy"][m]
-    if len(busy) == 2:  # runs before the plain VJP was measured: VJP = 2/3 of the other
-        busy = (busy[0], busy[1] / 1.5, busy[1])
-    step, vjp, vjp_param = busy
+    measurement of the costs and, for MGRIT, layerbraid's ``overhead`` per step action."""
     alone = measured["alone"]
-    part_x, part_w = measured.get("split", {}).get(m, (None, None))  # runs before the split
-    state_bytes = message_bytes * job["batch"] / int(m)
-    latency, bandwidth = 50e-6, 1e9  # runs before messages were timed: assumed
-    if "message" in measured:  # the timed messages: a float's, and the state's
-        latency = measured["latency"]
-        bandwidth = state_bytes / max(measured["message"][m] - latency, 1e-7)
-    costs = plan.Costs(step, vjp, vjp_param, message_bytes=state_bytes, latency=latency,
-                       bandwidth=bandwidth, split_input_seconds=part_x,
-                       split_weights_seconds=part_w)
+    costs = _costs_of(job, m, measured, message_bytes)
     serial = job["steps"] * (alone[0] + alone[-1])
-    if family == "lp-mgrit":  # the core's own time per step action, where the run measured it
-        over = measured.get("overhead", {}).get(m, 0.0)
-        costs = replace(costs, overhead_seconds=over)
+    if family == "lp-mgrit":
+        costs = replace(costs, overhead_seconds=overhead)
         return plan.predict(job["steps"], job["ranks"], MGRIT_ROWS, MGRIT_ROWS, costs,
                             microbatches=int(m), serial_seconds=serial).seconds
     schedule = {"1f1b": "1f1b", "gpipe": "gpipe"}.get(family, "exact")
     return plan.predict_pipeline(job["steps"], job["ranks"], int(m), costs, schedule,
                                  serial).seconds
+
+
+def _costs_of(job, m, measured, message_bytes):
+    """The planner's costs of a row (the worker's planner_costs), also from the raw data of
+    runs before every part of them was measured: the plain VJP (then 2/3 of the other), the
+    split VJP and the timed messages (then 50 us and 1 GB/s)."""
+    if "message" in measured and "split" in measured and len(measured["busy"][m]) == 3:
+        return planner_costs(measured, m, job["batch"], message_bytes)
+    busy = measured["busy"][m]
+    if len(busy) == 2:
+        busy = (busy[0], busy[1] / 1.5, busy[1])
+    part_x, part_w = measured.get("split", {}).get(m, (None, None))
+    return plan.Costs(*busy, message_bytes=message_bytes * job["batch"] / int(m),
+                      latency=50e-6, bandwidth=1e9, split_input_seconds=part_x,
+                      split_weights_seconds=part_w)
 
 
 def model_cells(times, guesses):
@@ -201,15 +208,18 @@ def report(data):
              "faster), median [min-max] over the rounds; ms per batch likewise (the slowest "
              "process's).  Gradient error: relative, against the serial network's at the "
              "initial weights.  Peak saved MiB: the most bytes the autograd graphs held for the "
-             "backward at once, per process (rank 0 / rank 1).  Predicted: the planner's "
+             "backward at once, per process (rank 0 / rank 1), seen in the untimed warm-up "
+             "rounds (its hooks cost time per tensor).  Predicted: the planner's "
              "time (`layerbraid.plan.predict_pipeline`: the bubble model of GPipe and 1F1B "
              "schedules, and of layerbraid's exact path, GPipe's order with the first VJPs "
              "of each backward split past the first rank, as many as its simulation finds "
              "fastest) from a step's forward and VJP "
              "seconds measured at the row's microbatch size with both processes measuring at "
              "once, a message's seconds through the job's transport, and for the MGRIT rows "
-             "layerbraid's own seconds per step action (a one-rank solve's time beyond its "
-             "steps' work), in every round among the systems (the machine's quiet and busy stretches "
+             "layerbraid's own seconds per step action (the one at which the planner "
+             "predicts how much longer a 32-step chain takes than a 16-step one, both "
+             "trained by the job's processes; the median over the rounds), measured in every "
+             "round among the systems (the machine's quiet and busy stretches "
              "differ by more than the model's errors): predicted ms is the median of the "
              "rounds' predictions, measured / predicted the median [min-max] of each round's "
              "time over its own prediction.  " + SAME_LEGEND, ""]

@@ -21,7 +21,8 @@ Each round runs one training batch of every system, in an order that rotates fro
 round; a system's time is the slowest rank's.  Beside each system: its gradient's relative
 error against the serial network's at the initial weights, and the peak bytes its autograd
 graph held for the backward on each rank (what ``saved_tensors_hooks`` saw live at once: the
-activation memory, which is what microbatching schedules trade).  The planner's costs (a
+activation memory, which is what microbatching schedules trade; measured in the untimed
+warm-up rounds, as its hooks cost time per tensor).  The planner's costs (a
 step's forward and VJP at each microbatch size, a message through the job's transport, and
 layerbraid's own time per step action of an MGRIT solve) are measured in every round too, in
 the same rotation, so that each round's prediction has the machine in the state its timings
@@ -46,7 +47,8 @@ from layerbraid.nn import ConvBlock
 CHANNELS, SIZE, CLASSES = 8, 28, 10
 COSTS = "costs"  # the planner's cost measurement, a pseudo-system of every round
 COST_REPEATS = 5  # runs of each measured part a round (their median)
-OVERHEAD_STEPS = 16  # the chain that layerbraid's own time per step action is measured on
+OVERHEAD_STEPS = 16  # the chain that layerbraid's own time per step action is fitted on
+STATE_BYTES = 4 * CHANNELS * SIZE * SIZE  # one sample's state, float32
 PING_TAG = 7499  # the timed messages' tag
 
 
@@ -119,6 +121,8 @@ def main() -> None:
                    help="where the networks run: cuda puts rank r on GPU r %% count (every "
                         "rank on the one GPU of a one-GPU machine); default cpu")
     a = p.parse_args()
+    if a.warmup < 1:
+        p.error(f"--warmup must be at least 1 (the peaks are measured there), got {a.warmup}")
     bind_self()
     steady_allocator()
     torch.set_num_threads(1)
@@ -170,26 +174,29 @@ def main() -> None:
     # prediction and measurement see the same stretch of a noisy machine
     costs: list[dict[str, Any]] = []
     order = [*names, COSTS] if device.type == "cpu" else names
-    alone = _Alone(a.batch, counts, comm) if COSTS in order and "lp-mgrit" in a.systems else None
+    overhead = (_Overhead(a.batch, counts, comm) if COSTS in order and "lp-mgrit" in a.systems
+                else None)
     for r in range(a.warmup + a.rounds):
         k = r % len(order)
         for name in order[k:] + order[:k]:
             if name == COSTS:
-                measured = _costs(a.batch, counts, comm, alone)
+                measured = _costs(a.batch, counts, comm, overhead)
                 if r >= a.warmup:
                     costs.append(measured)
                 continue
-            peak = Peak()
+            if r < a.warmup:  # the peak, in the untimed rounds: its hooks cost time per tensor
+                peak = Peak()
+                with peak.hooks():
+                    systems[name]()
+                peaks[name] = max(peaks.get(name, 0), peak.peak)
+                continue
             comm.barrier("the start of a timed batch")
             t0 = time.perf_counter()
-            with peak.hooks():
-                systems[name]()
+            systems[name]()
             if device.type == "cuda":  # the batch's kernels, not only their launches
                 torch.cuda.synchronize(device)
             comm.barrier("the end of a timed batch")
-            if r >= a.warmup:
-                times[name].append(time.perf_counter() - t0)
-            peaks[name] = max(peaks.get(name, 0), peak.peak)
+            times[name].append(time.perf_counter() - t0)
     per_rank = comm.gather_obj(peaks, 0, "every rank's peaks")
     if rank == 0:
         assert per_rank is not None
@@ -202,7 +209,7 @@ def main() -> None:
             "times": times, "errors": errors,
             "peak_bytes": {n: [pr[n] for pr in per_rank] for n in names},
             "medians": {n: statistics.median(t) for n, t in times.items()},
-            "costs": {"rounds": costs, "message_bytes": 4 * CHANNELS * SIZE * SIZE}
+            "costs": {"rounds": costs, "message_bytes": STATE_BYTES}
             if costs else None,
         }))
 
@@ -212,7 +219,7 @@ def _layer_and_input(n: int) -> tuple[nn.Module, torch.Tensor]:
     return ConvBlock(CHANNELS), torch.randn(n, CHANNELS, SIZE, SIZE)
 
 
-def _costs(batch: int, counts: list[int], comm, alone_solves: "_Alone | None" = None,
+def _costs(batch: int, counts: list[int], comm, overhead: "_Overhead | None" = None,
            repeats: int = COST_REPEATS) -> dict[str, Any]:
     """One round's costs for the planner (layerbraid.plan.predict_pipeline and predict): a
     step's seconds, forward, VJP and VJP with parameter gradients, and the two parts of the
@@ -220,8 +227,8 @@ def _costs(batch: int, counts: list[int], comm, alone_solves: "_Alone | None" = 
     measured on every rank at once (the ranks of a pipeline step side by side and share the
     node), and at the whole batch on rank 0 alone (plain PyTorch has the node to itself); a
     message's seconds, one float's and a microbatch's state's at each count (the transport's
-    latency and bandwidth as the job sees them); and, given ``alone_solves``, layerbraid's own
-    seconds per step action of an MGRIT solve at each count (:class:`_Alone`)."""
+    latency and bandwidth as the job sees them); and, given ``overhead``, layerbraid's own
+    seconds per step action of an MGRIT solve at each count (:class:`_Overhead`)."""
     from layerbraid.plan import measure_split, measure_step
 
     busy, split = {}, {}
@@ -237,10 +244,8 @@ def _costs(batch: int, counts: list[int], comm, alone_solves: "_Alone | None" = 
     out = {"busy": busy, "split": split, "alone": alone, "latency": _one_way(comm, 1),
            "message": {m: _one_way(comm, -(-batch // m) * CHANNELS * SIZE * SIZE)
                        for m in counts}}
-    if alone_solves is not None:
-        comm.barrier("the start of the overhead measurement")
-        out["overhead"] = alone_solves.overhead(busy)
-        comm.barrier("the end of the overhead measurement")
+    if overhead is not None:
+        out["overhead"] = overhead.overhead(out, STATE_BYTES)
     return out
 
 
@@ -265,49 +270,91 @@ def _one_way(comm, floats: int, repeats: int = COST_REPEATS) -> float:
     return statistics.median(took) / 2
 
 
-class _Alone:
+def planner_costs(measured: dict[Any, Any], m: Any, batch: int,
+                  message_bytes: float) -> "layerbraid.plan.Costs":
+    """The planner's costs of a row in ``m`` microbatches from one round's measurement
+    (:func:`_costs`; ``m`` a key of its dicts): a step's forward, VJP and VJP with the
+    parameters' gradients and the split VJP's parts at the microbatch's size, and the
+    transport's latency and bandwidth from its timed messages.  ``message_bytes``: one
+    sample's state."""
+    from layerbraid import plan
+
+    step, vjp, vjp_param = measured["busy"][m]
+    part_x, part_w = measured["split"][m]
+    state_bytes = message_bytes * batch / int(m)
+    latency = measured["latency"]
+    bandwidth = state_bytes / max(measured["message"][m] - latency, 1e-7)
+    return plan.Costs(step, vjp, vjp_param, message_bytes=state_bytes, latency=latency,
+                      bandwidth=bandwidth, split_input_seconds=part_x,
+                      split_weights_seconds=part_w)
+
+
+class _Overhead:
     """layerbraid's own seconds per step action of the MGRIT rows' solves (the planner's
-    ``Costs.overhead_seconds``: the callbacks and the vector sums and norms around each step),
-    at each microbatch count: every rank trains a chain of OVERHEAD_STEPS conv steps alone
-    (its own one-rank group, the ranks at once as in the rows), with the rows' MGRIT options,
-    and the time of a training batch beyond its steps' and VJPs' work at the round's measured
-    costs is spread over the step actions the core's schedule gives it."""
+    ``Costs.overhead_seconds``: the callbacks, the vector sums and norms around each step, and
+    each message's handling beyond the latency its sender is charged), at each microbatch
+    count.  The job's ranks train two short chains, OVERHEAD_STEPS conv steps and twice as
+    many, with the rows' MGRIT options; the overhead is the one at which the planner predicts
+    the difference of their times from the round's other costs.  A difference, because a
+    batch also costs what the planner does not model and that does not grow with the chain
+    (the open and close layers, the loss, the solves' set-up), which a short chain's time
+    alone would spread over its few actions; short chains, so that the rows are predicted
+    rather than fitted."""
 
     def __init__(self, batch: int, counts: list[int], comm) -> None:
-        from layerbraid import plan
-
-        self.comm = comm.Split(comm.Get_rank(), 0, "the one-rank groups of the overhead")
-        opts = layerbraid.MGRITOptions(max_levels=2, cfactor=4, max_iters=1)
-        self.models, self.actions = {}, {}
+        self.comm = comm
+        self.opts = layerbraid.MGRITOptions(max_levels=2, cfactor=4, max_iters=1)
         g = torch.Generator().manual_seed(2)
+        self.batch = batch
         self.x = torch.randn(batch, 1, SIZE, SIZE, generator=g)
         self.y = torch.randn(batch, CLASSES, generator=g)
+        self.models = {}
         for m in counts:
-            net = serial_network(OVERHEAD_STEPS)
-            self.models[m] = _from_serial(net, self.comm, forward_options=opts,
-                                          backward_options=opts, microbatches=m)
-            fwd = plan.schedule(OVERHEAD_STEPS, 1, opts, microbatches=m)
-            bwd = plan.schedule(OVERHEAD_STEPS, 1, opts, adjoint=True, microbatches=m)
-            self.actions[m] = (sum(plan.step_counts(fwd)[0].values()),
-                               sum(plan.step_counts(bwd)[0].values()))
-            self._batch(m)  # warm
+            for n in (OVERHEAD_STEPS, 2 * OVERHEAD_STEPS):
+                self.models[m, n] = _from_serial(serial_network(n), comm,
+                                                 forward_options=self.opts,
+                                                 backward_options=self.opts, microbatches=m)
+                self._batch(m, n)  # warm
 
-    def _batch(self, m: int) -> float:
-        model = self.models[m]
+    def _batch(self, m: int, n: int) -> float:
+        model = self.models[m, n]
+        self.comm.barrier("the start of an overhead batch")
         t0 = time.perf_counter()
         F.mse_loss(model(self.x), self.y).backward()
+        self.comm.barrier("the end of an overhead batch")
         took = time.perf_counter() - t0
         model.zero_grad()
         return took
 
-    def overhead(self, busy: dict[int, tuple[float, float, float]]) -> dict[int, float]:
+    def overhead(self, measured: dict[str, Any], message_bytes: float) -> dict[int, float]:
+        from dataclasses import replace
+
+        from layerbraid import plan
+
+        short, long = OVERHEAD_STEPS, 2 * OVERHEAD_STEPS
         out = {}
-        for m, model in self.models.items():
-            took = min(self._batch(m) for _ in range(2))
-            step, _, vjp_param = busy[m]
-            forward, backward = self.actions[m]
-            work = forward * step + backward * vjp_param
-            out[m] = max(took - work, 0.0) / (forward + backward)
+        for m in sorted({m for m, _ in self.models}):
+            took = [(self._batch(m, short), self._batch(m, long)) for _ in range(3)]
+            grown = statistics.median(b - a for a, b in took)
+            costs = planner_costs(measured, m, self.batch, message_bytes)
+
+            def growth(over: float) -> float:
+                c = replace(costs, overhead_seconds=over)
+                size = self.comm.Get_size()
+                return (plan.predict(long, size, self.opts, self.opts, c, microbatches=m).seconds
+                        - plan.predict(short, size, self.opts, self.opts, c,
+                                       microbatches=m).seconds)
+
+            lo, hi = 0.0, 1e-4
+            if growth(lo) >= grown:
+                out[m] = 0.0
+                continue
+            while growth(hi) < grown and hi < 1.0:
+                hi *= 2
+            for _ in range(30):  # bisection: the longer chain has more actions to pay it
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if growth(mid) < grown else (lo, mid)
+            out[m] = lo
         return out
 
 
