@@ -213,6 +213,51 @@ def test_a_wait_that_can_block_sleeps_on_the_event_and_keeps_its_deadline(short_
         poll(never.is_set, lambda: None, "a message", 0, lambda s: never.wait(s) or True)
 
 
+def test_a_poll_counts_the_cpu_it_spends_waiting_and_none_for_a_wait_it_never_makes():
+    """wait_cpu_seconds: a poll that spins for 0.2 s adds that CPU to it (a rank's CPU time
+    less its waiting is its work's, which the pipelining report's emulated rows predict
+    from); one whose first test succeeds adds nothing."""
+    import time
+
+    from layerbraid._comm import waits
+
+    before = waits.wait_cpu_seconds()
+    waits.poll(lambda: True, lambda: None, "nothing", 0)
+    assert waits.wait_cpu_seconds() == before
+    end = time.perf_counter() + 0.2
+    waits.poll(lambda: time.perf_counter() > end, lambda: None, "a spin", 0)
+    assert waits.wait_cpu_seconds() - before > 0.05
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+def test_the_core_counts_the_cpu_its_waits_spend():
+    """mgrit_wait_cpu_seconds: rank 1 of a 2-level solve waits in the core for rank 0, whose
+    steps each sleep 50 ms, polling (under mpiexec waits spin, then yield or nap); the core
+    counts that CPU on rank 1, and no more than the time it waited."""
+    import time
+
+    from layerbraid._mgrit_core import lib
+    from nets import ODEResNet, batch
+
+    if WORLD.native_mpi() is None:
+        pytest.skip("the core calls MPI itself under mpiexec")
+    options = layerbraid.MGRITOptions(max_levels=2, cfactor=2, max_iters=1)
+    model = ODEResNet(WORLD, num_steps=8, forward_options=options).double()
+    x, _ = batch(n=4)
+    model(x)  # warm
+    if WORLD.rank == 0:
+        for layer in model.modules():
+            if isinstance(layer, layerbraid.nn.ConvBlock):
+                layer.register_forward_hook(lambda *args: time.sleep(0.05))
+    before, t0 = lib.mgrit_wait_cpu_seconds(), time.perf_counter()
+    model(x)
+    waited, took = lib.mgrit_wait_cpu_seconds() - before, time.perf_counter() - t0
+    model.free()
+    if WORLD.rank == 1:
+        assert 0 < waited < took, (waited, took)
+
+
 def test_gloo_waiter_threads_are_reused_and_grow_with_the_waits():
     """Each gloo point-to-point Work is waited on by a daemon thread that a finished wait
     hands back: as many threads as works waited on at once, none per message after that."""

@@ -15,7 +15,8 @@ solves (2 forward / 1 adjoint iteration, F-relaxation on the fine level and FCF 
 down-cycle skipped), the output broadcast and ``loss.backward()``.  Per config: the seconds of
 each of REPEATS forward+backward passes (the slowest rank's) after a traced one, the warm-up,
 which gives the steps and VJPs each rank ran (from the core's trace), and the CPU seconds each
-rank spent in its fastest pass (what the ranks ask of the machine's cores) with the seconds its sleeps in that pass took
+rank spent in its fastest pass (what the ranks ask of the machine's cores; and how many of
+them it spent waiting for other ranks, in layerbraid's polls) with the seconds its sleeps in that pass took
 beyond their nominal time and their number (how late this machine wakes a sleeping rank).  On a
 1-rank job, also the emulated serial network (plain PyTorch autograd over the same sleeping
 layers).  Last, the hand-off of bench/workers/hand_off.py on the job's ranks (a row with
@@ -27,6 +28,15 @@ import time
 
 # [seconds asleep beyond the nominal time, sleeps]: how late this rank's sleeps woke up
 LATE = [0.0, 0]
+
+
+def wait_cpu():
+    """The CPU seconds this process has spent waiting for other ranks, in layerbraid's polls
+    and in the MGRIT core's."""
+    from layerbraid._comm.waits import wait_cpu_seconds
+    from layerbraid._mgrit_core import lib
+
+    return wait_cpu_seconds() + lib.mgrit_wait_cpu_seconds()
 
 
 def nap(seconds):
@@ -102,18 +112,19 @@ def main():
         # timed)
         comm.Barrier()
         work = traced_work(model, lambda xx: model(xx).sum().backward(), x)
-        times, cpu, late = [], [], []
+        times, cpu, waiting, late = [], [], [], []
         for _ in range(repeats):
             comm.Barrier()
             LATE[:] = [0.0, 0]
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, w0 = time.perf_counter(), time.process_time(), wait_cpu()
             model(x).sum().backward()
-            c1 = time.process_time() - c0
+            c1, w1 = time.process_time() - c0, wait_cpu() - w0
             times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
             cpu.append(c1)
+            waiting.append(w1)
             late.append(tuple(LATE))
         fastest = min(range(repeats), key=lambda k: cpu[k])
-        counts = comm.gather(work + (cpu[fastest], late[fastest]), root=0)
+        counts = comm.gather(work + (cpu[fastest], late[fastest], waiting[fastest]), root=0)
         serial = None
         if comm.size == 1:  # the layers are warm: the model's passes ran them
             net = model.to_serial()
@@ -130,6 +141,7 @@ def main():
                                   seconds=times, fwd_steps=[c[0] for c in counts],
                                   bwd_vjps=[c[1] for c in counts],
                                   cpu_seconds=[c[2] for c in counts],
+                                  wait_cpu_seconds=[c[4] for c in counts],
                                   sleep_late=[c[3] for c in counts], serial_seconds=serial)),
                   flush=True)
     # the hand-off in the same job: its processes start once per rank count

@@ -243,6 +243,9 @@ int64_t mgrit_level_stride(const mgrit_core *core, int level);
 int mgrit_failed_rank(const mgrit_core *core);
 /* Seconds this rank spent in MPI calls (receives, waits, allreduces) during the last solve. */
 double mgrit_comm_seconds(const mgrit_core *core);
+/* CPU seconds this process has spent in the waits of all its cores (their polling, beyond
+ * each wait's first tests) since it started: a rank's CPU time less this is its work's. */
+double mgrit_wait_cpu_seconds(void);
 const char *mgrit_error_message(const mgrit_core *core);
 int64_t mgrit_trace_length(const mgrit_core *core);
 const mgrit_trace_entry *mgrit_trace(const mgrit_core *core);

@@ -95,9 +95,30 @@ static int block_app(mgrit_core *core, int src, int64_t handle, double next) {
   return blocked != 0;
 }
 
-/* `slept`: the wait already slept in the application's block callback (no spin or nap). */
+/* The CPU seconds this process's threads spent in the core's waits beyond their first tests
+ * (mgrit_wait_cpu_seconds): what a rank's waiting costs the machine's cores, which a rank's
+ * CPU time otherwise mixes with its work.  One counter for the process: cores solve on one
+ * thread at a time (the interpreter's). */
+static double wait_cpu_total;
+
+static double thread_cpu(void) {
+  struct timespec ts;
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0.0;
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Ends a wait that reached keep_waiting (cpu0 >= 0: the thread's CPU time when it first did). */
+static void count_wait(double cpu0) {
+  if (cpu0 >= 0) wait_cpu_total += thread_cpu() - cpu0;
+}
+
+double mgrit_wait_cpu_seconds(void) { return wait_cpu_total; }
+
+/* `slept`: the wait already slept in the application's block callback (no spin or nap).
+ * *cpu0 < 0 on a wait's first call: it becomes the thread's CPU time (count_wait). */
 static int keep_waiting(mgrit_core *core, double t0, double *next, long *spins, int slept,
-                        const char *what, int peer, int l, int64_t i) {
+                        double *cpu0, const char *what, int peer, int l, int64_t i) {
+  if (*cpu0 < 0) *cpu0 = thread_cpu();
   double now = MPI_Wtime();
   if (!slept && ++*spins > 200) {
     if (core->o.wait_sleep > 0) {
@@ -145,17 +166,20 @@ static int test_req(mgrit_core *core, mgrit_i_req *req, int *done) {
 }
 
 int mgrit_i_poll_wait(mgrit_core *core, mgrit_i_req *req, const char *what) {
-  double t0 = MPI_Wtime(), next = t0 + 0.05;
+  double t0 = MPI_Wtime(), next = t0 + 0.05, cpu0 = -1;
   long spins = 0;
   for (;;) {
     int done = 0, rc;
     if ((rc = test_req(core, req, &done))) return rc;
     for (int k = 1; k < TESTS_PER_WAKE && !done; k++)
       if ((rc = test_req(core, req, &done))) return rc;
-    if (done) return MGRIT_OK;
+    if (done) {
+      count_wait(cpu0);
+      return MGRIT_OK;
+    }
     int slept = core->c.ext ? block_app(core, -1, req->app, next) : 0;
     if (slept < 0) return transport_error(core, "block");
-    if ((rc = keep_waiting(core, t0, &next, &spins, slept, what, -1, -1, -1))) return rc;
+    if ((rc = keep_waiting(core, t0, &next, &spins, slept, &cpu0, what, -1, -1, -1))) return rc;
   }
 }
 
@@ -216,7 +240,7 @@ int mgrit_i_send(mgrit_core *core, int dest, int tag, int l, int64_t i, mgrit_ve
 /* mgrit_i_recv through the application's transport (Note [application transport]). */
 static int recv_app(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec *out,
                     double t0) {
-  double next = t0 + 0.05;
+  double next = t0 + 0.05, cpu0 = -1;
   long spins = 0;
   int found = 0, rc;
   int64_t flag = 0;
@@ -227,8 +251,10 @@ static int recv_app(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_
     if (found) break;
     int slept = block_app(core, src, -1, next);
     if (slept < 0) return transport_error(core, "block");
-    if ((rc = keep_waiting(core, t0, &next, &spins, slept, "a state", src, l, i))) return rc;
+    if ((rc = keep_waiting(core, t0, &next, &spins, slept, &cpu0, "a state", src, l, i)))
+      return rc;
   }
+  count_wait(cpu0);
   core->comm_seconds += MPI_Wtime() - t0;
   mgrit_i_trace(core, l, MGRIT_OP_RECV, i, src, 0);
   if (flag && !core->err) core->err = MGRIT_ERR_REMOTE;
@@ -252,7 +278,7 @@ int mgrit_i_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec
   double t0 = MPI_Wtime();
   if (core->c.ext) return recv_app(core, src, tag, l, i, out, t0);
   /* Probe by polling (Note [polled waits]). */
-  double next = t0 + 0.05;
+  double next = t0 + 0.05, cpu0 = -1;
   long spins = 0;
   for (;;) {
     int found = 0;
@@ -260,8 +286,9 @@ int mgrit_i_recv(mgrit_core *core, int src, int tag, int l, int64_t i, mgrit_vec
     for (int k = 1; k < TESTS_PER_WAKE && !found; k++)
       MGRIT_I_MPI(core, MPI_Iprobe(src, tag, core->c.comm, &found, &st));
     if (found) break;
-    if ((rc = keep_waiting(core, t0, &next, &spins, 0, "a state", src, l, i))) return rc;
+    if ((rc = keep_waiting(core, t0, &next, &spins, 0, &cpu0, "a state", src, l, i))) return rc;
   }
+  count_wait(cpu0);
   MGRIT_I_MPI(core, MPI_Get_count(&st, MPI_BYTE, &count));
   char *buf = malloc((size_t)count);
   if (!buf) abort_nomem(core, "a received state", (size_t)count);

@@ -9,7 +9,16 @@ from typing import Optional
 from ..errors import RemoteRankError, StallError
 from .timeouts import timeout, wait_sleep
 
-__all__ = ["exited", "missing_ranks", "poll"]
+__all__ = ["exited", "missing_ranks", "poll", "wait_cpu_seconds"]
+
+_WAIT_CPU = [0.0]  # this thread's CPU seconds in polls beyond their first tests
+
+
+def wait_cpu_seconds() -> float:
+    """The CPU seconds this process's polls have spent waiting (beyond each wait's first
+    tests) since it started: a rank's CPU time less this, and less the MGRIT core's own
+    (``mgrit_wait_cpu_seconds``), is its work's."""
+    return _WAIT_CPU[0]
 
 
 def poll(
@@ -28,7 +37,25 @@ def poll(
     naps whenever it can: it waits for a completion that a thread reports, at most that long,
     with the interpreter's lock released (a spinning main thread would keep the reporting
     thread from running), and says whether it could.  Every wait of either transport goes
-    through here (Note [deadlines] in _comm/base.py)."""
+    through here (Note [deadlines] in _comm/base.py); its CPU time beyond the first tests
+    is counted (:func:`wait_cpu_seconds`)."""
+    for _ in range(4):
+        if done():
+            return
+    cpu0 = time.thread_time()
+    try:
+        _poll(done, check, what, rank, block)
+    finally:
+        _WAIT_CPU[0] += time.thread_time() - cpu0
+
+
+def _poll(
+    done: Callable[[], bool],
+    check: Callable[[], None],
+    what: str,
+    rank: int,
+    block: Optional[Callable[[float], bool]],
+) -> None:
     limit = timeout()
     t0 = time.perf_counter()
     spins, sleep, next_check = 0, None, t0 + 0.05
