@@ -35,6 +35,7 @@ from ._engine.serial import parallel_penalty, serial_forward, time_points
 from ._engine.sharded_state import ShardedState
 from ._engine.stages import close_output, open_input, placeholder
 from ._engine.step_rule import euler_step
+from ._engine.torch_private import prepare_split
 from .coarsening import SpatialCoarsening
 from .grid import ProcessGrid, replicate
 from .launch import _enter
@@ -264,6 +265,8 @@ class LayerParallelModule(FreedOnExit, OneChainPart, ShardedState, metaclass=_Bu
         self._averager = replicate(self, self._grid)
         self._anchor = torch.zeros((), requires_grad=True)
         self._split_planner = SplitPlanner()  # the microbatched backward's (Note [split count])
+        if self.microbatches > 1 and self._rank > 0:  # a rank whose backward splits VJPs
+            prepare_split()
         try:
             self.parameterization.attach(self)
         except BaseException:

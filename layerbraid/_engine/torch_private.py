@@ -84,6 +84,15 @@ class _Found(dict):
 _FOUND = _Found()
 
 
+def prepare_split() -> None:
+    """Looks up split_vjp's helpers now: the first lookup imports
+    torch.distributed.pipelining (most of a second on a busy node), which in a microbatched
+    backward would hold up every rank to the left of this one, once per rank, in turn."""
+    for path in PRIVATE_APIS:
+        if path.startswith("torch.distributed.pipelining."):
+            _FOUND[path]
+
+
 def missing() -> tuple[str, ...]:
     """The private APIs the installed torch lacks (looks every one up)."""
     return tuple(path for path in PRIVATE_APIS if _FOUND[path] is None)
