@@ -355,6 +355,10 @@ class DistComm(Transport):
     """A torch.distributed process group, its ranks in ``members`` order (global ranks): rank k
     of this communicator is global rank ``members[k]``."""
 
+    # gloo's and MPI's receives take a shorter message (Note [inline records] in stream.py);
+    # NCCL's device messages never go inline
+    oversized_receives = True
+
     def __init__(self, group, members: Optional[Sequence[int]] = None, context: int = 0) -> None:
         self.group = group
         self.members = list(dist.get_process_group_ranks(group) if members is None else members)

@@ -10,6 +10,16 @@ a pair's messages in the order they were posted), and the core does not always r
 order it sends: on a coarse level rank r can send a second state before rank r + 1 takes a
 fine-level one sent in between (tests/test_plan.py finds such schedules).  A stream keeps gloo
 and NCCL on the same code.
+
+Note [inline records]: where a receive may be larger than its message (gloo and MPI, whose CPU
+messages go through a transport with ``oversized_receives``), a record and its state travel as
+one message, [tag, flag, header bytes, payload bytes, 0 | header | payload], into a receive of
+the stream's capacity: one message and one wait per state instead of two of each, which under
+gloo are each a thread's hand-off.  A record larger than the capacity goes as before, its
+record first (marked 1 in its last field) and then its header and payload.  Both ends start
+at the same capacity and raise it to each record's size after it, so they agree on which way
+each record travels without asking.  NCCL's receives must match their messages' sizes: on a
+GPU the record always goes first.
 """
 
 from typing import Any, Optional
@@ -20,6 +30,8 @@ import torch
 __all__ = ["StateStream"]
 
 _STATE_TAG = 1  # the core's state messages: one stream per pair of ranks
+_RECORD = 5  # int64 fields of a record: tag, flag, header bytes, payload bytes, body follows
+_FIRST_CAPACITY = 1 << 16  # bytes of a stream's first inline receive (Note [inline records])
 
 
 class StateStream:
@@ -29,6 +41,7 @@ class StateStream:
     transport's failure), and calls ``_stream_init()`` in its constructor."""
 
     device: Any
+    oversized_receives = False  # whether a receive may be larger than its message
 
     def _start_p2p(self, send: bool, t: torch.Tensor, peer: int, tag: int) -> Any:
         raise NotImplementedError
@@ -41,6 +54,12 @@ class StateStream:
         self._pending: dict[int, tuple] = {}
         self._readers: dict[int, dict] = {}
         self._mail: dict[tuple[int, int], list] = {}
+        # Note [inline records]: each stream's capacity, as its sender and its receiver see it
+        self._send_capacity: dict[int, int] = {}
+        self._recv_capacity: dict[int, int] = {}
+
+    def _inline(self) -> bool:
+        return self.oversized_receives and self.device.type == "cpu"
 
     def _handle(self, entry: tuple) -> int:
         self._next += 1
@@ -49,10 +68,28 @@ class StateStream:
 
     def isend_state(self, dest: int, tag: int, flag: int, head: bytes, payload: Any) -> int:
         """Starts sending a state on the pair's stream: its record [tag, flag, header bytes,
-        payload bytes], then (not poisoned) the header and the payload, as one message when
-        the payload is on the CPU."""
+        payload bytes, body follows], then (not poisoned) the header and the payload, as one
+        message when the payload is on the CPU; record and all in one message where it fits
+        the stream's capacity (Note [inline records])."""
         n = 0 if flag else payload.numel()
-        meta = torch.tensor([tag, flag, len(head), n], dtype=torch.int64, device=self.device)
+        if self._inline():
+            size = 8 * _RECORD + len(head) + n
+            capacity = self._send_capacity.get(dest, _FIRST_CAPACITY)
+            self._send_capacity[dest] = max(capacity, size)
+            if size <= capacity:
+                meta = torch.tensor([tag, flag, len(head), n, 0], dtype=torch.int64)
+                parts = [meta.view(torch.uint8)]
+                if not flag:
+                    parts += [
+                        torch.frombuffer(bytearray(head), dtype=torch.uint8),
+                        payload.reshape(-1).to("cpu"),
+                    ]
+                whole = torch.cat(parts)
+                work = self._start_p2p(True, whole, dest, _STATE_TAG)
+                return self._handle(("send", [work], [whole]))
+        meta = torch.tensor([tag, flag, len(head), n, 1], dtype=torch.int64, device=self.device)
+        if self._inline():  # into the receiver's bytes of the stream's capacity
+            meta = meta.view(torch.uint8)
         keep = [meta]
         works = [self._start_p2p(True, meta, dest, _STATE_TAG)]
         if not flag:
@@ -84,16 +121,33 @@ class StateStream:
         delivered a message into the mailbox."""
         r = self._readers.get(src)
         if r is None:
-            meta = torch.zeros(4, dtype=torch.int64, device=self.device)
-            r = {"meta": meta, "works": [self._start_p2p(False, meta, src, _STATE_TAG)]}
+            if self._inline():
+                capacity = self._recv_capacity.get(src, _FIRST_CAPACITY)
+                record = torch.empty(capacity, dtype=torch.uint8)
+                meta = record[: 8 * _RECORD].view(torch.int64)
+            else:
+                meta = record = torch.zeros(_RECORD, dtype=torch.int64, device=self.device)
+            r = {
+                "meta": meta,
+                "record": record,
+                "works": [self._start_p2p(False, record, src, _STATE_TAG)],
+            }
             self._readers[src] = r
         if not all(self._done(w) for w in r["works"]):
             return False
         if "body" not in r:
-            tag, flag, hlen, n = (int(v) for v in r["meta"].cpu().tolist())
+            tag, flag, hlen, n, follows = (int(v) for v in r["meta"].cpu().tolist())
             r.update(tag=tag, hlen=hlen)
+            if self._inline():  # both ends raise the capacity alike (Note [inline records])
+                size = 8 * _RECORD + hlen + n
+                self._recv_capacity[src] = max(self._recv_capacity.get(src, _FIRST_CAPACITY), size)
             if flag:
                 return self._deliver(src, r, (1, b"", None))
+            if not follows:
+                body = r["record"][8 * _RECORD : 8 * _RECORD + hlen + n]
+                if 2 * body.numel() < r["record"].numel():  # do not keep a large buffer alive
+                    body = body.clone()
+                return self._deliver(src, r, (0, bytes(body[:hlen].numpy()), body[hlen:]))
             if self.device.type == "cpu":
                 r["body"] = torch.empty(hlen + n, dtype=torch.uint8)
                 r["works"] = [self._start_p2p(False, r["body"], src, _STATE_TAG)]
