@@ -49,6 +49,7 @@ __all__ = [
     "measure_split",
     "MicrobatchChoice",
     "choose_microbatches",
+    "wait_cpu_seconds",
 ]
 
 # The trace's operation names (a schedule's "op" column indexes OPS), and those that run a step.
@@ -809,6 +810,17 @@ def measure_step(
         vjp_p.append(t3 - t2)
     med = lambda v: float(np.median(v[1:]))  # noqa: E731
     return med(fwd), med(vjp), med(vjp_p)
+
+
+def wait_cpu_seconds() -> float:
+    """The CPU seconds this process has spent waiting for other ranks since it started: in
+    the transports' polled waits and in the MGRIT core's, beyond each wait's first tests.  A
+    rank's CPU time less this is its work's, which ``Costs.overhead_seconds`` charges per step
+    action; the waiting itself is the simulation's, not a cost of every action."""
+    from ._comm.waits import wait_cpu_seconds as polled
+    from ._engine.schedule import lib
+
+    return polled() + float(lib.mgrit_wait_cpu_seconds())
 
 
 def measure_split(layer: Any, x: Any, repeats: int = 20, dt: float = 0.1) -> tuple[float, float]:

@@ -30,15 +30,6 @@ import time
 LATE = [0.0, 0]
 
 
-def wait_cpu():
-    """The CPU seconds this process has spent waiting for other ranks, in layerbraid's polls
-    and in the MGRIT core's."""
-    from layerbraid._comm.waits import wait_cpu_seconds
-    from layerbraid._mgrit_core import lib
-
-    return wait_cpu_seconds() + lib.mgrit_wait_cpu_seconds()
-
-
 def nap(seconds):
     t0 = time.perf_counter()
     time.sleep(seconds)
@@ -97,6 +88,7 @@ def main():
 
     from bench.workers import hand_off
     from bench.workers.resnet import traced_work
+    from layerbraid.plan import wait_cpu_seconds
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -116,9 +108,9 @@ def main():
         for _ in range(repeats):
             comm.Barrier()
             LATE[:] = [0.0, 0]
-            t0, c0, w0 = time.perf_counter(), time.process_time(), wait_cpu()
+            t0, c0, w0 = time.perf_counter(), time.process_time(), wait_cpu_seconds()
             model(x).sum().backward()
-            c1, w1 = time.process_time() - c0, wait_cpu() - w0
+            c1, w1 = time.process_time() - c0, wait_cpu_seconds() - w0
             times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
             cpu.append(c1)
             waiting.append(w1)
