@@ -370,3 +370,19 @@ def test_a_state_stream_sends_a_state_in_one_message_where_it_fits(oversized):
     flag, head, payload = take(7)
     assert (flag, head, payload.numel()) == (0, b"empty", 0)
     assert all(b.try_recv_state(0, 5) is None for _ in range(3))
+
+
+def test_a_state_stream_carries_float64_states_whole_through_inline_records():
+    """States as the core sends them (layerbraid's header and payload): a small one inline
+    (copied out of its receive), a large one first in two messages, then inline as a view of
+    its receive; every one arrives equal, float64 and its shape."""
+    from layerbraid._engine.states import _from_parts, _header, _payload
+
+    wire = _Wire()
+    a, b = wire.end(0, True), wire.end(1, True)
+    for shape in [(3, 5), (20000,), (20000,), (7, 3)]:
+        x = torch.randn(shape, dtype=torch.float64)
+        a.isend_state(1, 5, 0, _header(x), _payload(x))
+        got = next(g for g in (b.try_recv_state(0, 5) for _ in range(5)) if g is not None)
+        assert torch.equal(_from_parts(got[1], got[2], None), x), shape
+    assert wire.sent == 5  # the first large state took two messages, the others one
