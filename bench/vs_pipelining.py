@@ -153,20 +153,22 @@ def predicted(job, name):
         return None
     c = job["costs"]
     rounds = c.get("rounds", [c])
-    # layerbraid's own time per step action is the code's and the transport's, not the
-    # stretch's: the median of the rounds' fits (each is a difference of two short timings)
-    over = statistics.median(r.get("overhead", {}).get(m, 0.0) for r in rounds)
-    return [_predict(job, family, m, r, c["message_bytes"], over) for r in rounds]
+    # layerbraid's own time per step action and per batch is the code's and the transport's,
+    # not the stretch's: the medians of the rounds' fits (each from a few short timings)
+    over, per_batch = (statistics.median(r.get(key, {}).get(m, 0.0) for r in rounds)
+                       for key in ("overhead", "batch_seconds"))
+    return [_predict(job, family, m, r, c["message_bytes"], over, per_batch) for r in rounds]
 
 
-def _predict(job, family, m, measured, message_bytes, overhead):
+def _predict(job, family, m, measured, message_bytes, overhead, per_batch):
     """The planner's seconds per batch for ``family`` in ``m`` microbatches from one
-    measurement of the costs and, for MGRIT, layerbraid's ``overhead`` per step action."""
+    measurement of the costs and, for MGRIT, layerbraid's ``overhead`` per step action and
+    its seconds ``per_batch`` outside the chain."""
     alone = measured["alone"]
     costs = _costs_of(job, m, measured, message_bytes)
     serial = job["steps"] * (alone[0] + alone[-1])
     if family == "lp-mgrit":
-        costs = replace(costs, overhead_seconds=overhead)
+        costs = replace(costs, overhead_seconds=overhead, batch_seconds=per_batch)
         return plan.predict(job["steps"], job["ranks"], MGRIT_ROWS, MGRIT_ROWS, costs,
                             microbatches=int(m), serial_seconds=serial).seconds
     schedule = {"1f1b": "1f1b", "gpipe": "gpipe"}.get(family, "exact")
@@ -221,7 +223,10 @@ def report(data):
              "once, a message's seconds through the job's transport, and for the MGRIT rows "
              "layerbraid's own seconds per step action (the one at which the planner "
              "predicts how much longer a 32-step chain takes than a 16-step one, both "
-             "trained by the job's processes; the median over the rounds), measured in every "
+             "trained by the job's processes) and per batch (what the 32-step chain's time "
+             "has beyond its prediction: the layers around the chain, the loss, the solve's "
+             "set-up; the planner's `Costs.batch_seconds`), each the median over the rounds; "
+             "all measured in every "
              "round among the systems (the machine's quiet and busy stretches "
              "differ by more than the model's errors): predicted ms is the median of the "
              "rounds' predictions, measured / predicted the median [min-max] of each round's "

@@ -83,6 +83,10 @@ class Costs:
             [pipeline model]; :func:`measure_split`): the input's gradient, with the search for
             where the parameters join, and the parameters' gradients afterwards (defaults:
             ``vjp_seconds`` and ``vjp_param_seconds - vjp_seconds``, the split for free).
+        batch_seconds: seconds of a batch that do not grow with the chain and that no rank's
+            schedule holds (the layers before and after the chain, the loss, a solve's set-up
+            of its microbatches), added once to a prediction; measured as what remains of a
+            short chain's time after its prediction (bench/workers/vs_pipelining.py).
     """
 
     step_seconds: float
@@ -97,6 +101,7 @@ class Costs:
     overhead_seconds: float = 0.0
     split_input_seconds: Optional[float] = None
     split_weights_seconds: Optional[float] = None
+    batch_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("level_scale", "message_scale"):
@@ -115,6 +120,7 @@ class Costs:
             "latency",
             "param_bytes",
             "overhead_seconds",
+            "batch_seconds",
         ):
             v = getattr(self, name)
             if (
@@ -160,7 +166,9 @@ class Costs:
 
 @dataclass
 class Prediction:
-    """The predicted time per batch (forward + backward) on `ranks` layer-parallel ranks."""
+    """The predicted time per batch on `ranks` layer-parallel ranks: ``seconds`` is the
+    forward's and the backward's seconds plus ``Costs.batch_seconds`` (and, with data
+    parallelism, the gradients' allreduce)."""
 
     ranks: int
     data_parallel: int
@@ -611,7 +619,7 @@ def predict(
         costs.level_scale,
         costs.message_scale,
     )
-    total = tf + tb
+    total = tf + tb + costs.batch_seconds
     if data_parallel > 1:  # ring allreduce of the gradients of one rank's layers
         per_rank_bytes = costs.param_bytes / ranks
         total += (
@@ -678,10 +686,12 @@ def predict_pipeline(
     )
     if split_first is None:
         split_first = pipeline_model.best_split_count(stages, microbatches)
-    forward, total = pipeline_model.simulate(stages, microbatches, schedule, split_first)
+    forward, chain = pipeline_model.simulate(stages, microbatches, schedule, split_first)
     if serial_seconds is None:
         serial_seconds = microbatches * num_steps * (costs.step_seconds + costs.vjp_param())
-    return Prediction(ranks, 1, total, serial_seconds, forward, total - forward, owned)
+    return Prediction(
+        ranks, 1, chain + costs.batch_seconds, serial_seconds, forward, chain - forward, owned
+    )
 
 
 def schedule_of_exact(num_steps: int, ranks: int) -> list[np.ndarray]:

@@ -377,6 +377,28 @@ def test_pipeline_orders_and_messages():
         plan.predict_pipeline(8, 2, 0, plan.Costs(1.0, 1.0))
 
 
+@pytest.mark.parametrize("microbatches", [1, 5])
+def test_a_batch_cost_is_added_once_to_every_prediction(microbatches):
+    """``Costs.batch_seconds`` (what a batch costs outside the chain) moves every prediction by
+    itself, whatever the schedule and microbatch count, and is checked like the others."""
+    from dataclasses import replace
+
+    opts = MGRITOptions(max_levels=2, cfactor=4, max_iters=1)
+    base = plan.Costs(1e-3, 2e-3, 3e-3, message_bytes=1e4, overhead_seconds=1e-5)
+    more = replace(base, batch_seconds=0.25)
+    a = plan.predict(32, 2, opts, opts, base, microbatches=microbatches)
+    b = plan.predict(32, 2, opts, opts, more, microbatches=microbatches)
+    assert b.seconds == pytest.approx(a.seconds + 0.25)
+    assert (b.forward_seconds, b.backward_seconds) == (a.forward_seconds, a.backward_seconds)
+    for schedule in plan.PIPELINE_SCHEDULES:
+        a = plan.predict_pipeline(32, 2, microbatches, base, schedule)
+        b = plan.predict_pipeline(32, 2, microbatches, more, schedule)
+        assert b.seconds == pytest.approx(a.seconds + 0.25), schedule
+    for bad in (-1.0, float("inf"), True):
+        with pytest.raises(ValueError, match=r"Costs.batch_seconds must be a finite"):
+            plan.Costs(1.0, 1.0, batch_seconds=bad)
+
+
 def test_mgrit_in_microbatches_is_a_pipeline_in_the_model():
     """On 8 ranks with a step's cost linear in its batch, the coarse solve in microbatches
     overlaps the ranks: faster than the batch at once, and the predicted steps per rank are the

@@ -24,7 +24,7 @@ graph held for the backward on each rank (what ``saved_tensors_hooks`` saw live 
 activation memory, which is what microbatching schedules trade; measured in the untimed
 warm-up rounds, as its hooks cost time per tensor).  The planner's costs (a
 step's forward and VJP at each microbatch size, a message through the job's transport, and
-layerbraid's own time per step action of an MGRIT solve) are measured in every round too, in
+layerbraid's own time per step action and per batch of an MGRIT solve) are measured in every round too, in
 the same rotation, so that each round's prediction has the machine in the state its timings
 had.
 """
@@ -228,7 +228,8 @@ def _costs(batch: int, counts: list[int], comm, overhead: "_Overhead | None" = N
     node), and at the whole batch on rank 0 alone (plain PyTorch has the node to itself); a
     message's seconds, one float's and a microbatch's state's at each count (the transport's
     latency and bandwidth as the job sees them); and, given ``overhead``, layerbraid's own
-    seconds per step action of an MGRIT solve at each count (:class:`_Overhead`)."""
+    seconds per step action and per batch of an MGRIT solve at each count
+    (:class:`_Overhead`)."""
     from layerbraid.plan import measure_split, measure_step
 
     busy, split = {}, {}
@@ -245,7 +246,7 @@ def _costs(batch: int, counts: list[int], comm, overhead: "_Overhead | None" = N
            "message": {m: _one_way(comm, -(-batch // m) * CHANNELS * SIZE * SIZE)
                        for m in counts}}
     if overhead is not None:
-        out["overhead"] = overhead.overhead(out, STATE_BYTES)
+        out["overhead"], out["batch_seconds"] = overhead.fit(out, STATE_BYTES)
     return out
 
 
@@ -290,16 +291,17 @@ def planner_costs(measured: dict[Any, Any], m: Any, batch: int,
 
 
 class _Overhead:
-    """layerbraid's own seconds per step action of the MGRIT rows' solves (the planner's
-    ``Costs.overhead_seconds``: the callbacks, the vector sums and norms around each step, and
-    each message's handling beyond the latency its sender is charged), at each microbatch
-    count.  The job's ranks train two short chains, OVERHEAD_STEPS conv steps and twice as
-    many, with the rows' MGRIT options; the overhead is the one at which the planner predicts
-    the difference of their times from the round's other costs.  A difference, because a
-    batch also costs what the planner does not model and that does not grow with the chain
-    (the open and close layers, the loss, the solves' set-up), which a short chain's time
-    alone would spread over its few actions; short chains, so that the rows are predicted
-    rather than fitted."""
+    """layerbraid's own costs in the MGRIT rows' solves that the step costs leave out, at each
+    microbatch count: the seconds per step action (the planner's ``Costs.overhead_seconds``:
+    the callbacks, the vector sums and norms around each step, and each message's handling
+    beyond the latency its sender is charged) and the seconds per batch outside the chain
+    (``Costs.batch_seconds``: the open and close layers, the loss, the solves' set-up of their
+    microbatches).  The job's ranks train two short chains, OVERHEAD_STEPS conv steps and twice
+    as many, with the rows' MGRIT options; the overhead is the one at which the planner predicts
+    the difference of their times from the round's other costs (a difference, so that what
+    does not grow with the chain cancels), and the batch's seconds what the longer chain's time
+    has beyond its prediction with that overhead.  Short chains, so that the rows (64 steps)
+    are predicted rather than fitted."""
 
     def __init__(self, batch: int, counts: list[int], comm) -> None:
         self.comm = comm
@@ -326,36 +328,40 @@ class _Overhead:
         model.zero_grad()
         return took
 
-    def overhead(self, measured: dict[str, Any], message_bytes: float) -> dict[int, float]:
+    def fit(self, measured: dict[str, Any],
+            message_bytes: float) -> tuple[dict[int, float], dict[int, float]]:
+        """({m: seconds per step action}, {m: seconds per batch}) from three timed pairs of
+        the two chains (their medians) and the round's ``measured`` costs."""
         from dataclasses import replace
 
         from layerbraid import plan
 
         short, long = OVERHEAD_STEPS, 2 * OVERHEAD_STEPS
-        out = {}
+        overhead, per_batch = {}, {}
         for m in sorted({m for m, _ in self.models}):
             took = [(self._batch(m, short), self._batch(m, long)) for _ in range(3)]
             grown = statistics.median(b - a for a, b in took)
             costs = planner_costs(measured, m, self.batch, message_bytes)
+            size = self.comm.Get_size()
+
+            def predict(n: int, over: float) -> float:
+                c = replace(costs, overhead_seconds=over)
+                return plan.predict(n, size, self.opts, self.opts, c, microbatches=m).seconds
 
             def growth(over: float) -> float:
-                c = replace(costs, overhead_seconds=over)
-                size = self.comm.Get_size()
-                return (plan.predict(long, size, self.opts, self.opts, c, microbatches=m).seconds
-                        - plan.predict(short, size, self.opts, self.opts, c,
-                                       microbatches=m).seconds)
+                return predict(long, over) - predict(short, over)
 
             lo, hi = 0.0, 1e-4
-            if growth(lo) >= grown:
-                out[m] = 0.0
-                continue
-            while growth(hi) < grown and hi < 1.0:
-                hi *= 2
-            for _ in range(30):  # bisection: the longer chain has more actions to pay it
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if growth(mid) < grown else (lo, mid)
-            out[m] = lo
-        return out
+            if growth(lo) < grown:
+                while growth(hi) < grown and hi < 1.0:
+                    hi *= 2
+                for _ in range(30):  # bisection: the longer chain has more actions to pay it
+                    mid = (lo + hi) / 2
+                    lo, hi = (mid, hi) if growth(mid) < grown else (lo, mid)
+            overhead[m] = lo
+            # the longer chain's, the nearer the rows; the two agree unless the overhead is 0
+            per_batch[m] = max(statistics.median(b for _, b in took) - predict(long, lo), 0.0)
+        return overhead, per_batch
 
 
 def _serial_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
