@@ -165,7 +165,7 @@ def _predict(job, family, m, measured, message_bytes, overhead, per_batch):
     measurement of the costs and, for MGRIT, layerbraid's ``overhead`` per step action and
     its seconds ``per_batch`` outside the chain."""
     alone = measured["alone"]
-    costs = _costs_of(job, m, measured, message_bytes)
+    costs = _costs_of(job, m, measured, message_bytes, family in ("gpipe", "1f1b"))
     serial = job["steps"] * (alone[0] + alone[-1])
     if family == "lp-mgrit":
         costs = replace(costs, overhead_seconds=overhead, batch_seconds=per_batch)
@@ -176,12 +176,13 @@ def _predict(job, family, m, measured, message_bytes, overhead, per_batch):
                                  serial).seconds
 
 
-def _costs_of(job, m, measured, message_bytes):
-    """The planner's costs of a row (the worker's planner_costs), also from the raw data of
-    runs before every part of them was measured: the plain VJP (then 2/3 of the other), the
-    split VJP and the timed messages (then 50 us and 1 GB/s)."""
+def _costs_of(job, m, measured, message_bytes, pipelining=False):
+    """The planner's costs of a row (the worker's planner_costs; ``pipelining``: its messages
+    timed through torch.distributed itself, where they were), also from the raw data of runs
+    before every part of them was measured: the plain VJP (then 2/3 of the other), the split
+    VJP and the timed messages (then 50 us and 1 GB/s)."""
     if "message" in measured and "split" in measured and len(measured["busy"][m]) == 3:
-        return planner_costs(measured, m, job["batch"], message_bytes)
+        return planner_costs(measured, m, job["batch"], message_bytes, pipelining)
     busy = measured["busy"][m]
     if len(busy) == 2:
         busy = (busy[0], busy[1] / 1.5, busy[1])
@@ -220,7 +221,9 @@ def report(data):
              "of each backward split past the first rank, as many as its simulation finds "
              "fastest) from a step's forward and VJP "
              "seconds measured at the row's microbatch size with both processes measuring at "
-             "once, a message's seconds through the job's transport, and for the MGRIT rows "
+             "once, a message's seconds through the job's transport (as layerbraid sends "
+             "it, with its deadline; for pipelining's rows as torch.distributed's own isend "
+             "and irecv do), and for the MGRIT rows "
              "layerbraid's own seconds per step action (the one at which the planner "
              "predicts how much longer a 32-step chain takes than a 16-step one, both "
              "trained by the job's processes) and per batch (what the 32-step chain's time "

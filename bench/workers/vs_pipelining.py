@@ -245,14 +245,23 @@ def _costs(batch: int, counts: list[int], comm, overhead: "_Overhead | None" = N
     out = {"busy": busy, "split": split, "alone": alone, "latency": _one_way(comm, 1),
            "message": {m: _one_way(comm, -(-batch // m) * CHANNELS * SIZE * SIZE)
                        for m in counts}}
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        # torch.distributed.pipelining's messages: its own isend/irecv and waits
+        out["torch_latency"] = _one_way(comm, 1, through_torch=True)
+        out["torch_message"] = {m: _one_way(comm, -(-batch // m) * CHANNELS * SIZE * SIZE,
+                                            through_torch=True) for m in counts}
     if overhead is not None:
         out["overhead"], out["batch_seconds"] = overhead.fit(out, STATE_BYTES)
     return out
 
 
-def _one_way(comm, floats: int, repeats: int = COST_REPEATS) -> float:
+def _one_way(comm, floats: int, repeats: int = COST_REPEATS, through_torch: bool = False
+             ) -> float:
     """Seconds of one message of ``floats`` float32 numbers between ranks 0 and 1 through the
-    job's transport: the median of ``repeats`` round trips, halved (0 on one rank)."""
+    job's transport as layerbraid's exact path sends them (its waits, with their deadline),
+    or, ``through_torch``, through torch.distributed's own isend, irecv and wait, as
+    torch.distributed.pipelining sends them: the median of ``repeats`` round trips, halved (0
+    on one rank)."""
     rank, t = comm.Get_rank(), torch.zeros(floats)
     if comm.Get_size() < 2 or rank > 1:
         comm.barrier("the message timing")
@@ -261,7 +270,11 @@ def _one_way(comm, floats: int, repeats: int = COST_REPEATS) -> float:
     for _ in range(repeats):
         t0 = time.perf_counter()
         for send in ((True, False) if rank == 0 else (False, True)):
-            if send:
+            if through_torch:
+                import torch.distributed as dist
+
+                (dist.isend if send else dist.irecv)(t, peer, tag=PING_TAG).wait()
+            elif send:
                 comm.start_send(t, peer, PING_TAG, "a timed message").wait()
             else:
                 comm.start_recv((floats,), torch.float32, t.device, peer, PING_TAG,
@@ -271,20 +284,22 @@ def _one_way(comm, floats: int, repeats: int = COST_REPEATS) -> float:
     return statistics.median(took) / 2
 
 
-def planner_costs(measured: dict[Any, Any], m: Any, batch: int,
-                  message_bytes: float) -> "layerbraid.plan.Costs":
+def planner_costs(measured: dict[Any, Any], m: Any, batch: int, message_bytes: float,
+                  through_torch: bool = False) -> "layerbraid.plan.Costs":
     """The planner's costs of a row in ``m`` microbatches from one round's measurement
     (:func:`_costs`; ``m`` a key of its dicts): a step's forward, VJP and VJP with the
     parameters' gradients and the split VJP's parts at the microbatch's size, and the
-    transport's latency and bandwidth from its timed messages.  ``message_bytes``: one
-    sample's state."""
+    transport's latency and bandwidth from its timed messages: layerbraid's, or, with
+    ``through_torch`` where they were timed, torch.distributed's own (pipelining's rows).
+    ``message_bytes``: one sample's state."""
     from layerbraid import plan
 
     step, vjp, vjp_param = measured["busy"][m]
     part_x, part_w = measured["split"][m]
     state_bytes = message_bytes * batch / int(m)
-    latency = measured["latency"]
-    bandwidth = state_bytes / max(measured["message"][m] - latency, 1e-7)
+    prefix = "torch_" if through_torch and "torch_latency" in measured else ""
+    latency = measured[prefix + "latency"]
+    bandwidth = state_bytes / max(measured[prefix + "message"][m] - latency, 1e-7)
     return plan.Costs(step, vjp, vjp_param, message_bytes=state_bytes, latency=latency,
                       bandwidth=bandwidth, split_input_seconds=part_x,
                       split_weights_seconds=part_w)
