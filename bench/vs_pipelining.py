@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from bench.harness import (DOCS, SAME_LEGEND, generate, launch, load_raw, parser, pick,
                            provenance, speedup)
+from bench.workers.vs_pipelining import OVERHEAD_STEPS as CHAIN_STEPS
 from bench.workers.vs_pipelining import planner_costs
 from layerbraid import MGRITOptions, plan
 
@@ -145,35 +146,68 @@ MGRIT_ROWS = MGRITOptions(max_levels=2, cfactor=4, max_iters=1)  # the worker's 
 def predicted(job, name):
     """The planner's seconds per batch for a row in each round, from the step costs the job
     measured in that round at the row's microbatch size (a pipeline:
-    layerbraid.plan.predict_pipeline; MGRIT in microbatches: layerbraid.plan.predict), or None
-    for plain PyTorch.  Runs that measured the costs once, after the rounds, give one
-    prediction."""
+    layerbraid.plan.predict_pipeline; MGRIT in microbatches: layerbraid.plan.predict) and, for
+    layerbraid's rows, its own costs (:func:`own_costs`), or None for plain PyTorch.  Runs that
+    measured the costs once, after the rounds, give one prediction."""
     family, _, m = name.rpartition("-")
     if name == "plain" or family not in ("gpipe", "1f1b", "lp", "lp-mgrit"):
         return None
     c = job["costs"]
-    rounds = c.get("rounds", [c])
-    # layerbraid's own time per step action and per batch is the code's and the transport's,
-    # not the stretch's: the medians of the rounds' fits (each from a few short timings)
-    over, per_batch = (statistics.median(r.get(key, {}).get(m, 0.0) for r in rounds)
-                       for key in ("overhead", "batch_seconds"))
-    return [_predict(job, family, m, r, c["message_bytes"], over, per_batch) for r in rounds]
+    out = []
+    for r in c.get("rounds", [c]):
+        costs = _costs_of(job, m, r, c["message_bytes"], family in ("gpipe", "1f1b"))
+        if family in ("lp", "lp-mgrit"):
+            over, per_batch = own_costs(job, family, m, costs)
+            costs = replace(costs, overhead_seconds=over, batch_seconds=per_batch)
+        out.append(_model(family, job["steps"], job["ranks"], int(m), costs,
+                          job["steps"] * (r["alone"][0] + r["alone"][-1])))
+    return out
 
 
-def _predict(job, family, m, measured, message_bytes, overhead, per_batch):
-    """The planner's seconds per batch for ``family`` in ``m`` microbatches from one
-    measurement of the costs and, for MGRIT, layerbraid's ``overhead`` per step action and
-    its seconds ``per_batch`` outside the chain."""
-    alone = measured["alone"]
-    costs = _costs_of(job, m, measured, message_bytes, family in ("gpipe", "1f1b"))
-    serial = job["steps"] * (alone[0] + alone[-1])
+def own_costs(job, family, m, costs):
+    """layerbraid's own seconds per step action and per batch in ``family``'s rows in ``m``
+    microbatches, which the step costs leave out (``Costs.overhead_seconds``: the step's call
+    through layerbraid, the vector sums and norms around it, a message's handling beyond the
+    latency its sender is charged; ``Costs.batch_seconds``: the layers around the chain, the
+    loss, the microbatches' set-up), from the short chains the job timed in every round (the
+    worker's _Chains) and one round's ``costs``: the overhead at which the planner predicts how
+    much longer the longer chain takes (the median over every round's pairs: one round's few
+    pairs extrapolated to 64 steps multiply their noise), and what the longer chain's time
+    (the median) has beyond its prediction with it.  (0, 0) for runs that timed no chains;
+    the values they fitted themselves where they did."""
+    rounds = job["costs"].get("rounds", [job["costs"]])
+    pairs = [p for r in rounds for p in r.get("chains", {}).get(family, {}).get(m, [])]
+    if not pairs:
+        prefix = "" if family == "lp-mgrit" else "lp-"
+        return tuple(statistics.median(r.get(prefix + k, {}).get(m, 0.0) for r in rounds)
+                     for k in ("overhead", "batch_seconds"))
+    grown = statistics.median(b - a for a, b in pairs)
+    took = statistics.median(b for _, b in pairs)
+    short, long = CHAIN_STEPS, 2 * CHAIN_STEPS
+
+    def chain(n, over):
+        return _model(family, n, job["ranks"], int(m), replace(costs, overhead_seconds=over))
+
+    def growth(over):
+        return chain(long, over) - chain(short, over)
+
+    lo, hi = 0.0, 1e-4
+    if growth(lo) < grown:
+        while growth(hi) < grown and hi < 1.0:
+            hi *= 2
+        for _ in range(30):  # bisection: the longer chain has more actions to pay it
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if growth(mid) < grown else (lo, mid)
+    return lo, max(took - chain(long, lo), 0.0)
+
+
+def _model(family, steps, ranks, m, costs, serial=None):
+    """The planner's seconds per batch of ``family``'s schedule in ``m`` microbatches."""
     if family == "lp-mgrit":
-        costs = replace(costs, overhead_seconds=overhead, batch_seconds=per_batch)
-        return plan.predict(job["steps"], job["ranks"], MGRIT_ROWS, MGRIT_ROWS, costs,
-                            microbatches=int(m), serial_seconds=serial).seconds
+        return plan.predict(steps, ranks, MGRIT_ROWS, MGRIT_ROWS, costs, microbatches=m,
+                            serial_seconds=serial).seconds
     schedule = {"1f1b": "1f1b", "gpipe": "gpipe"}.get(family, "exact")
-    return plan.predict_pipeline(job["steps"], job["ranks"], int(m), costs, schedule,
-                                 serial).seconds
+    return plan.predict_pipeline(steps, ranks, m, costs, schedule, serial).seconds
 
 
 def _costs_of(job, m, measured, message_bytes, pipelining=False):
@@ -223,13 +257,14 @@ def report(data):
              "seconds measured at the row's microbatch size with both processes measuring at "
              "once, a message's seconds through the job's transport (as layerbraid sends "
              "it, with its deadline; for pipelining's rows as torch.distributed's own isend "
-             "and irecv do), and for the MGRIT rows "
-             "layerbraid's own seconds per step action (the one at which the planner "
+             "and irecv do), and for layerbraid's rows "
+             "its own seconds per step action (the one at which the planner "
              "predicts how much longer a 32-step chain takes than a 16-step one, both "
-             "trained by the job's processes) and per batch (what the 32-step chain's time "
-             "has beyond its prediction: the layers around the chain, the loss, the solve's "
-             "set-up; the planner's `Costs.batch_seconds`), each the median over the rounds; "
-             "all measured in every "
+             "trained by the job's processes as the row's family trains, exact or MGRIT, in "
+             "the row's microbatches) and per batch (what the 32-step chain's time "
+             "has beyond its prediction: the layers around the chain, the loss, the "
+             "microbatches' set-up; the planner's `Costs.batch_seconds`), the two fitted "
+             "together in each round; all measured in every "
              "round among the systems (the machine's quiet and busy stretches "
              "differ by more than the model's errors): predicted ms is the median of the "
              "rounds' predictions, measured / predicted the median [min-max] of each round's "

@@ -24,7 +24,7 @@ graph held for the backward on each rank (what ``saved_tensors_hooks`` saw live 
 activation memory, which is what microbatching schedules trade; measured in the untimed
 warm-up rounds, as its hooks cost time per tensor).  The planner's costs (a
 step's forward and VJP at each microbatch size, a message through the job's transport, and
-layerbraid's own time per step action and per batch of an MGRIT solve) are measured in every round too, in
+the times of two short chains that layerbraid's own costs are fitted on) are measured in every round too, in
 the same rotation, so that each round's prediction has the machine in the state its timings
 had.
 """
@@ -47,7 +47,7 @@ from layerbraid.nn import ConvBlock
 CHANNELS, SIZE, CLASSES = 8, 28, 10
 COSTS = "costs"  # the planner's cost measurement, a pseudo-system of every round
 COST_REPEATS = 5  # runs of each measured part a round (their median)
-OVERHEAD_STEPS = 16  # the chain that layerbraid's own time per step action is fitted on
+OVERHEAD_STEPS = 16  # the short chain that layerbraid's own costs are fitted on (and twice)
 STATE_BYTES = 4 * CHANNELS * SIZE * SIZE  # one sample's state, float32
 PING_TAG = 7499  # the timed messages' tag
 
@@ -174,13 +174,13 @@ def main() -> None:
     # prediction and measurement see the same stretch of a noisy machine
     costs: list[dict[str, Any]] = []
     order = [*names, COSTS] if device.type == "cpu" else names
-    overhead = (_Overhead(a.batch, counts, comm) if COSTS in order and "lp-mgrit" in a.systems
-                else None)
+    chains = ([_Chains(f, a.batch, counts, comm) for f in ("lp", "lp-mgrit") if f in a.systems]
+              if COSTS in order else [])
     for r in range(a.warmup + a.rounds):
         k = r % len(order)
         for name in order[k:] + order[:k]:
             if name == COSTS:
-                measured = _costs(a.batch, counts, comm, overhead)
+                measured = _costs(a.batch, counts, comm, chains)
                 if r >= a.warmup:
                     costs.append(measured)
                 continue
@@ -219,7 +219,7 @@ def _layer_and_input(n: int) -> tuple[nn.Module, torch.Tensor]:
     return ConvBlock(CHANNELS), torch.randn(n, CHANNELS, SIZE, SIZE)
 
 
-def _costs(batch: int, counts: list[int], comm, overhead: "_Overhead | None" = None,
+def _costs(batch: int, counts: list[int], comm, chains: "list[_Chains]" = (),
            repeats: int = COST_REPEATS) -> dict[str, Any]:
     """One round's costs for the planner (layerbraid.plan.predict_pipeline and predict): a
     step's seconds, forward, VJP and VJP with parameter gradients, and the two parts of the
@@ -227,9 +227,8 @@ def _costs(batch: int, counts: list[int], comm, overhead: "_Overhead | None" = N
     measured on every rank at once (the ranks of a pipeline step side by side and share the
     node), and at the whole batch on rank 0 alone (plain PyTorch has the node to itself); a
     message's seconds, one float's and a microbatch's state's at each count (the transport's
-    latency and bandwidth as the job sees them); and, given ``overhead``, layerbraid's own
-    seconds per step action and per batch of an MGRIT solve at each count
-    (:class:`_Overhead`)."""
+    latency and bandwidth as the job sees them); and the times of ``chains``' short chains
+    (:class:`_Chains`), from which the report fits layerbraid's own costs."""
     from layerbraid.plan import measure_split, measure_step
 
     busy, split = {}, {}
@@ -250,8 +249,8 @@ def _costs(batch: int, counts: list[int], comm, overhead: "_Overhead | None" = N
         out["torch_latency"] = _one_way(comm, 1, through_torch=True)
         out["torch_message"] = {m: _one_way(comm, -(-batch // m) * CHANNELS * SIZE * SIZE,
                                             through_torch=True) for m in counts}
-    if overhead is not None:
-        out["overhead"], out["batch_seconds"] = overhead.fit(out, STATE_BYTES)
+    if chains:
+        out["chains"] = {c.family: c.timed() for c in chains}
     return out
 
 
@@ -305,78 +304,44 @@ def planner_costs(measured: dict[Any, Any], m: Any, batch: int, message_bytes: f
                       split_weights_seconds=part_w)
 
 
-class _Overhead:
-    """layerbraid's own costs in the MGRIT rows' solves that the step costs leave out, at each
-    microbatch count: the seconds per step action (the planner's ``Costs.overhead_seconds``:
-    the callbacks, the vector sums and norms around each step, and each message's handling
-    beyond the latency its sender is charged) and the seconds per batch outside the chain
-    (``Costs.batch_seconds``: the open and close layers, the loss, the solves' set-up of their
-    microbatches).  The job's ranks train two short chains, OVERHEAD_STEPS conv steps and twice
-    as many, with the rows' MGRIT options; the overhead is the one at which the planner predicts
-    the difference of their times from the round's other costs (a difference, so that what
-    does not grow with the chain cancels), and the batch's seconds what the longer chain's time
-    has beyond its prediction with that overhead.  Short chains, so that the rows (64 steps)
-    are predicted rather than fitted."""
+class _Chains:
+    """Two short chains of the network, OVERHEAD_STEPS conv steps and twice as many, trained by
+    the job's ranks as ``family``'s rows train (exact, "lp", or MGRIT, "lp-mgrit") at each
+    microbatch count: how much longer the longer takes, and its time, are what the report fits
+    layerbraid's own costs on that the step costs leave out (bench/vs_pipelining.py:
+    own_costs).  Short chains, so that the rows (64 steps) are predicted rather than
+    fitted."""
 
-    def __init__(self, batch: int, counts: list[int], comm) -> None:
-        self.comm = comm
-        self.opts = layerbraid.MGRITOptions(max_levels=2, cfactor=4, max_iters=1)
+    def __init__(self, family: str, batch: int, counts: list[int], comm) -> None:
+        self.comm, self.family = comm, family
+        levels = 2 if family == "lp-mgrit" else 1
+        opts = layerbraid.MGRITOptions(max_levels=levels, cfactor=4, max_iters=1)
         g = torch.Generator().manual_seed(2)
-        self.batch = batch
         self.x = torch.randn(batch, 1, SIZE, SIZE, generator=g)
         self.y = torch.randn(batch, CLASSES, generator=g)
         self.models = {}
         for m in counts:
             for n in (OVERHEAD_STEPS, 2 * OVERHEAD_STEPS):
-                self.models[m, n] = _from_serial(serial_network(n), comm,
-                                                 forward_options=self.opts,
-                                                 backward_options=self.opts, microbatches=m)
+                self.models[m, n] = _from_serial(serial_network(n), comm, forward_options=opts,
+                                                 backward_options=opts, microbatches=m)
                 self._batch(m, n)  # warm
 
     def _batch(self, m: int, n: int) -> float:
         model = self.models[m, n]
-        self.comm.barrier("the start of an overhead batch")
+        self.comm.barrier("the start of a chain's batch")
         t0 = time.perf_counter()
         F.mse_loss(model(self.x), self.y).backward()
-        self.comm.barrier("the end of an overhead batch")
+        self.comm.barrier("the end of a chain's batch")
         took = time.perf_counter() - t0
         model.zero_grad()
         return took
 
-    def fit(self, measured: dict[str, Any],
-            message_bytes: float) -> tuple[dict[int, float], dict[int, float]]:
-        """({m: seconds per step action}, {m: seconds per batch}) from three timed pairs of
-        the two chains (their medians) and the round's ``measured`` costs."""
-        from dataclasses import replace
-
-        from layerbraid import plan
-
+    def timed(self, pairs: int = 3) -> dict[int, list[tuple[float, float]]]:
+        """{m: [(the short chain's seconds per batch, the long one's), ...]}, ``pairs`` pairs
+        each run back to back."""
         short, long = OVERHEAD_STEPS, 2 * OVERHEAD_STEPS
-        overhead, per_batch = {}, {}
-        for m in sorted({m for m, _ in self.models}):
-            took = [(self._batch(m, short), self._batch(m, long)) for _ in range(3)]
-            grown = statistics.median(b - a for a, b in took)
-            costs = planner_costs(measured, m, self.batch, message_bytes)
-            size = self.comm.Get_size()
-
-            def predict(n: int, over: float) -> float:
-                c = replace(costs, overhead_seconds=over)
-                return plan.predict(n, size, self.opts, self.opts, c, microbatches=m).seconds
-
-            def growth(over: float) -> float:
-                return predict(long, over) - predict(short, over)
-
-            lo, hi = 0.0, 1e-4
-            if growth(lo) < grown:
-                while growth(hi) < grown and hi < 1.0:
-                    hi *= 2
-                for _ in range(30):  # bisection: the longer chain has more actions to pay it
-                    mid = (lo + hi) / 2
-                    lo, hi = (mid, hi) if growth(mid) < grown else (lo, mid)
-            overhead[m] = lo
-            # the longer chain's, the nearer the rows; the two agree unless the overhead is 0
-            per_batch[m] = max(statistics.median(b for _, b in took) - predict(long, lo), 0.0)
-        return overhead, per_batch
+        return {m: [(self._batch(m, short), self._batch(m, long)) for _ in range(pairs)]
+                for m in sorted({m for m, _ in self.models})}
 
 
 def _serial_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
