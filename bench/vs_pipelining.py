@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from bench.harness import (DOCS, SAME_LEGEND, generate, launch, load_raw, parser, pick,
                            provenance, speedup)
-from bench.workers.vs_pipelining import OVERHEAD_STEPS as CHAIN_STEPS
+from bench.workers.vs_pipelining import CHAIN_STEPS
 from bench.workers.vs_pipelining import planner_costs
 from layerbraid import MGRITOptions, plan
 

@@ -24,9 +24,9 @@ graph held for the backward on each rank (what ``saved_tensors_hooks`` saw live 
 activation memory, which is what microbatching schedules trade; measured in the untimed
 warm-up rounds, as its hooks cost time per tensor).  The planner's costs (a
 step's forward and VJP at each microbatch size, a message through the job's transport, and
-the times of two short chains that layerbraid's own costs are fitted on) are measured in every round too, in
-the same rotation, so that each round's prediction has the machine in the state its timings
-had.
+the times of two short chains that layerbraid's own costs are fitted on) are measured in every
+round too, in the same rotation, so that each round's prediction has the machine in the state
+its timings had.
 """
 
 import argparse
@@ -47,7 +47,7 @@ from layerbraid.nn import ConvBlock
 CHANNELS, SIZE, CLASSES = 8, 28, 10
 COSTS = "costs"  # the planner's cost measurement, a pseudo-system of every round
 COST_REPEATS = 5  # runs of each measured part a round (their median)
-OVERHEAD_STEPS = 16  # the short chain that layerbraid's own costs are fitted on (and twice)
+CHAIN_STEPS = 16  # the short chain that layerbraid's own costs are fitted on (and twice)
 STATE_BYTES = 4 * CHANNELS * SIZE * SIZE  # one sample's state, float32
 PING_TAG = 7499  # the timed messages' tag
 
@@ -265,13 +265,13 @@ def _one_way(comm, floats: int, repeats: int = COST_REPEATS, through_torch: bool
     if comm.Get_size() < 2 or rank > 1:
         comm.barrier("the message timing")
         return 0.0
+    import torch.distributed as dist
+
     peer, took = 1 - rank, []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for send in ((True, False) if rank == 0 else (False, True)):
             if through_torch:
-                import torch.distributed as dist
-
                 (dist.isend if send else dist.irecv)(t, peer, tag=PING_TAG).wait()
             elif send:
                 comm.start_send(t, peer, PING_TAG, "a timed message").wait()
@@ -305,7 +305,7 @@ def planner_costs(measured: dict[Any, Any], m: Any, batch: int, message_bytes: f
 
 
 class _Chains:
-    """Two short chains of the network, OVERHEAD_STEPS conv steps and twice as many, trained by
+    """Two short chains of the network, CHAIN_STEPS conv steps and twice as many, trained by
     the job's ranks as ``family``'s rows train (exact, "lp", or MGRIT, "lp-mgrit") at each
     microbatch count: how much longer the longer takes, and its time, are what the report fits
     layerbraid's own costs on that the step costs leave out (bench/vs_pipelining.py:
@@ -321,7 +321,7 @@ class _Chains:
         self.y = torch.randn(batch, CLASSES, generator=g)
         self.models = {}
         for m in counts:
-            for n in (OVERHEAD_STEPS, 2 * OVERHEAD_STEPS):
+            for n in (CHAIN_STEPS, 2 * CHAIN_STEPS):
                 self.models[m, n] = _from_serial(serial_network(n), comm, forward_options=opts,
                                                  backward_options=opts, microbatches=m)
                 self._batch(m, n)  # warm
@@ -339,7 +339,7 @@ class _Chains:
     def timed(self, pairs: int = 3) -> dict[int, list[tuple[float, float]]]:
         """{m: [(the short chain's seconds per batch, the long one's), ...]}, ``pairs`` pairs
         each run back to back."""
-        short, long = OVERHEAD_STEPS, 2 * OVERHEAD_STEPS
+        short, long = CHAIN_STEPS, 2 * CHAIN_STEPS
         return {m: [(self._batch(m, short), self._batch(m, long)) for _ in range(pairs)]
                 for m in sorted({m for m, _ in self.models})}
 
