@@ -86,7 +86,7 @@ class Costs:
         batch_seconds: seconds of a batch that do not grow with the chain and that no rank's
             schedule holds (the layers before and after the chain, the loss, a solve's set-up
             of its microbatches), added once to a prediction; measured as what remains of a
-            short chain's time after its prediction (bench/workers/vs_pipelining.py).
+            short chain's time after its prediction (own_costs in bench/vs_pipelining.py).
     """
 
     step_seconds: float
