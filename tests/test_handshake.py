@@ -65,6 +65,22 @@ def test_fingerprints_tell_a_reordered_or_different_batch_and_forgive_round_off(
     assert hs.Fingerprint.of(None) is None and hs.Fingerprint.of(torch.zeros(())) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_input_check_passes_huge_finite_values_and_counts_nan_and_inf(dtype):
+    """The check sums the batch first; a sum that overflows on finite values is not a
+    non-finite input (the elementwise check decides), and every NaN and Inf is counted."""
+    big = torch.full((4, 3), torch.finfo(dtype).max, dtype=dtype)
+    hs.check_input(big, True)  # its sum is Inf, its values finite
+    hs.check_input(torch.cat([big, -big]), True)
+    bad = big.clone()
+    bad[0, 0], bad[2, 1], bad[3, 2] = float("nan"), float("inf"), -float("inf")
+    with pytest.raises(ValueError, match=r"the input holds 3 NaN or Inf value\(s\) "
+                                         r"\(shape \(4, 3\)\)"):
+        hs.check_input(bad, True)
+    hs.check_input(bad, False)  # check_finite=False: not looked at
+    hs.check_input(torch.tensor([[1, 2]]), True)  # integers cannot be non-finite
+
+
 def test_the_settings_digest_is_stable_and_tells_settings_apart():
     assert hs.settings_digest(SETTINGS) == hs.settings_digest(dict(SETTINGS))
     assert hs.settings_digest(SETTINGS) != hs.settings_digest({**SETTINGS, "levels": (2, 2)})

@@ -224,7 +224,7 @@ def test_more_microbatches_than_mgrit_takes_are_refused_naming_the_count():
         model(batch(n=300)[0])
 
 
-_FAULT = {"where": None}  # where _Failing's step 5 raises: "forward", "backward" or None
+_FAULT = {"where": None}  # what _Failing's step 5 does wrong (None: nothing)
 
 
 def _raise(text):
@@ -247,6 +247,10 @@ class _Failing(ODEResNet):
         if index == 5 and _FAULT["where"] == "weights":
             q = next(layer.parameters()) * 1.0  # on the parameter's path alone
             q.register_hook(_raise("step 5's weight gradient failed"))
+            y = y + 0.0 * q.sum()
+        if index == 5 and _FAULT["where"] == "nan weights":
+            q = next(layer.parameters()) * 1.0  # its gradient alone turns NaN
+            q.register_hook(lambda grad: grad * float("nan"))
             y = y + 0.0 * q.sum()
         return y
 
@@ -283,6 +287,32 @@ def test_a_step_that_raises_in_a_microbatch_raises_on_every_rank(where, levels):
     else:
         F.cross_entropy(model(x), y).backward()
         assert model.backward_stats.iterations == 1
+
+
+@pytest.mark.shared_job
+@pytest.mark.both_transports
+@pytest.mark.parallel([3])
+@pytest.mark.parametrize("levels", [1, 2])
+def test_non_finite_gradients_on_one_rank_are_an_error_on_every_rank(levels):
+    """Step 5's parameter gradient is NaN on rank 1 of 3 alone (its input's gradient is
+    finite, so no other rank's is NaN): every rank raises the FloatingPointError naming rank 1,
+    on the exact path in microbatches (where the finiteness check shares the error check's
+    reduction) and in MGRIT's microbatched solves; the model trains on afterwards."""
+    torch.manual_seed(0)
+    opts = MGRITOptions(max_levels=levels, cfactor=3, max_iters=1)
+    model = _Failing(WORLD, num_steps=9, microbatches=3, forward_options=opts,
+                     backward_options=opts)
+    x, y = batch()
+    _FAULT["where"] = "nan weights"
+    try:
+        with pytest.raises(FloatingPointError, match=r"non-finite gradients \(NaN or Inf\) "
+                                                      r"on rank 1:"):
+            F.cross_entropy(model(x), y).backward()
+    finally:
+        _FAULT["where"] = None
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])

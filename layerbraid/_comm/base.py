@@ -209,18 +209,30 @@ class Transport(StateStream, ABC):
 
     def first_rank_where(self, bad: bool, what: str) -> Optional[int]:
         """The lowest rank on which ``bad`` is true, or None (the same on every rank)."""
-        if self.size == 1:
-            return 0 if bad else None
-        first = int(self.allreduce_floats([self.rank if bad else self.size], "min", what)[0])
-        return first if first < self.size else None
+        return self.first_ranks_where([bad], what)[0]
 
-    def raise_on_every_rank(self, error: Optional[BaseException], what: str) -> None:
+    def first_ranks_where(self, flags: Sequence[bool], what: str) -> list[Optional[int]]:
+        """For each of ``flags``, the lowest rank on which it is true, or None (the same on
+        every rank; one reduction for them all)."""
+        if self.size == 1:
+            return [0 if bad else None for bad in flags]
+        mine = [self.rank if bad else self.size for bad in flags]
+        firsts = [int(v) for v in self.allreduce_floats(mine, "min", what)]
+        return [first if first < self.size else None for first in firsts]
+
+    def raise_on_every_rank(
+        self, error: Optional[BaseException], what: str, flags: Sequence[bool] = ()
+    ) -> list[Optional[int]]:
         """When ``error`` is set on any rank, raises on every rank: the rank's own error where
         it has one, elsewhere a :class:`RemoteRankError` naming the lowest failing rank and its
-        message.  One reduction when no rank failed."""
-        failed = self.first_rank_where(error is not None, f"the error check of {what}")
+        message.  One reduction when no rank failed, which also answers ``flags``: returns,
+        for each, the lowest rank where it is true (:meth:`first_ranks_where`), so that a check
+        that follows an error check costs no reduction of its own."""
+        failed, *firsts = self.first_ranks_where(
+            [error is not None, *flags], f"the error check of {what}"
+        )
         if failed is None:
-            return
+            return firsts
         text = self.bcast_obj(
             None if error is None else f"{type(error).__name__}: {error}",
             failed,

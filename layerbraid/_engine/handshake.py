@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,12 +133,20 @@ def check_input(x: Any, check_finite: bool) -> None:
         return
     if x.shape[0] == 0:
         raise ValueError(f"the batch is empty: an input of shape {tuple(x.shape)}")
-    if check_finite and x.is_floating_point() and not bool(torch.isfinite(x.detach()).all()):
+    if check_finite and x.is_floating_point() and not _finite(x.detach()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(
             f"the input holds {bad} NaN or Inf value(s) (shape {tuple(x.shape)}): "
             "bad input, before any step ran (check_finite=False turns this check off)"
         )
+
+
+def _finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` is finite: NaN and Inf survive a sum, so one sum decides
+    when it is finite (a read of the batch, no mask as large as it); a sum that is not (which a
+    sum of huge finite values can be too) goes to the elementwise check."""
+    with torch.no_grad():
+        return math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
 
 
 def settings_digest(settings: dict[str, Any]) -> int:

@@ -174,14 +174,10 @@ class _LayerSteps(Steps):
         self, grad_h0: Optional[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]
     ) -> None:
         """Raises on every rank if any rank's input or parameter gradients are not finite."""
-        bad = not all_finite([g for g in [grad_h0, *grads] if g is not None])
+        bad = not gradients_finite(grad_h0, grads)
         first = self.comm.first_rank_where(bad, "the finiteness check of the gradients")
         if first is not None:
-            raise FloatingPointError(
-                f"the layer-parallel backward produced non-finite gradients (NaN or Inf) on rank "
-                f"{first}: the loss, the weights or the steps overflowed (check_finite=False "
-                "turns this check off)"
-            )
+            raise nonfinite_gradients(first)
 
     # ------------------------------------------------------------------ forward steps
     def _branch(self, level: int) -> bool:
@@ -433,6 +429,22 @@ def _accumulate(
     for key, g in zip(leaves, grads):
         if g is not None:
             sums[key] = g if key not in sums else sums[key] + g
+
+
+def gradients_finite(
+    grad_h0: Optional[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]
+) -> bool:
+    """Whether this rank's input and parameter gradients (None: none) are all finite."""
+    return all_finite([g for g in [grad_h0, *grads] if g is not None])
+
+
+def nonfinite_gradients(rank: int) -> FloatingPointError:
+    """The error of a backward whose gradients on ``rank`` (the lowest such) are not finite."""
+    return FloatingPointError(
+        f"the layer-parallel backward produced non-finite gradients (NaN or Inf) on rank "
+        f"{rank}: the loss, the weights or the steps overflowed (check_finite=False turns this "
+        "check off)"
+    )
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .chain import BACKWARD_TWICE, _solve_state
+from .layer_steps import gradients_finite, nonfinite_gradients
 from .pipeline_model import SplitPlanner
 from .serial import _exact_stats
 from .torch_private import split_vjp
@@ -211,19 +212,22 @@ class Pipeline:
             error, mark = self._weights(deferred.pop(0), totals, error, mark)
         for msg in outbox:
             msg.wait()
-        self.comm.raise_on_every_rank(error, "the microbatched backward")
+        grad_h0 = None
+        if self.first and self.h0_requires_grad and error is None:
+            grad_h0 = torch.cat(gxs) if len(gxs) > 1 else gxs[0]
+        # the finiteness check rides on the error check's reduction: one, not two, at the end
+        # of every backward, where the first rank waits for it
+        bad = self.check_finite and error is None and not gradients_finite(grad_h0, totals)
+        (nonfinite,) = self.comm.raise_on_every_rank(error, "the microbatched backward", [bad])
         for kind, seconds in self.timings.items():
             self.planner.note(kind, seconds)
             seconds.clear()
         self.planner.finished_pass()
         if not self.retain:
             self.xs, self.ys = [], []
-        grad_h0 = None
-        if self.first and self.h0_requires_grad:
-            grad_h0 = torch.cat(gxs) if len(gxs) > 1 else gxs[0]
         self.chain.backward_stats = _exact_stats(time.perf_counter() - t0)
-        if self.check_finite:
-            self.steps._check_finite(grad_h0, [t for t in totals if t is not None])
+        if nonfinite is not None:
+            raise nonfinite_gradients(nonfinite)
         return grad_h0, totals
 
     # ------------------------------------------------------------------ pieces
