@@ -38,26 +38,16 @@ def pick(full, quick):
 
 
 def steady_allocator():
-    """Makes glibc's malloc keep the memory a process frees (no trimming of the heap, no mmap
-    for large blocks), as a process that runs the same training step again and again ends up
-    doing anyway.  Workers call it first thing, so that plain PyTorch's time does not depend on
-    what else the process ran: in a 2-rank job, rank 0's half of a layer-parallel step leaves a
-    smaller heap than plain PyTorch's whole chain needs, glibc gave the difference back to the
-    OS after every plain run, and the next one took about 35,000 page faults (64 benchmark conv
-    steps, batch 50: 0-8,000 in a 1-rank job), which made plain PyTorch 10-20% slower in 2-rank
-    jobs than in 1-rank ones and every 2-rank speedup that much too high.  A no-op where the C
-    library is not glibc."""
-    import ctypes
-    import ctypes.util
+    """layerbraid.launch.steady_allocator(), which a job of 2+ ranks gets with its first model:
+    workers call it first thing, so that every row, plain PyTorch's too, allocates alike and no
+    time depends on what else the process ran (in a 2-rank job, rank 0's half of a
+    layer-parallel step leaves a smaller heap than plain PyTorch's whole chain needs; glibc gave
+    the difference back to the OS after every plain run, and the next one took about 35,000
+    page faults at 64 benchmark conv steps, batch 50).  Imported here, not at the top: the
+    report drivers import this module and must not start MPI."""
+    from layerbraid.launch import steady_allocator as steady
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1))
-    mallopt(m_mmap_threshold, ctypes.c_int(2**25))  # glibc's most: 32 MB on 64-bit
+    steady()
 
 
 def available_cores():

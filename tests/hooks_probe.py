@@ -35,13 +35,14 @@ def main():
     from layerbraid._comm import mpi as _comm
 
     after_import = snapshot()
+    steady_after_import = layerbraid.launch._steady[0]
     if early:
         layerbraid.launch.abort_on_exception()
     grid = layerbraid.ProcessGrid(MPI.COMM_WORLD, data_parallel=1)
     after_build = snapshot()
     record = {"import": changed(before, after_import), "build": changed(before, after_build),
               "notices": _comm.notices_started(), "atexit_added": after_build["atexit"] -
-              before["atexit"]}
+              before["atexit"], "allocator": [steady_after_import, layerbraid.launch._steady[0]]}
     (out / f"rank{MPI.COMM_WORLD.rank}.json").write_text(json.dumps(record))
     grid.free()
 

@@ -168,46 +168,6 @@ def test_bench_has_one_launch_convention():
             assert '"mpiexec"' not in text, f"{name} starts mpiexec itself, not by harness"
 
 
-_FAULTS = """
-import resource, sys
-import numpy as np
-if sys.argv[1] == "steady":
-    from bench.harness import steady_allocator
-    steady_allocator()
-faults = []
-for _ in range(4):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    blocks = [np.ones(131072) for _ in range(64)]  # 64 blocks of 1 MiB, written, then freed
-    del blocks
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(faults[1:])
-"""
-
-
-def test_the_steady_allocator_keeps_what_a_run_freed():
-    """bench.harness.steady_allocator(), which every worker that times plain PyTorch beside a
-    layer-parallel run calls first: a process that frees 64 MiB of 1 MiB blocks and allocates
-    them again must not page-fault them in again (glibc's defaults do, on every round: the
-    fault that made plain PyTorch slower in 2-rank jobs than alone)."""
-    if not (ROOT / "bench" / "harness.py").exists():
-        pytest.skip("bench/ is not next to the tests")
-    if not sys.platform.startswith("linux"):
-        pytest.skip("mallopt is glibc's")
-    import resource
-
-    def rounds(mode):
-        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], cwd=ROOT, check=True,
-                             capture_output=True, text=True).stdout
-        return ast.literal_eval(out)
-
-    default, steady = rounds("default"), rounds("steady")
-    pages = 64 * 2**20 // resource.getpagesize()
-    # the mechanism is there to remove: every round faults its blocks in again
-    assert min(default) > pages // 2, default
-    # and it is gone: at most a few pages per round (the interpreter's own)
-    assert max(steady) < pages // 100, steady
-
-
 _AFFINITY = "import os; print(sorted(os.sched_getaffinity(0)), flush=True)"
 
 
