@@ -233,8 +233,9 @@ def add_lp_arguments(
             help="pipeline each batch through the ranks in M microbatches, so that the ranks "
             "step different microbatches at once (the exact path, and every sweep of MGRIT); "
             "the gradients equal the whole batch's to round-off (MGRIT's at the same "
-            "iterations); auto = the count the planner predicts fastest for the first batch "
-            f"(layerbraid.plan.choose_microbatches) (default {microbatches})",
+            "iterations); auto = the count measured fastest on the first batch, among those "
+            "the planner predicts near its best (layerbraid.plan.choose_microbatches) "
+            f"(default {microbatches})",
         )
     g.add_argument(
         "--lp-smoothness",
@@ -598,7 +599,7 @@ def model_microbatches(args: argparse.Namespace) -> int:
 
 
 def choose_microbatches(args: argparse.Namespace, model: Any, x: Any) -> Optional[str]:
-    """With ``--lp-microbatches auto``: the planner's choice for batches like ``x``
+    """With ``--lp-microbatches auto``: the fastest microbatch count for batches like ``x``
     (:func:`layerbraid.plan.choose_microbatches`, collective over the model's layer group), set
     on the model and in ``args`` for the networks built later; returns the line to print.  None
     (and nothing done) otherwise; a model that is not layer-parallel keeps one."""

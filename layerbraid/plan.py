@@ -863,26 +863,40 @@ def measure_split(layer: Any, x: Any, repeats: int = 20, dt: float = 0.1) -> tup
 
 @dataclass
 class MicrobatchChoice:
-    """What :func:`choose_microbatches` chose: the microbatch count predicted fastest, each
-    candidate's predicted seconds per batch (empty where nothing was measured: one
-    layer-parallel rank, or one sample), and plain PyTorch's predicted time (one process, the
-    whole batch) at the same measured costs."""
+    """What :func:`choose_microbatches` chose: the microbatch count measured fastest (predicted
+    fastest where nothing was timed), each candidate's predicted seconds per batch (empty where
+    nothing was measured: one layer-parallel rank, or one sample), plain PyTorch's predicted
+    time at the same step costs (the steps alone, as the predictions), and the seconds of a
+    forward and backward of the whole model that the candidates near the predicted best took
+    (medians; empty with ``trials=0``)."""
 
     microbatches: int
     seconds: dict[int, float]
     serial_seconds: float
+    measured: dict[int, float] = field(default_factory=dict)
 
     def summary(self) -> str:
-        """One line: the choice, and every candidate's predicted time and speedup."""
+        """One line: the choice, and each candidate's measured or predicted time."""
         if not self.seconds:
             return "microbatches 1 (nothing to pipeline: one layer-parallel rank, or one sample)"
-        rows = ", ".join(
-            f"{m}: {1e3 * t:.1f} ms ({self.serial_seconds / t:.2f}x)"
-            for m, t in sorted(self.seconds.items())
+        if not self.measured:
+            rows = ", ".join(
+                f"{m}: {1e3 * t:.1f} ms ({self.serial_seconds / t:.2f}x)"
+                for m, t in sorted(self.seconds.items())
+            )
+            return (
+                f"microbatches {self.microbatches} (predicted per batch, speedup over plain "
+                f"PyTorch's {1e3 * self.serial_seconds:.1f} ms: {rows})"
+            )
+        timed = ", ".join(f"{m}: {1e3 * t:.1f} ms" for m, t in sorted(self.measured.items()))
+        skipped = sorted(set(self.seconds) - set(self.measured))
+        best = min(self.seconds.values())
+        rest = "; not timed, predicted slower: " + ", ".join(
+            f"{m} ({self.seconds[m] / best:.2f}x)" for m in skipped
         )
         return (
-            f"microbatches {self.microbatches} (predicted per batch, speedup over plain "
-            f"PyTorch's {1e3 * self.serial_seconds:.1f} ms: {rows})"
+            f"microbatches {self.microbatches} (a forward and backward of the model, measured: "
+            f"{timed}{rest if skipped else ''})"
         )
 
 
@@ -894,19 +908,31 @@ def choose_microbatches(
     latency: float = 50e-6,
     bandwidth: float = 1e9,
     repeats: int = 10,
+    trials: int = 3,
+    near: float = 1.25,
 ) -> MicrobatchChoice:
-    """The microbatch count (``model.microbatches``) that the planner predicts fastest for
-    ``model`` on batches like ``x``.  Collective over the model's layer group: every rank
-    returns the first rank's choice.
+    """The microbatch count (``model.microbatches``) that runs ``model`` fastest on batches
+    like ``x``.  Collective over the model's layer group: every rank returns the same choice.
 
-    The first rank measures one step ``x + dt * layer(x)`` and its VJPs (:func:`measure_step`)
-    of its first step layer, on its input state (the open layer's output for ``x``), at each
-    candidate's microbatch size (a step's cost is not linear in its batch); the other ranks'
-    layers are taken to cost the same.  With exact solves each candidate is the microbatched
-    exact path (:func:`predict_pipeline`, schedule "exact"); with MGRIT, the model's solves in that
-    many microbatches (:func:`predict`).  ``latency`` and ``bandwidth``: the messages' (the
-    defaults are this machine's processes on one node, roughly).  One layer-parallel rank, or a
-    batch of one sample, needs no measurement: 1."""
+    First the planner ranks the candidates: the first rank measures one step
+    ``x + dt * layer(x)`` and its VJPs (:func:`measure_step`) of its first step layer, on its
+    input state (the open layer's output for ``x``), at each candidate's microbatch size (a
+    step's cost is not linear in its batch); the other ranks' layers are taken to cost the
+    same.  With exact solves each candidate is the microbatched exact path
+    (:func:`predict_pipeline`, schedule "exact"); with MGRIT, the model's solves in that many
+    microbatches (:func:`predict`).  ``latency`` and ``bandwidth``: the messages' (the defaults
+    are this machine's processes on one node, roughly).
+
+    The planner models the chain alone: not the layers around it, nor what a forward and a
+    backward cost besides their steps and messages (the input's handshake, the checks, the
+    VJPs' bookkeeping), which on a small network decide between the best candidates.  So the
+    candidates it predicts within ``near`` times its best are then timed as they run: each
+    takes one forward and backward of the whole model on ``x`` to warm up and ``trials`` more
+    (the sum of the output as the loss, its gradients taken with ``torch.autograd.grad``: no
+    ``.grad`` changes, no gradient hook fires, and torch's random number generators are
+    restored), and the fastest median wins; a batch's time is its slowest rank's.
+    ``trials=0`` takes the planner's choice untimed.  One layer-parallel rank, or a batch of
+    one sample, needs no measurement: 1."""
     import torch
 
     comm = model.comm
@@ -924,7 +950,41 @@ def choose_microbatches(
     comm.raise_on_every_rank(error, "the microbatch choice's measurement")
     out = comm.bcast_obj(choice, 0, "the microbatch count the first rank chose")
     assert isinstance(out, MicrobatchChoice)
-    return out
+    if trials < 1:
+        return out
+    best = min(out.seconds.values())
+    timed = {m: _time_passes(model, x, m, trials) for m in pool if out.seconds[m] <= near * best}
+    return replace(out, microbatches=min(timed, key=lambda m: timed[m]), measured=timed)
+
+
+def _time_passes(model: Any, x: Any, microbatches: int, trials: int) -> float:
+    """The median seconds of ``trials`` forwards and backwards of ``model`` on ``x`` in
+    ``microbatches`` microbatches, after one more to warm up: each the slowest rank's
+    (collective; the same on every rank).  Leaves the model's microbatch count, every
+    ``.grad`` and torch's random number generators as they were."""
+    import torch
+
+    comm, kept = model.comm, model.microbatches
+    params = [p for p in model.parameters() if p.requires_grad]
+    devices = [x.device] if getattr(x, "is_cuda", False) else []
+    seconds = []
+    try:
+        model.microbatches = microbatches
+        with torch.random.fork_rng(devices=devices):
+            for k in range(trials + 1):
+                t0 = time.perf_counter()
+                out = model(x)
+                if out.requires_grad and params:
+                    torch.autograd.grad(out.sum(), params, allow_unused=True)
+                if out.is_cuda:
+                    torch.cuda.synchronize(out.device)
+                took = time.perf_counter() - t0
+                slowest = comm.allreduce_floats([took], "max", "the microbatch choice's timing")
+                if k > 0:
+                    seconds.append(slowest[0])
+    finally:
+        model.microbatches = kept
+    return float(np.median(seconds))
 
 
 def _measure_and_choose(

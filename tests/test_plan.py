@@ -428,7 +428,7 @@ def test_choose_microbatches_follows_the_cost_of_a_step(monkeypatch, levels):
             t = 1e-2 * (xm.shape[0] / 8 if per_sample else 1.0)
             return t, 2 * t, 3 * t
         monkeypatch.setattr(plan, "measure_step", fake)
-        choice = plan.choose_microbatches(model, x, (1, 2, 4, 8, 16))
+        choice = plan.choose_microbatches(model, x, (1, 2, 4, 8, 16), trials=0)
         assert set(choice.seconds) == {1, 2, 4, 8}  # at most one sample each
         assert choice.microbatches == want, choice.summary()
         assert WORLD.allgather(choice.microbatches) == [want] * WORLD.size
@@ -437,6 +437,73 @@ def test_choose_microbatches_follows_the_cost_of_a_step(monkeypatch, levels):
     single = plan.choose_microbatches(one, x[:1])  # one sample: nothing to pipeline
     assert single.microbatches == 1 and single.seconds == {}
     assert single.summary().startswith("microbatches 1 (nothing to pipeline")
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+def test_choose_microbatches_times_the_candidates_near_the_best_prediction(monkeypatch):
+    """The planner's ranking picks what is timed (within ``near`` of its best), and the fastest
+    measured wins, where the planner preferred another; the line says which were timed."""
+    model = ODEResNet(WORLD, num_steps=8)
+    x = batch(n=8, dtype=torch.float32)[0]
+
+    def fake(layer, xm, repeats=10, dt=0.1):  # all per sample: the most microbatches best
+        t = 1e-2 * xm.shape[0] / 8
+        return t, 2 * t, 3 * t
+
+    timed = {1: 5e-3, 2: 4e-3, 4: 6e-3, 8: 7e-3}
+    asked = []
+
+    def passes(model, x, m, trials):
+        asked.append((m, trials))
+        return timed[m]
+
+    monkeypatch.setattr(plan, "measure_step", fake)
+    monkeypatch.setattr(plan, "_time_passes", passes)
+    untimed = plan.choose_microbatches(model, x, trials=0)
+    assert untimed.microbatches == 8 and untimed.measured == {}
+    best = min(untimed.seconds.values())
+    near = sorted(m for m, t in untimed.seconds.items() if t <= 1.5 * best)
+    assert 1 not in near and 8 in near, untimed.seconds  # the case tests a pruned candidate
+    choice = plan.choose_microbatches(model, x, trials=2, near=1.5)
+    assert asked == [(m, 2) for m in near]
+    assert choice.measured == {m: timed[m] for m in near}
+    assert choice.microbatches == min(near, key=lambda m: timed[m])
+    assert WORLD.allgather(choice.microbatches) == [choice.microbatches] * WORLD.size
+    line = choice.summary()
+    assert "measured: " in line and "not timed, predicted slower: 1 (" in line, line
+
+
+class _Noisy(ODEResNet):
+    """Steps that draw from torch's generator (as dropout would), to no effect on the state."""
+
+    def step_rule(self, layer, x, dt, index):
+        return x + dt * layer(x) + 0.0 * torch.rand(())
+
+
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+@pytest.mark.parametrize("levels", [1, 2])
+def test_timing_the_candidates_leaves_the_gradients_and_the_generators_alone(levels):
+    """Real forwards and backwards of steps that draw random numbers: every ``.grad`` (set or
+    not) and the generator are as before, the model keeps its microbatch count, every rank
+    agrees."""
+    opts = MGRITOptions(max_levels=levels, cfactor=2, max_iters=1)
+    model = _Noisy(WORLD, num_steps=8, forward_options=opts, backward_options=opts)
+    x = batch(n=8, dtype=torch.float32)[0]
+    params = list(model.parameters())
+    for k, p in enumerate(params[::2]):
+        p.grad = torch.full_like(p, float(k))
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    state = torch.random.get_rng_state()
+    choice = plan.choose_microbatches(model, x, (1, 2), trials=1, near=100.0)
+    assert set(choice.measured) == {1, 2} and choice.microbatches in (1, 2)
+    assert all(t > 0 for t in choice.measured.values())
+    assert WORLD.allgather(choice.microbatches) == [choice.microbatches] * WORLD.size
+    assert model.microbatches == 1
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for p, b in zip(params, before):
+        assert (p.grad is None) == (b is None) and (b is None or torch.equal(p.grad, b))
 
 
 def test_command_line_compares_pipelines_and_names_the_crossover(capsys):
