@@ -908,7 +908,7 @@ def choose_microbatches(
     latency: float = 50e-6,
     bandwidth: float = 1e9,
     repeats: int = 10,
-    trials: int = 3,
+    trials: int = 5,
     near: float = 1.25,
 ) -> MicrobatchChoice:
     """The microbatch count (``model.microbatches``) that runs ``model`` fastest on batches
@@ -926,11 +926,12 @@ def choose_microbatches(
     The planner models the chain alone: not the layers around it, nor what a forward and a
     backward cost besides their steps and messages (the input's handshake, the checks, the
     VJPs' bookkeeping), which on a small network decide between the best candidates.  So the
-    candidates it predicts within ``near`` times its best are then timed as they run: each
-    takes one forward and backward of the whole model on ``x`` to warm up and ``trials`` more
-    (the sum of the output as the loss, its gradients taken with ``torch.autograd.grad``: no
-    ``.grad`` changes, no gradient hook fires, and torch's random number generators are
-    restored), and the fastest median wins; a batch's time is its slowest rank's.
+    candidates it predicts within ``near`` times its best are then timed as they run:
+    forwards and backwards of the whole model on ``x``, the candidates in turn, two rounds to
+    warm up and ``trials`` timed (the sum of the output as the loss, its gradients taken with
+    ``torch.autograd.grad``: no ``.grad`` changes, no gradient hook fires, and torch's random
+    number generators are restored), and the fastest median wins; a batch's time is its
+    slowest rank's.
     ``trials=0`` takes the planner's choice untimed.  One layer-parallel rank, or a batch of
     one sample, needs no measurement: 1."""
     import torch
@@ -953,38 +954,42 @@ def choose_microbatches(
     if trials < 1:
         return out
     best = min(out.seconds.values())
-    timed = {m: _time_passes(model, x, m, trials) for m in pool if out.seconds[m] <= near * best}
+    timed = _time_passes(model, x, [m for m in pool if out.seconds[m] <= near * best], trials)
     return replace(out, microbatches=min(timed, key=lambda m: timed[m]), measured=timed)
 
 
-def _time_passes(model: Any, x: Any, microbatches: int, trials: int) -> float:
-    """The median seconds of ``trials`` forwards and backwards of ``model`` on ``x`` in
-    ``microbatches`` microbatches, after one more to warm up: each the slowest rank's
-    (collective; the same on every rank).  Leaves the model's microbatch count, every
-    ``.grad`` and torch's random number generators as they were."""
+def _time_passes(
+    model: Any, x: Any, counts: Sequence[int], trials: int, warmups: int = 2
+) -> dict[int, float]:
+    """{count: the median seconds of a forward and backward of ``model`` on ``x`` in that many
+    microbatches}: ``warmups`` rounds, then ``trials`` timed, each round one pass per count in
+    turn (so that a machine whose speed drifts, or warms up, slows every count alike); a pass's
+    time is its slowest rank's (collective; the same on every rank).  Leaves the model's
+    microbatch count, every ``.grad`` and torch's random number generators as they were."""
     import torch
 
     comm, kept = model.comm, model.microbatches
     params = [p for p in model.parameters() if p.requires_grad]
     devices = [x.device] if getattr(x, "is_cuda", False) else []
-    seconds = []
+    seconds: dict[int, list[float]] = {m: [] for m in counts}
     try:
-        model.microbatches = microbatches
         with torch.random.fork_rng(devices=devices):
-            for k in range(trials + 1):
-                t0 = time.perf_counter()
-                out = model(x)
-                if out.requires_grad and params:
-                    torch.autograd.grad(out.sum(), params, allow_unused=True)
-                if out.is_cuda:
-                    torch.cuda.synchronize(out.device)
-                took = time.perf_counter() - t0
-                slowest = comm.allreduce_floats([took], "max", "the microbatch choice's timing")
-                if k > 0:
-                    seconds.append(slowest[0])
+            for k in range(warmups + trials):
+                for m in counts:
+                    model.microbatches = m
+                    t0 = time.perf_counter()
+                    out = model(x)
+                    if out.requires_grad and params:
+                        torch.autograd.grad(out.sum(), params, allow_unused=True)
+                    if out.is_cuda:
+                        torch.cuda.synchronize(out.device)
+                    took = time.perf_counter() - t0
+                    slowest = comm.allreduce_floats([took], "max", "the microbatch choice's timing")
+                    if k >= warmups:
+                        seconds[m].append(slowest[0])
     finally:
         model.microbatches = kept
-    return float(np.median(seconds))
+    return {m: float(np.median(v)) for m, v in seconds.items()}
 
 
 def _measure_and_choose(
