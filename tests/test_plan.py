@@ -506,6 +506,40 @@ def test_timing_the_candidates_leaves_the_gradients_and_the_generators_alone(lev
         assert (p.grad is None) == (b is None) and (b is None or torch.equal(p.grad, b))
 
 
+@pytest.mark.parallel([2])
+def test_a_rank_late_for_the_candidates_timing_is_named_within_the_timeout(
+    monkeypatch, short_timeout
+):
+    """Rank 1 is late for the timing's reduction after a timed pass (its backward done): rank 0
+    stops waiting within the deadline, naming the timing; rank 1 then finds rank 0 gone or
+    stalls too, and nothing hangs (a job of its own: the stall leaves a collective behind)."""
+    import time
+
+    import layerbraid
+
+    model = ODEResNet(WORLD, num_steps=8)
+    x = batch(n=8, dtype=torch.float32)[0]
+    comm = model.comm
+    real = comm.allreduce_floats
+
+    entered = []
+
+    def late(values, op, what):
+        if what == "the microbatch choice's timing":
+            entered.append(time.perf_counter())
+            if WORLD.rank == 1:
+                time.sleep(1.5 * short_timeout)
+        return real(values, op, what)
+
+    monkeypatch.setattr(comm, "allreduce_floats", late)
+    with pytest.raises((layerbraid.StallError, layerbraid.RemoteRankError)) as info:
+        plan.choose_microbatches(model, x, (1, 2), trials=1, near=100.0)
+    if WORLD.rank == 0:  # waited at the first timing, for at most the deadline
+        assert isinstance(info.value, layerbraid.StallError)
+        assert "the microbatch choice's timing" in str(info.value)
+        assert len(entered) == 1 and time.perf_counter() - entered[0] < 1.5 * short_timeout
+
+
 def test_command_line_compares_pipelines_and_names_the_crossover(capsys):
     plan_cli.main(["--steps", "64", "--ranks", "2", "16", "--levels", "2", "--step-seconds",
                    "1e-3", "--vjp-seconds", "2e-3", "--microbatches", "2", "4"])
