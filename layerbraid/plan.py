@@ -969,7 +969,9 @@ def _time_passes(
     import torch
 
     comm, kept = model.comm, model.microbatches
-    params = [p for p in model.parameters() if p.requires_grad]
+    # the anchor too: every rank must run its part of the backward (the others wait for its
+    # messages), a rank whose parameters are all frozen as well
+    inputs = [p for p in model.parameters() if p.requires_grad] + [model._anchor]
     devices = [x.device] if getattr(x, "is_cuda", False) else []
     seconds: dict[int, list[float]] = {m: [] for m in counts}
     try:
@@ -979,8 +981,8 @@ def _time_passes(
                     model.microbatches = m
                     t0 = time.perf_counter()
                     out = model(x)
-                    if out.requires_grad and params:
-                        torch.autograd.grad(out.sum(), params, allow_unused=True)
+                    if out.requires_grad:
+                        torch.autograd.grad(out.sum(), inputs, allow_unused=True)
                     if out.is_cuda:
                         torch.cuda.synchronize(out.device)
                     took = time.perf_counter() - t0

@@ -506,6 +506,24 @@ def test_timing_the_candidates_leaves_the_gradients_and_the_generators_alone(lev
         assert (p.grad is None) == (b is None) and (b is None or torch.equal(p.grad, b))
 
 
+@pytest.mark.shared_job
+@pytest.mark.parallel([2])
+def test_timing_the_candidates_runs_the_backward_where_every_weight_is_frozen():
+    """Rank 0's weights all frozen (fine-tuning the later layers): its part of each timed
+    backward still runs, so rank 1's is not left waiting for it."""
+    import time
+
+    model = ODEResNet(WORLD, num_steps=8)
+    if WORLD.rank == 0:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    x = batch(n=8, dtype=torch.float32)[0]
+    t0 = time.perf_counter()
+    choice = plan.choose_microbatches(model, x, (1, 2), trials=1, near=100.0)
+    assert set(choice.measured) == {1, 2} and time.perf_counter() - t0 < 30
+    assert WORLD.allgather(choice.microbatches) == [choice.microbatches] * WORLD.size
+
+
 @pytest.mark.parallel([2])
 def test_a_rank_late_for_the_candidates_timing_is_named_within_the_timeout(
     monkeypatch, short_timeout
